@@ -1,0 +1,83 @@
+"""loopbus: an async, event-driven training-loop engine for PyTorch.
+
+Dependency rule (a test enforces it):  events  <-  engine  <-  plugins
+  * ``loopbus.events`` imports neither torch nor the engine;
+  * ``loopbus.engine`` imports events, never plugins;
+  * ``loopbus.plugins`` import only public names (``loopbus``, ``loopbus.events``).
+This module only re-exports.
+"""
+
+from __future__ import annotations
+
+from . import events as events
+from ._exceptions import CheckpointError as CheckpointError
+from ._exceptions import HandlerError as HandlerError
+from ._exceptions import LoopbusError as LoopbusError
+from ._exceptions import MisconfigurationError as MisconfigurationError
+from ._exceptions import ScopeLeakError as ScopeLeakError
+from ._exceptions import StopLoop as StopLoop
+from ._exceptions import SubscriptionError as SubscriptionError
+from .engine import EvaluationLoop as EvaluationLoop
+from .engine import FitLoop as FitLoop
+from .engine import Loop as Loop
+from .engine import LoopEvents as LoopEvents
+from .engine import Module as Module
+from .engine import Plugin as Plugin
+from .engine import Precision as Precision
+from .engine import PredictionLoop as PredictionLoop
+from .engine import Progress as Progress
+from .engine import SchedulerConfig as SchedulerConfig
+from .engine import Scope as Scope
+from .engine import Stateful as Stateful
+from .engine import TrainEpochLoop as TrainEpochLoop
+from .engine import Trainer as Trainer
+from .engine import register_destination as register_destination
+from .engine import register_precision as register_precision
+from .engine import run as run
+from .engine import seed_everything as seed_everything
+from .engine import set_default_plugins as set_default_plugins
+from .events import DESTINATIONS as DESTINATIONS
+from .events import Event as Event
+from .events import EventBus as EventBus
+from .events import PutRecord as PutRecord
+from .events import Subscription as Subscription
+from .events import on as on
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DESTINATIONS",
+    "CheckpointError",
+    "EvaluationLoop",
+    "Event",
+    "EventBus",
+    "FitLoop",
+    "HandlerError",
+    "Loop",
+    "LoopEvents",
+    "LoopbusError",
+    "MisconfigurationError",
+    "Module",
+    "Plugin",
+    "Precision",
+    "PredictionLoop",
+    "Progress",
+    "PutRecord",
+    "SchedulerConfig",
+    "Scope",
+    "ScopeLeakError",
+    "Stateful",
+    "StopLoop",
+    "Subscription",
+    "SubscriptionError",
+    "TrainEpochLoop",
+    "Trainer",
+    "__version__",
+    "events",
+    "on",
+    "register_destination",
+    "register_precision",
+    "run",
+    "seed_everything",
+    "set_default_plugins",
+]

@@ -1,0 +1,49 @@
+"""Loops, scopes, the trainer, the module and state. Imports events, never plugins."""
+
+from __future__ import annotations
+
+from ._loop import Loop as Loop
+from ._loop import LoopEvents as LoopEvents
+from ._loops import EvaluationLoop as EvaluationLoop
+from ._loops import FitLoop as FitLoop
+from ._loops import PredictionLoop as PredictionLoop
+from ._loops import TrainEpochLoop as TrainEpochLoop
+from ._module import Module as Module
+from ._plugin import Plugin as Plugin
+from ._precision import Precision as Precision
+from ._precision import register_precision as register_precision
+from ._progress import Counters as Counters
+from ._progress import Progress as Progress
+from ._records import PutMixin as PutMixin
+from ._records import register_destination as register_destination
+from ._run import run as run
+from ._scope import Scope as Scope
+from ._seed import seed_everything as seed_everything
+from ._state import Stateful as Stateful
+from ._trainer import SchedulerConfig as SchedulerConfig
+from ._trainer import Trainer as Trainer
+from ._trainer import set_default_plugins as set_default_plugins
+
+__all__ = [
+    "Counters",
+    "EvaluationLoop",
+    "FitLoop",
+    "Loop",
+    "LoopEvents",
+    "Module",
+    "Plugin",
+    "Precision",
+    "PredictionLoop",
+    "Progress",
+    "PutMixin",
+    "SchedulerConfig",
+    "Scope",
+    "Stateful",
+    "TrainEpochLoop",
+    "Trainer",
+    "register_destination",
+    "register_precision",
+    "run",
+    "seed_everything",
+    "set_default_plugins",
+]

@@ -1,0 +1,416 @@
+"""The Loop contract: Lightning's loop structure, async, with events, scopes and state.
+
+``run()`` does, in order::
+
+    if skip: return on_skip()                 -> RunSkipped
+    reset()
+    on_run_start(ctx, *args, **kwargs)        -> RunStarted
+    while not done:                           (a fresh iteration scope ``it`` each time)
+        on_advance_start(it)                  -> AdvanceStarted
+        advance(it)
+        on_advance_end(it)                    -> AdvanceCompleted
+        (the iteration scope is dropped)
+    output = on_run_end(ctx)                  -> RunCompleted(output=output)
+    (the run scope is dropped)
+    return output
+
+Each hook publishes its event (the loop's own subclass of the generic one, see
+``events``) after it returns. ``raise StopLoop`` from a hook ends the iterations early.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import re
+from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
+
+from .._exceptions import MisconfigurationError, StopLoop
+from ..events import (
+    AdvanceCompleted,
+    AdvanceStarted,
+    EventBus,
+    LoopEvent,
+    RunCompleted,
+    RunSkipped,
+    RunStarted,
+)
+from ._progress import Progress
+from ._scope import LeakCheck, Scope, drop_scope, new_scope
+
+if TYPE_CHECKING:
+    from ._trainer import Trainer
+
+__all__ = ["Loop", "LoopEvents"]
+
+T = TypeVar("T")
+
+_ASYNC_HOOKS = (
+    "on_run_start",
+    "on_advance_start",
+    "advance",
+    "on_advance_end",
+    "on_run_end",
+    "on_skip",
+)
+
+
+class LoopEvents(NamedTuple):
+    """The event types a loop publishes from its hooks."""
+
+    run_started: type[RunStarted] = RunStarted
+    advance_started: type[AdvanceStarted] = AdvanceStarted
+    advance_completed: type[AdvanceCompleted] = AdvanceCompleted
+    run_completed: type[RunCompleted] = RunCompleted
+    run_skipped: type[RunSkipped] = RunSkipped
+
+
+def _default_leak_check() -> LeakCheck:
+    value = os.environ.get("LOOPBUS_LEAK_CHECK", "").strip().lower()
+    if value in ("raise", "warn"):
+        return value  # type: ignore[return-value]
+    return None
+
+
+def _snake(name: str) -> str:
+    name = name[:-4] if name.endswith("Loop") and len(name) > 4 else name
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
+class Loop(Generic[T]):
+    """Base class of every loop. Subclasses implement :attr:`done` and :meth:`advance`
+    and may override any other hook; they get events, scopes and state for free.
+
+    Hooks are ``async def``. Sub-loops are attributes holding :class:`Loop` instances;
+    they form a tree, share the bus and trainer, and are saved with their parent.
+    """
+
+    #: Event types published by the hooks; override with the loop's own subclasses.
+    events: ClassVar[LoopEvents] = LoopEvents()
+    #: The loop's name in events and errors; defaults to the snake-cased class name.
+    name: str = ""
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for hook in _ASYNC_HOOKS:
+            fn = cls.__dict__.get(hook)
+            if fn is not None and not inspect.iscoroutinefunction(fn):
+                raise TypeError(
+                    f"{cls.__name__}.{hook} must be `async def` (loop hooks are awaited); "
+                    f"write `async def {hook}(self, ...)`."
+                )
+        for prop in ("done", "skip"):
+            attr = cls.__dict__.get(prop)
+            if inspect.isfunction(attr):
+                raise TypeError(
+                    f"{cls.__name__}.{prop} must be a property (or a plain attribute), not a "
+                    f"method: put @property above `def {prop}(self)`."
+                )
+        if not cls.__dict__.get("name"):
+            cls.name = _snake(cls.__name__)
+
+    def __init__(self) -> None:
+        self.progress = Progress()
+        self._restarting = False
+        self._trainer: Trainer | None = None
+        self.bus: EventBus | None = None
+        self.leak_check: LeakCheck = _default_leak_check()
+        #: The scope of the current run (cleared, so empty, once the run has ended).
+        self.run_ctx: Any = None
+
+    # ------------------------------------------------------------ tree
+    @property
+    def children(self) -> dict[str, Loop[Any]]:
+        """The direct sub-loops, by attribute name."""
+        return {k: v for k, v in vars(self).items() if isinstance(v, Loop)}
+
+    def attach(
+        self,
+        *,
+        bus: EventBus | None = None,
+        trainer: Trainer | None = None,
+        leak_check: LeakCheck | str = "inherit",
+    ) -> None:
+        """Connect this loop and its sub-loops to a bus (and trainer)."""
+        if bus is not None:
+            self.bus = bus
+        if trainer is not None:
+            self._trainer = trainer
+        if leak_check != "inherit":
+            self.leak_check = leak_check  # type: ignore[assignment]
+        for child in self.children.values():
+            child.attach(bus=self.bus, trainer=self._trainer, leak_check=self.leak_check)
+
+    @property
+    def trainer(self) -> Trainer:
+        if self._trainer is None:
+            raise RuntimeError(f"the loop {self.name!r} is not attached to a Trainer.")
+        return self._trainer
+
+    @property
+    def restarting(self) -> bool:
+        """Whether the loop's state was just loaded and it is resuming mid-way."""
+        return self._restarting
+
+    @restarting.setter
+    def restarting(self, value: bool) -> None:
+        self._restarting = value
+        for child in self.children.values():
+            child.restarting = value
+
+    def connect(self, **loops: Loop[Any]) -> None:
+        """Attach sub-loops by name (``loop.connect(val_loop=MyValLoop())``)."""
+        for name, loop in loops.items():
+            if not isinstance(loop, Loop):
+                raise TypeError(f"connect({name}=...) needs a Loop instance, got {loop!r}.")
+            setattr(self, name, loop)
+            loop.attach(bus=self.bus, trainer=self._trainer, leak_check=self.leak_check)
+
+    def replace(self, **loops: Loop[Any] | type[Loop[Any]]) -> None:
+        """Replace sub-loops by instance, or by class with the same ``__init__`` signature
+        (the new loop is built from the old one's attributes of the same names). The old
+        loop's own sub-loops are connected to the new one."""
+        new: dict[str, Loop[Any]] = {}
+        for name, replacement in loops.items():
+            old = getattr(self, name, None)
+            if not isinstance(old, Loop):
+                raise MisconfigurationError(
+                    f"{type(self).__name__} has no sub-loop {name!r} to replace; its sub-loops "
+                    f"are {sorted(self.children)}."
+                )
+            if isinstance(replacement, type):
+                if not issubclass(replacement, Loop):
+                    raise TypeError(f"replace({name}=...) needs a Loop class, got {replacement!r}.")
+                old_params = inspect.signature(type(old).__init__).parameters
+                new_params = inspect.signature(replacement.__init__).parameters
+                if list(old_params) != list(new_params):
+                    raise MisconfigurationError(
+                        f"{type(self).__name__}.replace({name}={replacement.__name__}) needs "
+                        f"the same __init__ signature as {type(old).__name__}: "
+                        f"{list(old_params)[1:]} != {list(new_params)[1:]}. Pass an instance "
+                        "instead."
+                    )
+                kwargs = {p: getattr(old, p) for p in old_params if p != "self"}
+                loop = replacement(**kwargs)
+            elif isinstance(replacement, Loop):
+                loop = replacement
+            else:
+                raise TypeError(
+                    f"replace({name}=...) needs a Loop class or instance, got {replacement!r}."
+                )
+            grandchildren = old.children
+            if grandchildren:
+                loop.connect(**grandchildren)
+            new[name] = loop
+        self.connect(**new)
+
+    # ------------------------------------------------------------ contract
+    @property
+    def done(self) -> bool:
+        """True when the loop should stop iterating."""
+        raise NotImplementedError(f"{type(self).__name__} must define the `done` property.")
+
+    @property
+    def skip(self) -> bool:
+        """True to return from :meth:`run` at once, through :meth:`on_skip`."""
+        return False
+
+    def reset(self) -> None:
+        """Prepare a new run: reset the current progress, or when restarting roll back
+        the iteration that was in flight when the state was saved."""
+        if self._restarting:
+            self.progress.reset_on_restart()
+        else:
+            self.progress.reset()
+
+    async def on_skip(self) -> Any:
+        """Called instead of the run when :attr:`skip` is true; returns ``run``'s output."""
+        return None
+
+    async def on_run_start(self, ctx: Scope, *args: Any, **kwargs: Any) -> None:
+        """First hook of a run; receives ``run``'s arguments."""
+
+    async def on_advance_start(self, ctx: Scope) -> None:
+        """Before each :meth:`advance`."""
+
+    async def advance(self, ctx: Scope) -> None:
+        """One iteration of the loop."""
+        raise NotImplementedError(f"{type(self).__name__} must implement `async def advance`.")
+
+    async def on_advance_end(self, ctx: Scope) -> None:
+        """After each :meth:`advance`."""
+
+    async def on_run_end(self, ctx: Scope) -> Any:
+        """Last hook of a run; its return value is ``run``'s."""
+        return None
+
+    def teardown(self) -> None:
+        """Release resources at the end of a stage (called for the whole tree)."""
+
+    def teardown_tree(self) -> None:
+        for child in self.children.values():
+            child.teardown_tree()
+        self.teardown()
+
+    # ------------------------------------------------------------ events
+    def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
+        """Build the event a hook publishes. Override to add fields of your own events."""
+        trainer = self._trainer
+        if trainer is not None:
+            fields.setdefault("step", trainer.global_step)
+            fields.setdefault("epoch", trainer.current_epoch)
+        return event_type(loop=self.name, ctx=ctx, **fields)
+
+    def _ensure_bus(self) -> EventBus:
+        if self.bus is None:
+            self.attach(bus=EventBus())
+        assert self.bus is not None
+        return self.bus
+
+    # ------------------------------------------------------------ running
+    async def run(self, *args: Any, parent_ctx: Scope | None = None, **kwargs: Any) -> Any:
+        """Run the loop (see the module docstring for the order of hooks and events)."""
+        bus = self.bus if self.bus is not None else self._ensure_bus()
+        table = bus.table
+        deliver = bus.deliver
+        events = self.events
+        if self.skip:
+            output = await self.on_skip()
+            entries = table[events.run_skipped]
+            if entries:
+                await deliver(entries, self.make_event(events.run_skipped, None, output=output))
+            return output
+        self.reset()
+        leak_check = self.leak_check
+        tracked = leak_check is not None
+        ctx = new_scope(parent_ctx, tracked, self.name)
+        self.run_ctx = ctx
+        ok = False
+        try:
+            if tracked:
+                object.__setattr__(ctx, "_hook", "on_run_start")
+            total = self.progress.total
+            current = self.progress.current
+            adv_started = events.advance_started
+            adv_completed = events.advance_completed
+            try:
+                await self.on_run_start(ctx, *args, **kwargs)
+                entries = table[events.run_started]
+                if entries:
+                    await deliver(
+                        entries,
+                        self.make_event(events.run_started, ctx, iteration=current.completed),
+                    )
+                while not self.done:
+                    if tracked:
+                        it = new_scope(ctx, True, self.name)
+                    else:
+                        it = Scope()
+                        it._parent = ctx
+                        it._borrowed = None
+                    it_ok = False
+                    try:
+                        total.ready += 1
+                        current.ready += 1
+                        if tracked:
+                            object.__setattr__(it, "_hook", "on_advance_start")
+                        await self.on_advance_start(it)
+                        entries = table[adv_started]
+                        if entries:
+                            await deliver(
+                                entries,
+                                self.make_event(adv_started, it, iteration=current.ready - 1),
+                            )
+                        total.started += 1
+                        current.started += 1
+                        if tracked:
+                            object.__setattr__(it, "_hook", "advance")
+                        await self.advance(it)
+                        total.processed += 1
+                        current.processed += 1
+                        if tracked:
+                            object.__setattr__(it, "_hook", "on_advance_end")
+                        await self.on_advance_end(it)
+                        total.completed += 1
+                        current.completed += 1
+                        entries = table[adv_completed]
+                        if entries:
+                            await deliver(
+                                entries,
+                                self.make_event(adv_completed, it, iteration=current.ready - 1),
+                            )
+                        it_ok = True
+                    except StopLoop:
+                        it_ok = True
+                        break
+                    finally:
+                        if it_ok and tracked:
+                            drop_scope(it, leak_check)
+                        else:
+                            it.__dict__.clear()
+                    if self._restarting:
+                        self.restarting = False
+            except StopLoop:
+                pass
+            if self._restarting:
+                self.restarting = False
+            if tracked:
+                object.__setattr__(ctx, "_hook", "on_run_end")
+            output = await self.on_run_end(ctx)
+            entries = table[events.run_completed]
+            if entries:
+                await deliver(
+                    entries,
+                    self.make_event(
+                        events.run_completed, ctx, iteration=current.completed, output=output
+                    ),
+                )
+            ok = True
+            return output
+        finally:
+            if ok and tracked:
+                drop_scope(ctx, leak_check)
+            else:
+                ctx.__dict__.clear()
+
+    # ------------------------------------------------------------ state
+    def on_save_checkpoint(self) -> dict[str, Any]:
+        """Extra state of this loop (beyond progress and sub-loops)."""
+        return {}
+
+    def on_load_checkpoint(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`on_save_checkpoint` returned."""
+
+    def state_dict(self) -> dict[str, Any]:
+        """Progress, extra state and every sub-loop's state, as plain Python values."""
+        return {
+            "progress": self.progress.state_dict(),
+            "state": self.on_save_checkpoint(),
+            "loops": {name: child.state_dict() for name, child in self.children.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; the loop (and its sub-loops) will resume."""
+        missing = {"progress", "state", "loops"} - set(state)
+        if missing:
+            raise KeyError(
+                f"state of loop {self.name!r} lacks {sorted(missing)}; was it saved by "
+                "Loop.state_dict()?"
+            )
+        children = self.children
+        unknown = set(state["loops"]) - set(children)
+        absent = set(children) - set(state["loops"])
+        if unknown or absent:
+            raise KeyError(
+                f"state of loop {self.name!r} does not match its sub-loops: saved "
+                f"{sorted(state['loops'])}, present {sorted(children)}."
+            )
+        self.progress.load_state_dict(state["progress"])
+        self.on_load_checkpoint(state["state"])
+        for name, child in children.items():
+            child.load_state_dict(state["loops"][name])
+        self._restarting = True
+
+    def __repr__(self) -> str:
+        kids = ", ".join(f"{k}={type(v).__name__}" for k, v in self.children.items())
+        return f"{type(self).__name__}(name={self.name!r}{', ' + kids if kids else ''})"

@@ -1,0 +1,525 @@
+"""The trainer's loops, built on :class:`Loop`:
+
+``FitLoop`` (one iteration per epoch) -> ``TrainEpochLoop`` (one iteration per batch)
+-> ``EvaluationLoop`` (validation, run from the epoch loop); ``EvaluationLoop`` also
+serves ``validate``/``test`` and ``PredictionLoop`` serves ``predict``.
+
+Per-step work here is on the hot path: no allocation or call that is not needed.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from time import perf_counter
+from typing import TYPE_CHECKING, Any
+
+import anyio
+import anyio.to_thread
+import torch
+from anyio.lowlevel import checkpoint
+
+from .._exceptions import MisconfigurationError
+from ..events import (
+    AfterBackward,
+    BeforeOptimizerStep,
+    EpochCompleted,
+    EpochStarted,
+    FitCompleted,
+    FitStarted,
+    LoopEvent,
+    PredictBatchCompleted,
+    PredictBatchStarted,
+    PredictCompleted,
+    PredictStarted,
+    TestBatchCompleted,
+    TestBatchStarted,
+    TestCompleted,
+    TestStarted,
+    TrainBatchCompleted,
+    TrainBatchStarted,
+    TrainEpochCompleted,
+    TrainEpochStarted,
+    ValidationBatchCompleted,
+    ValidationBatchStarted,
+    ValidationCompleted,
+    ValidationStarted,
+)
+from ._loop import Loop, LoopEvents
+from ._scope import Scope
+
+if TYPE_CHECKING:
+    from ._trainer import Trainer
+
+__all__ = ["EvaluationLoop", "FitLoop", "PredictionLoop", "TrainEpochLoop"]
+
+_Tensor = torch.Tensor
+_UNSET: Any = object()
+_END: Any = object()
+
+
+class Fetcher:
+    """Fetches batches one ahead, lazily, so ``done`` can tell whether one is left.
+
+    The next batch is fetched when ``done`` asks, i.e. after the previous iteration's
+    events (a checkpoint saved at ``TrainBatchCompleted`` sees the loader positioned
+    right after the batch it just trained on).
+    """
+
+    __slots__ = ("iterator", "next")
+
+    def __init__(self, iterator: Iterator[Any]) -> None:
+        self.iterator = iterator
+        self.next: Any = _UNSET
+
+    def has_next(self) -> bool:
+        if self.next is _UNSET:
+            try:
+                self.next = next(self.iterator)
+            except StopIteration:
+                self.next = _END
+        return self.next is not _END
+
+
+def _batch_limit(value: int | float | None, data: Any, option: str) -> float:
+    """Number of batches allowed by ``limit_*_batches``: an int is a count, a float a
+    fraction of ``len(data)``; None means no limit (inf)."""
+    if value is None:
+        return math.inf
+    if isinstance(value, float):
+        try:
+            n = len(data)
+        except TypeError:
+            if value == 1.0:
+                return math.inf
+            raise MisconfigurationError(
+                f"{option}={value!r} is a fraction, but the data has no len(); pass a "
+                "number of batches (an int) instead."
+            ) from None
+        return float(int(n * value))
+    return float(value)
+
+
+def _to_device(batch: Any, device: torch.device) -> Any:
+    if isinstance(batch, _Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
+        return type(batch)(*(_to_device(b, device) for b in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_to_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
+    return batch
+
+
+def _loss_of(output: Any) -> _Tensor | None:
+    if output is None or type(output) is _Tensor or isinstance(output, _Tensor):
+        return output
+    if isinstance(output, dict):
+        try:
+            loss = output["loss"]
+        except KeyError:
+            raise MisconfigurationError(
+                "training_step returned a mapping without a 'loss' key; return the loss "
+                f"tensor, a mapping with 'loss', or None to skip. Keys were {sorted(output)}."
+            ) from None
+        if isinstance(loss, _Tensor):
+            return loss
+    raise MisconfigurationError(
+        "training_step must return the loss tensor, a mapping with a 'loss' tensor, or "
+        f"None (to skip the optimizer step), got {type(output).__name__}: {output!r}."
+    )
+
+
+class _DataLoop(Loop[Any]):
+    """What the batch loops share: fetching, device moves and yielding to the event loop."""
+
+    _limit: float = math.inf
+    _borrow_batches: bool = False
+
+    def _start_fetching(self, ctx: Scope, data: Any, iterator: Iterator[Any]) -> None:
+        ctx.fetcher = Fetcher(iterator)
+        self._borrow_batches = isinstance(data, Sequence)
+
+    def _next_batch(self, it: Scope) -> Any:
+        fetcher: Fetcher = self.run_ctx.fetcher
+        batch = fetcher.next
+        fetcher.next = _UNSET
+        device = self._trainer._move_to  # type: ignore[union-attr]
+        if device is not None:
+            batch = _to_device(batch, device)
+        if self._borrow_batches:
+            # Batches from an in-memory sequence are owned by it, not by the scope.
+            it.borrow("batch", batch)
+        else:
+            it.batch = batch
+        it.batch_idx = self.progress.current.ready - 1
+        return batch
+
+    def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
+        if event_type is self.events.advance_started or event_type is self.events.advance_completed:
+            fields["batch_idx"] = self.progress.current.ready - 1
+        return super().make_event(event_type, ctx, **fields)
+
+
+async def _after_step(trainer: Trainer) -> None:
+    """Flush the step's records and, at most every ``yield_interval``, let other tasks run."""
+    recorder = trainer.recorder
+    if recorder.pending:
+        await recorder.flush()
+    now = perf_counter()
+    if now >= trainer._next_yield:
+        await checkpoint()
+        trainer._next_yield = perf_counter() + trainer.yield_interval
+
+
+class TrainEpochLoop(_DataLoop):
+    """One epoch of training: an iteration per batch, validation when due."""
+
+    events = LoopEvents(TrainEpochStarted, TrainBatchStarted, TrainBatchCompleted, TrainEpochCompleted)
+    name = "train"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.val_loop: EvaluationLoop = EvaluationLoop(stage="validate")
+        self._warned_skip = False
+
+    @property
+    def done(self) -> bool:
+        trainer = self._trainer
+        assert trainer is not None
+        if trainer.should_stop or trainer.global_step >= trainer.max_steps:
+            return True
+        if self.progress.current.ready >= self._limit:
+            return True
+        fetcher: Fetcher = self.run_ctx.fetcher
+        return not fetcher.has_next()
+
+    async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
+        trainer = self.trainer
+        ctx.borrow("val_data", val_data)
+        self._limit = _batch_limit(trainer.limit_train_batches, train_data, "limit_train_batches")
+        self._start_fetching(ctx, train_data, self.resume_iterator(train_data))
+
+    def resume_iterator(self, data: Any) -> Iterator[Any]:
+        """An iterator over ``data`` positioned after the batches this epoch already
+        consumed (non-zero only when resuming mid-epoch)."""
+        iterator = iter(data)
+        consumed = self.progress.current.completed if self._restarting else 0
+        if consumed:
+            if not self._warned_skip:
+                warnings.warn(
+                    f"resuming mid-epoch by skipping the {consumed} batches this epoch already "
+                    "consumed (the data loader is not stateful); use "
+                    "torchdata.stateful_dataloader.StatefulDataLoader to resume in O(1).",
+                    UserWarning,
+                    stacklevel=2,
+                )
+                self._warned_skip = True
+            for _ in range(consumed):
+                try:
+                    next(iterator)
+                except StopIteration:
+                    break
+        return iterator
+
+    async def on_advance_start(self, ctx: Scope) -> None:
+        self._next_batch(ctx)
+
+    async def advance(self, ctx: Scope) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        if trainer._limiter is not None:
+            ctx.output = await anyio.to_thread.run_sync(
+                self.training_step, ctx.batch, ctx, limiter=trainer._limiter
+            )
+        else:
+            ctx.output = self.training_step(ctx.batch, ctx)
+        await _after_step(trainer)
+
+    def training_step(self, batch: Any, ctx: Scope) -> Any:
+        """The synchronous step: forward, backward, clipping, optimizer and per-step
+        scheduler steps. Runs on the event loop thread or in the worker thread."""
+        trainer = self._trainer
+        assert trainer is not None
+        module = trainer.module
+        precision = trainer.precision
+        autocast = precision.autocast
+        if autocast is None:
+            output = module.training_step(batch, ctx)
+        else:
+            with autocast():
+                output = module.training_step(batch, ctx)
+        if not trainer._automatic:
+            trainer.global_step += 1
+            return output
+        loss = output if type(output) is _Tensor else _loss_of(output)
+        if loss is None:
+            return output
+        accumulate = trainer.accumulate_grad_batches
+        if accumulate > 1:
+            loss = loss / accumulate
+        if precision.scaler is None:
+            loss.backward()
+        else:
+            precision.backward(loss)
+        table = trainer.bus.table
+        entries = table[AfterBackward]
+        if entries:
+            trainer._emit_sync(entries, self.make_event(AfterBackward, ctx, batch_idx=ctx.batch_idx))
+        if accumulate > 1 and not self._at_accumulation_boundary():
+            return output
+        optimizer = trainer.optimizers[0]
+        clip = trainer.gradient_clip_val
+        if clip is not None:
+            precision.unscale_(optimizer)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if trainer.gradient_clip_algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            else:
+                torch.nn.utils.clip_grad_value_(params, clip)
+        entries = table[BeforeOptimizerStep]
+        if entries:
+            trainer._emit_sync(
+                entries,
+                self.make_event(
+                    BeforeOptimizerStep, ctx, batch_idx=ctx.batch_idx, optimizer=optimizer
+                ),
+            )
+        if precision.scaler is None:
+            optimizer.step()
+        else:
+            precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        trainer.global_step += 1
+        if trainer._step_schedulers:
+            trainer._step_lr_schedulers("step")
+        return output
+
+    def _at_accumulation_boundary(self) -> bool:
+        trainer = self._trainer
+        assert trainer is not None
+        n = self.progress.current.ready
+        if n % trainer.accumulate_grad_batches == 0 or n >= self._limit:
+            return True
+        # The last batch of the epoch closes the window too: look one batch ahead.
+        fetcher: Fetcher = self.run_ctx.fetcher
+        return not fetcher.has_next()
+
+    async def on_advance_end(self, ctx: Scope) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        every = trainer.val_check_interval
+        if (
+            every is not None
+            and self.progress.current.ready % every == 0
+            and self._validation_enabled(ctx)
+        ):
+            await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
+
+    def _validation_enabled(self, ctx: Scope) -> bool:
+        trainer = self._trainer
+        assert trainer is not None
+        return (
+            ctx.get("val_data") is not None
+            and trainer.limit_val_batches != 0
+            and not trainer.should_stop
+        )
+
+    async def on_run_end(self, ctx: Scope) -> None:
+        trainer = self.trainer
+        n = trainer.check_val_every_n_epoch
+        if (
+            trainer.val_check_interval is None
+            and (trainer.current_epoch + 1) % n == 0
+            and self._validation_enabled(ctx)
+        ):
+            await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
+        if trainer.recorder.pending:
+            await trainer.recorder.flush()
+
+    def on_save_checkpoint(self) -> dict[str, Any]:
+        return {"global_step": self.trainer.global_step}
+
+    def on_load_checkpoint(self, state: dict[str, Any]) -> None:
+        self.trainer.global_step = int(state["global_step"])
+
+
+class FitLoop(Loop[None]):
+    """The whole of ``fit``: an iteration per epoch."""
+
+    events = LoopEvents(FitStarted, EpochStarted, EpochCompleted, FitCompleted)
+    name = "fit"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.epoch_loop: TrainEpochLoop = TrainEpochLoop()
+
+    @property
+    def done(self) -> bool:
+        trainer = self._trainer
+        assert trainer is not None
+        return (
+            trainer.should_stop
+            or self.progress.total.completed >= trainer.max_epochs
+            or trainer.global_step >= trainer.max_steps
+        )
+
+    async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
+        ctx.borrow("train_data", train_data)
+        ctx.borrow("val_data", val_data)
+
+    async def on_advance_start(self, ctx: Scope) -> None:
+        trainer = self.trainer
+        trainer.current_epoch = self.progress.total.ready - 1
+        sampler = getattr(ctx.train_data, "sampler", None)
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(trainer.current_epoch)
+
+    async def advance(self, ctx: Scope) -> None:
+        await self.epoch_loop.run(ctx.train_data, ctx.val_data, parent_ctx=ctx)
+
+    async def on_advance_end(self, ctx: Scope) -> None:
+        trainer = self.trainer
+        if trainer.recorder.pending:
+            await trainer.recorder.flush()
+        trainer._step_lr_schedulers("epoch")
+
+    async def on_run_end(self, ctx: Scope) -> None:
+        trainer = self.trainer
+        if trainer.recorder.pending:
+            await trainer.recorder.flush()
+
+    def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
+        if event_type is FitCompleted:
+            trainer = self.trainer
+            fields["stopped"] = trainer.should_stop
+            fields["reason"] = trainer.stop_reason
+        return super().make_event(event_type, ctx, **fields)
+
+    def on_save_checkpoint(self) -> dict[str, Any]:
+        return {"current_epoch": self.trainer.current_epoch}
+
+    def on_load_checkpoint(self, state: dict[str, Any]) -> None:
+        self.trainer.current_epoch = int(state["current_epoch"])
+
+
+_EVAL_EVENTS = {
+    "validate": LoopEvents(
+        ValidationStarted, ValidationBatchStarted, ValidationBatchCompleted, ValidationCompleted
+    ),
+    "test": LoopEvents(TestStarted, TestBatchStarted, TestBatchCompleted, TestCompleted),
+    "predict": LoopEvents(
+        PredictStarted, PredictBatchStarted, PredictBatchCompleted, PredictCompleted
+    ),
+}
+
+
+class EvaluationLoop(_DataLoop):
+    """A pass over evaluation data without gradients, the module in eval mode
+    (restored afterwards, even when a step raises)."""
+
+    def __init__(self, stage: str = "validate") -> None:
+        super().__init__()
+        if stage not in ("validate", "test"):
+            raise ValueError(f"EvaluationLoop stage must be 'validate' or 'test', got {stage!r}.")
+        self.stage = stage
+        self.name = stage
+        self.events = _EVAL_EVENTS[stage]
+
+    def _step_function(self) -> Callable[[Any, Scope], Any]:
+        module = self.trainer.module
+        return module.validation_step if self.stage == "validate" else module.test_step
+
+    @property
+    def done(self) -> bool:
+        if self.progress.current.ready >= self._limit:
+            return True
+        fetcher: Fetcher = self.run_ctx.fetcher
+        return not fetcher.has_next()
+
+    def reset(self) -> None:
+        # An evaluation pass always starts from its beginning, also after a resume.
+        self.progress.reset_on_restart()
+        self.progress.reset()
+
+    async def run(self, *args: Any, parent_ctx: Scope | None = None, **kwargs: Any) -> Any:
+        module = self.trainer.module
+        was_training = module.training
+        module.eval()
+        try:
+            return await super().run(*args, parent_ctx=parent_ctx, **kwargs)
+        finally:
+            module.train(was_training)
+
+    async def on_run_start(self, ctx: Scope, data: Any) -> None:
+        trainer = self.trainer
+        option = f"limit_{'val' if self.stage == 'validate' else self.stage}_batches"
+        self._limit = _batch_limit(getattr(trainer, option), data, option)
+        self._step = self._step_function()
+        self._start_fetching(ctx, data, iter(data))
+
+    async def on_advance_start(self, ctx: Scope) -> None:
+        self._next_batch(ctx)
+
+    async def advance(self, ctx: Scope) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        if trainer._limiter is not None:
+            output = await anyio.to_thread.run_sync(
+                self.evaluation_step, ctx.batch, ctx, limiter=trainer._limiter
+            )
+        else:
+            output = self.evaluation_step(ctx.batch, ctx)
+        self.keep_output(ctx, output)
+        await _after_step(trainer)
+
+    def keep_output(self, ctx: Scope, output: Any) -> None:
+        ctx.output = output
+
+    def evaluation_step(self, batch: Any, ctx: Scope) -> Any:
+        trainer = self._trainer
+        assert trainer is not None
+        autocast = trainer.precision.autocast
+        with torch.no_grad():
+            if autocast is None:
+                return self._step(batch, ctx)
+            with autocast():
+                return self._step(batch, ctx)
+
+    async def on_run_end(self, ctx: Scope) -> Any:
+        trainer = self.trainer
+        if trainer.recorder.pending:
+            await trainer.recorder.flush()
+        return None
+
+
+class PredictionLoop(EvaluationLoop):
+    """``predict``: runs ``predict_step`` over the data and returns the outputs."""
+
+    def __init__(self) -> None:
+        _DataLoop.__init__(self)
+        self.stage = "predict"
+        self.name = "predict"
+        self.events = _EVAL_EVENTS["predict"]
+
+    def _step_function(self) -> Callable[[Any, Scope], Any]:
+        return self.trainer.module.predict_step
+
+    async def on_run_start(self, ctx: Scope, data: Any) -> None:
+        trainer = self.trainer
+        self._limit = _batch_limit(trainer.limit_predict_batches, data, "limit_predict_batches")
+        self._step = self._step_function()
+        ctx.predictions = []
+        self._start_fetching(ctx, data, iter(data))
+
+    def keep_output(self, ctx: Scope, output: Any) -> None:
+        ctx.predictions.append(output)
+        # Owned by the predictions list, which is handed to the caller at the end.
+        ctx.borrow("output", output)
+
+    async def on_run_end(self, ctx: Scope) -> Any:
+        await super().on_run_end(ctx)
+        return ctx.detach("predictions")

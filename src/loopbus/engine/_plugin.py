@@ -1,0 +1,67 @@
+"""``Plugin``: the base of everything that subscribes to a trainer's events."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+from ._records import PutMixin
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from ._trainer import Trainer
+
+__all__ = ["Plugin"]
+
+
+class Plugin(PutMixin):
+    """A plugin is written exactly like user code: methods decorated with
+    :func:`loopbus.on` are subscribed when a stage starts and removed when it ends.
+
+    Class attributes declare how: ``destination`` is the role its :class:`PutRecord`
+    handlers play (``"callbacks"``, ``"loggers"``, ``"progress_bar"``, ``"external"``);
+    ``mode``, ``buffer`` and ``overflow`` are the default delivery for its handlers
+    (``@on(..., mode=...)`` overrides them); ``priority`` orders inline handlers (higher
+    first). A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
+    be checkpointed (under :attr:`state_key`).
+    """
+
+    destination: ClassVar[str] = "callbacks"
+    mode: ClassVar[Literal["inline", "queued"]] = "inline"
+    buffer: ClassVar[int] = 1024
+    overflow: ClassVar[Literal["block", "drop"]] = "block"
+    priority: ClassVar[int] = 0
+
+    @property
+    def state_key(self) -> str:
+        """The key of this plugin's state in a checkpoint (its class name by default)."""
+        return type(self).__qualname__
+
+    def subscription_defaults(self) -> dict[str, Any]:
+        return {
+            "destination": self.destination,
+            "mode": self.mode,
+            "buffer": self.buffer,
+            "overflow": self.overflow,
+            "priority": self.priority,
+        }
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        """Called when a stage (``"fit"``, ``"validate"``, ...) starts, before any event."""
+
+    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+        """Called after ``setup`` inside the stage's task group, for plugins that run
+        services (a server, a watcher). Tasks started in ``task_group`` must return after
+        :meth:`stop`."""
+
+    async def stop(self, trainer: Trainer, stage: str) -> None:
+        """Called at the end of the stage, after the last event and the queue drain."""
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        """Called last, however the stage ended."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        return None

@@ -1,0 +1,590 @@
+"""The Trainer: owns the bus, the loops and the run's state; stages are coroutines."""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from time import perf_counter
+from typing import Any, Literal
+
+import anyio
+import anyio.from_thread
+import torch
+
+from .._exceptions import MisconfigurationError
+from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
+from ._loop import Loop
+from ._loops import EvaluationLoop, FitLoop, PredictionLoop
+from ._module import Module
+from ._plugin import Plugin
+from ._precision import Precision, resolve_precision
+from ._records import Recorder, bind_recorder
+from ._scope import LeakCheck
+
+__all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
+
+Executor = Literal["inline", "thread"]
+
+_DEFAULT_PLUGINS: list[Callable[[], Plugin]] = []
+
+
+def set_default_plugins(factories: Iterable[Callable[[], Plugin]]) -> None:
+    """Set what ``Trainer(plugins=None)`` uses (``loopbus.plugins`` sets a progress bar)."""
+    _DEFAULT_PLUGINS[:] = list(factories)
+
+
+class SchedulerConfig:
+    """A learning-rate scheduler and when to step it."""
+
+    __slots__ = ("frequency", "interval", "monitor", "scheduler")
+
+    def __init__(
+        self,
+        scheduler: Any,
+        interval: str = "epoch",
+        frequency: int = 1,
+        monitor: str | None = None,
+    ) -> None:
+        if interval not in ("epoch", "step"):
+            raise MisconfigurationError(
+                f"lr scheduler interval must be 'epoch' or 'step', got {interval!r}."
+            )
+        if isinstance(frequency, bool) or not isinstance(frequency, int) or frequency < 1:
+            raise MisconfigurationError(
+                f"lr scheduler frequency must be an int >= 1, got {frequency!r}."
+            )
+        if not hasattr(scheduler, "step"):
+            raise MisconfigurationError(f"{scheduler!r} is not an LR scheduler (no .step()).")
+        if isinstance(scheduler, torch.optim.lr_scheduler.ReduceLROnPlateau) and not monitor:
+            raise MisconfigurationError(
+                "ReduceLROnPlateau needs a metric: configure it as {'scheduler': sched, "
+                "'monitor': 'val/loss'} with the name of a put record."
+            )
+        self.scheduler = scheduler
+        self.interval = interval
+        self.frequency = frequency
+        self.monitor = monitor
+
+    def __repr__(self) -> str:
+        return (
+            f"SchedulerConfig({type(self.scheduler).__name__}, interval={self.interval!r}, "
+            f"frequency={self.frequency}, monitor={self.monitor!r})"
+        )
+
+
+def _parse_scheduler(item: Any) -> SchedulerConfig:
+    if isinstance(item, SchedulerConfig):
+        return item
+    if isinstance(item, dict):
+        unknown = set(item) - {"scheduler", "interval", "frequency", "monitor", "name", "strict"}
+        if unknown or "scheduler" not in item:
+            raise MisconfigurationError(
+                "an lr scheduler config is {'scheduler': s, 'interval': 'epoch'|'step', "
+                f"'frequency': 1, 'monitor': name}}; got keys {sorted(item)}."
+            )
+        return SchedulerConfig(
+            item["scheduler"],
+            item.get("interval", "epoch"),
+            item.get("frequency", 1),
+            item.get("monitor"),
+        )
+    return SchedulerConfig(item)
+
+
+def _parse_optimizers(value: Any, module: Module) -> tuple[list[Any], list[SchedulerConfig]]:
+    what = f"{type(module).__name__}.configure_optimizers()"
+    if isinstance(value, torch.optim.Optimizer):
+        return [value], []
+    if isinstance(value, dict):
+        value = [value]
+    if isinstance(value, (list, tuple)):
+        if (
+            len(value) == 2
+            and isinstance(value[0], (list, tuple))
+            and isinstance(value[1], (list, tuple))
+        ):
+            opts = list(value[0])
+            scheds = [_parse_scheduler(s) for s in value[1]]
+        elif all(isinstance(v, dict) for v in value) and value:
+            opts, scheds = [], []
+            for d in value:
+                if "optimizer" not in d:
+                    raise MisconfigurationError(f"{what} returned a dict without 'optimizer'.")
+                opts.append(d["optimizer"])
+                if d.get("lr_scheduler") is not None:
+                    scheds.append(_parse_scheduler(d["lr_scheduler"]))
+        else:
+            opts, scheds = list(value), []
+        bad = [o for o in opts if not isinstance(o, torch.optim.Optimizer)]
+        if bad or not opts:
+            raise MisconfigurationError(
+                f"{what} must return torch optimizers; got {bad or value!r}."
+            )
+        return opts, scheds
+    raise MisconfigurationError(
+        f"{what} returned {value!r}; return an optimizer, a list of them, "
+        "(optimizers, schedulers), or {'optimizer': opt, 'lr_scheduler': sched}."
+    )
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise MisconfigurationError(
+            f"device={device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'."
+        ) from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise MisconfigurationError(
+            f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'."
+        )
+    return resolved
+
+
+def _check_count(name: str, value: Any, minimum: int, allow_none: bool = True) -> Any:
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise MisconfigurationError(f"{name} must be an int >= {minimum}, got {value!r}.")
+    return value
+
+
+def _check_limit(name: str, value: Any) -> Any:
+    if value is None:
+        return None
+    if isinstance(value, float) and 0.0 <= value <= 1.0:
+        return value
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise MisconfigurationError(
+        f"{name} must be a number of batches (int >= 0) or a fraction (float in [0, 1]), "
+        f"got {value!r}."
+    )
+
+
+def _check_data(data: Any, name: str) -> None:
+    if data is None:
+        raise MisconfigurationError(f"{name} is None; pass a DataLoader or another iterable.")
+    if not hasattr(data, "__iter__"):
+        hint = ""
+        if hasattr(data, "__getitem__"):
+            hint = (
+                " It looks like a Dataset: wrap it in "
+                "torch.utils.data.DataLoader(dataset, batch_size=...)."
+            )
+        raise MisconfigurationError(
+            f"{name} must be an iterable of batches (a DataLoader), got "
+            f"{type(data).__name__}.{hint}"
+        )
+
+
+def _collapse(group: BaseExceptionGroup[Any]) -> BaseException | None:
+    """The one meaningful exception in a task group's group, if there is exactly one."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    meaningful = [e for e in leaves if not isinstance(e, cancelled)]
+    if len(meaningful) == 1:
+        return meaningful[0]
+    if not meaningful and leaves:
+        return leaves[0]
+    return None
+
+
+class Trainer:
+    """Runs a :class:`Module` through ``fit``, ``validate``, ``test`` and ``predict``.
+
+    Every stage is a coroutine: ``await trainer.fit(module, train_data, val_data)``, or
+    from synchronous code ``loopbus.run(trainer.fit, module, train_data, val_data)``.
+
+    Options (all keyword-only):
+
+    * ``max_epochs`` / ``max_steps``: stop after this many epochs / optimizer steps
+      (default 1000 epochs when neither is given).
+    * ``val_check_interval``: validate every N training batches; None (default) validates
+      once at the end of every ``check_val_every_n_epoch``-th epoch.
+    * ``limit_{train,val,test,predict}_batches``: an int (batches) or a float (fraction).
+    * ``accumulate_grad_batches``, ``gradient_clip_val``, ``gradient_clip_algorithm``
+      (``"norm"`` or ``"value"``).
+    * ``plugins``: the plugins of every stage; None means the default set (a progress
+      bar), ``[]`` means none.
+    * ``executor``: ``"inline"`` runs steps on the event loop thread (lowest overhead);
+      ``"thread"`` runs them in a worker thread so the host application stays responsive.
+    * ``device``: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    * ``precision``: ``"32"`` (default) or a registered name such as ``"bf16-mixed"``.
+    * ``leak_check``: ``"raise"``/``"warn"`` verify that scopes free what they held;
+      the default reads the ``LOOPBUS_LEAK_CHECK`` environment variable (off if unset).
+    * ``yield_interval``: the longest time (s) steps run before yielding to other tasks.
+    * ``drain_timeout``: how long (s) a cancelled or failed stage waits for queued
+      subscribers to finish (a normal end always waits for all of them).
+    """
+
+    def __init__(
+        self,
+        *,
+        max_epochs: int | None = None,
+        max_steps: int | None = None,
+        val_check_interval: int | None = None,
+        check_val_every_n_epoch: int = 1,
+        limit_train_batches: int | float | None = None,
+        limit_val_batches: int | float | None = None,
+        limit_test_batches: int | float | None = None,
+        limit_predict_batches: int | float | None = None,
+        accumulate_grad_batches: int = 1,
+        gradient_clip_val: float | None = None,
+        gradient_clip_algorithm: Literal["norm", "value"] = "norm",
+        plugins: Iterable[Plugin] | None = None,
+        executor: Executor = "inline",
+        device: str | torch.device | None = "auto",
+        precision: str | int | Precision | None = "32",
+        leak_check: LeakCheck | Literal["env"] = "env",
+        yield_interval: float = 0.005,
+        drain_timeout: float = 10.0,
+    ) -> None:
+        _check_count("max_epochs", max_epochs, 0)
+        _check_count("max_steps", max_steps, 0)
+        if max_epochs is None and max_steps is None:
+            max_epochs = 1000
+        self.max_epochs: float = math.inf if max_epochs is None else max_epochs
+        self.max_steps: float = math.inf if max_steps is None else max_steps
+        self.val_check_interval = _check_count("val_check_interval", val_check_interval, 1)
+        self.check_val_every_n_epoch = _check_count(
+            "check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=False
+        )
+        self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
+        self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
+        self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
+        self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
+        self.accumulate_grad_batches = _check_count(
+            "accumulate_grad_batches", accumulate_grad_batches, 1, allow_none=False
+        )
+        if gradient_clip_val is not None and (
+            isinstance(gradient_clip_val, bool)
+            or not isinstance(gradient_clip_val, (int, float))
+            or gradient_clip_val <= 0
+        ):
+            raise MisconfigurationError(
+                f"gradient_clip_val must be a positive number or None, got {gradient_clip_val!r}."
+            )
+        self.gradient_clip_val = gradient_clip_val
+        if gradient_clip_algorithm not in ("norm", "value"):
+            raise MisconfigurationError(
+                f"gradient_clip_algorithm must be 'norm' or 'value', got {gradient_clip_algorithm!r}."
+            )
+        self.gradient_clip_algorithm = gradient_clip_algorithm
+        if executor not in ("inline", "thread"):
+            raise MisconfigurationError(
+                f"executor must be 'inline' (steps on the event loop thread) or 'thread' (steps "
+                f"in a worker thread), got {executor!r}."
+            )
+        self.executor: Executor = executor
+        self.device = _resolve_device(device)
+        self.precision = resolve_precision(precision)
+        if leak_check == "env":
+            from ._loop import _default_leak_check
+
+            leak_check = _default_leak_check()
+        if leak_check not in (None, "raise", "warn"):
+            raise MisconfigurationError(
+                f"leak_check must be None, 'warn' or 'raise', got {leak_check!r}."
+            )
+        self.leak_check: LeakCheck = leak_check
+        if not isinstance(yield_interval, (int, float)) or yield_interval < 0:
+            raise MisconfigurationError(
+                f"yield_interval must be a number of seconds >= 0, got {yield_interval!r}."
+            )
+        self.yield_interval = float(yield_interval)
+        self.drain_timeout = float(drain_timeout)
+
+        if plugins is None:
+            self.plugins: list[Plugin] = [factory() for factory in _DEFAULT_PLUGINS]
+        else:
+            self.plugins = list(plugins)
+        for plugin in self.plugins:
+            if not isinstance(plugin, Plugin):
+                raise MisconfigurationError(
+                    f"plugins must be loopbus.Plugin instances, got {plugin!r}"
+                    + (" (a class: instantiate it)" if isinstance(plugin, type) else "")
+                    + "."
+                )
+
+        self.bus = EventBus()
+        self.recorder = Recorder(self, self.bus)
+        self.fit_loop = FitLoop()
+        self.validate_loop = EvaluationLoop(stage="validate")
+        self.test_loop = EvaluationLoop(stage="test")
+        self.predict_loop = PredictionLoop()
+        for loop in self.loops.values():
+            loop.attach(bus=self.bus, trainer=self, leak_check=self.leak_check)
+
+        self.module: Module | None = None
+        self.optimizers: list[torch.optim.Optimizer] = []
+        self.lr_scheduler_configs: list[SchedulerConfig] = []
+        #: Optimizer steps completed (read-only for users).
+        self.global_step = 0
+        #: The current (or last) epoch, 0-based (read-only for users).
+        self.current_epoch = 0
+        #: Set (or call :meth:`request_stop`) to end ``fit`` at the next step boundary.
+        self.should_stop = False
+        self.stop_reason: str | None = None
+        #: The running stage ("fit", "validate", "test", "predict"), or None.
+        self.stage: str | None = None
+        self._automatic = True
+        self._step_schedulers = False
+        self._configured_for: Module | None = None
+        self._limiter: anyio.CapacityLimiter | None = None
+        self._emit_sync: Callable[[Any, Any], Any] = self.bus.deliver_sync
+        self._move_to: torch.device | None = None
+        self._next_yield = 0.0
+
+    def __repr__(self) -> str:
+        return f"<Trainer stage={self.stage!r} step={self.global_step} epoch={self.current_epoch}>"
+
+    @property
+    def loops(self) -> dict[str, Loop[Any]]:
+        """The root loops of the stages."""
+        return {
+            "fit": self.fit_loop,
+            "validate": self.validate_loop,
+            "test": self.test_loop,
+            "predict": self.predict_loop,
+        }
+
+    @property
+    def latest(self) -> dict[str, PutRecord]:
+        """The last record of each name put during the current (or last) stage."""
+        return self.recorder.latest_records()
+
+    def request_stop(self, reason: str | None = None) -> None:
+        """Ask the running stage to stop at the next step boundary, without an exception.
+        Safe to call from any task and from other threads."""
+        self.stop_reason = reason if reason is not None else "stop requested"
+        self.should_stop = True
+
+    def subscribe(self, event_type: Any, handler: Any, **options: Any) -> Subscription:
+        """Shortcut for ``trainer.bus.subscribe``."""
+        return self.bus.subscribe(event_type, handler, **options)
+
+    async def publish(self, event: Any) -> None:
+        """Publish a (custom) event on this trainer's bus."""
+        await self.bus.publish(event)
+
+    # ------------------------------------------------------------ stages
+    async def fit(self, module: Module, train_data: Any, val_data: Any = None) -> None:
+        """Train ``module`` on ``train_data``, validating on ``val_data`` when given."""
+        _check_data(train_data, "train_data")
+        if val_data is not None:
+            _check_data(val_data, "val_data")
+        self._check_module(module, "fit", "training_step")
+        if val_data is not None:
+            self._check_module(module, "fit with val_data", "validation_step")
+        async with self._stage("fit", module):
+            await self.fit_loop.run(train_data, val_data)
+
+    async def validate(self, module: Module, data: Any) -> dict[str, float | int | bool]:
+        """One pass of ``validation_step`` over ``data``; returns the last value of each
+        record put during it."""
+        return await self._evaluate("validate", self.validate_loop, module, data)
+
+    async def test(self, module: Module, data: Any) -> dict[str, float | int | bool]:
+        """One pass of ``test_step`` over ``data``; returns the last value of each record."""
+        return await self._evaluate("test", self.test_loop, module, data)
+
+    async def predict(self, module: Module, data: Any) -> list[Any]:
+        """``predict_step`` over ``data``; returns the outputs in order."""
+        _check_data(data, "data")
+        self._check_module(module, "predict", None)
+        async with self._stage("predict", module):
+            result: list[Any] = await self.predict_loop.run(data)
+        return result
+
+    async def _evaluate(
+        self, stage: str, loop: EvaluationLoop, module: Module, data: Any
+    ) -> dict[str, float | int | bool]:
+        _check_data(data, "data")
+        self._check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
+        async with self._stage(stage, module):
+            await loop.run(data)
+        return {name: record.value for name, record in self.latest.items()}
+
+    def _check_module(self, module: Any, stage: str, method: str | None) -> None:
+        if not isinstance(module, Module):
+            extra = ""
+            if isinstance(module, torch.nn.Module):
+                extra = (
+                    f" {type(module).__name__} is a plain torch.nn.Module: subclass "
+                    "loopbus.Module instead and add training_step and configure_optimizers."
+                )
+            raise MisconfigurationError(
+                f"{stage} needs a loopbus.Module, got {type(module).__name__}.{extra}"
+            )
+        if method is not None and getattr(type(module), method) is getattr(Module, method):
+            raise MisconfigurationError(
+                f"{stage} needs {type(module).__name__}.{method}(self, batch, ctx); define it."
+            )
+
+    @asynccontextmanager
+    async def _stage(self, stage: str, module: Module) -> AsyncIterator[None]:
+        if self.stage is not None:
+            raise RuntimeError(
+                f"this Trainer is already running {self.stage!r}; a Trainer runs one stage at "
+                "a time. To train concurrently, create one Trainer per run."
+            )
+        self.stage = stage
+        subscriptions: list[Subscription] = []
+        set_up: list[Plugin] = []
+        try:
+            self._prepare(stage, module)
+            for plugin in self.plugins:
+                bind_recorder(plugin, self.recorder, type(plugin).__name__)
+                plugin.setup(self, stage)
+                set_up.append(plugin)
+                subscriptions += self.bus.subscribe_methods(
+                    plugin, owner=type(plugin).__name__, **plugin.subscription_defaults()
+                )
+            subscriptions += self.bus.subscribe_methods(module, owner=type(module).__name__)
+            try:
+                async with anyio.create_task_group() as tg:
+                    self.bus.start(tg)
+                    started: list[Plugin] = []
+                    reason, failure = "completed", None
+                    try:
+                        for plugin in self.plugins:
+                            await plugin.start(self, stage, tg)
+                            started.append(plugin)
+                        yield
+                        reason = "stopped" if self.should_stop else "completed"
+                    except BaseException as exc:
+                        reason, failure = self._classify(exc)
+                        raise
+                    finally:
+                        with anyio.CancelScope(shield=True):
+                            await self._finish(stage, reason, failure, started)
+            except BaseExceptionGroup as group:
+                single = _collapse(group)
+                if single is None:
+                    raise
+                raise single from single.__cause__
+        finally:
+            for sub in subscriptions:
+                sub.unsubscribe()
+            for plugin in reversed(set_up):
+                plugin.teardown(self, stage)
+                bind_recorder(plugin, None, "")
+            bind_recorder(module, None, "")
+            object.__setattr__(module, "_loopbus_trainer", None)
+            self.stage = None
+
+    def _classify(self, exc: BaseException) -> tuple[str, BaseException | None]:
+        if isinstance(exc, anyio.get_cancelled_exc_class()):
+            if self.bus.failure is not None:
+                return "failed", self.bus.failure
+            return "cancelled", None
+        return "failed", exc
+
+    async def _finish(
+        self, stage: str, reason: str, failure: BaseException | None, started: list[Plugin]
+    ) -> None:
+        """Fire the closing events, drain the queues, stop plugins and loops."""
+        errors: list[BaseException] = []
+
+        async def attempt(step: Any) -> None:
+            try:
+                await step()
+            except Exception as exc:
+                errors.append(exc)
+
+        if failure is not None:
+            await attempt(lambda: self.bus.publish(ExceptionRaised(stage=stage, error=failure)))
+        if reason in ("completed", "stopped"):
+            await attempt(self.recorder.flush)
+        else:
+            self.recorder.pending.clear()
+        await attempt(
+            lambda: self.bus.publish(
+                Teardown(
+                    stage=stage, reason=reason, step=self.global_step, epoch=self.current_epoch
+                )
+            )
+        )
+        timeout = None if reason in ("completed", "stopped") else self.drain_timeout
+        await self.bus.drain(timeout)
+        late = self.bus.failure
+        if failure is None and late is not None:
+            # A queued handler failed while its queue drained: tell the inline handlers.
+            await attempt(lambda: self.bus.publish(ExceptionRaised(stage=stage, error=late)))
+        for plugin in reversed(started):
+            await attempt(functools.partial(plugin.stop, self, stage))
+        for loop in self.loops.values():
+            loop.teardown_tree()
+        if errors:
+            if failure is not None:
+                for err in errors:
+                    failure.add_note(f"while tearing down, also: {type(err).__name__}: {err}")
+            else:
+                raise errors[0]
+
+    def _prepare(self, stage: str, module: Module) -> None:
+        self.module = module
+        object.__setattr__(module, "_loopbus_trainer", self)
+        bind_recorder(module, self.recorder, type(module).__name__)
+        self.recorder.pending.clear()
+        self.recorder.latest.clear()
+        device = self.device
+        module.to(device)
+        self._move_to = None if device.type == "cpu" else device
+        self.precision.setup(device)
+        if stage == "fit":
+            self.should_stop = False
+            self.stop_reason = None
+            if self._configured_for is not module:
+                opts, scheds = _parse_optimizers(module.configure_optimizers(), module)
+                self.optimizers, self.lr_scheduler_configs = opts, scheds
+                self._configured_for = module
+            self._automatic = bool(module.automatic_optimization)
+            if self._automatic and len(self.optimizers) != 1:
+                raise MisconfigurationError(
+                    f"{type(module).__name__} configures {len(self.optimizers)} optimizers; "
+                    "automatic optimization steps exactly one. Set "
+                    "`automatic_optimization = False` and step them in training_step."
+                )
+            self._step_schedulers = any(c.interval == "step" for c in self.lr_scheduler_configs)
+            module.train()
+        if self.executor == "thread":
+            self._limiter = anyio.CapacityLimiter(1)
+            self._emit_sync = functools.partial(anyio.from_thread.run_sync, self.bus.deliver_sync)
+        else:
+            self._limiter = None
+            self._emit_sync = self.bus.deliver_sync
+        self._next_yield = perf_counter() + self.yield_interval
+
+    def _step_lr_schedulers(self, interval: str) -> None:
+        for config in self.lr_scheduler_configs:
+            if config.interval != interval:
+                continue
+            counter = self.global_step if interval == "step" else self.current_epoch + 1
+            if counter % config.frequency:
+                continue
+            if config.monitor is None:
+                config.scheduler.step()
+                continue
+            latest = self.recorder.latest_records()
+            record = latest.get(config.monitor)
+            if record is None:
+                raise MisconfigurationError(
+                    f"the LR scheduler monitors {config.monitor!r}, but no record of that name "
+                    f"was put; put names so far: {sorted(latest)}."
+                )
+            config.scheduler.step(record.value)

@@ -1,0 +1,252 @@
+"""The event and record types: frozen, keyword-only msgspec Structs.
+
+The hierarchy lets a subscriber choose how wide to listen: ``AdvanceCompleted`` hears the
+end of every iteration of every loop, ``TrainBatchCompleted`` only the training batches.
+
+Fields named ``ctx`` carry the scope the hook ran with. A scope is only valid while the
+event is being delivered inline; a queued subscriber sees it already dropped (empty).
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+__all__ = [
+    "AdvanceCompleted",
+    "AdvanceStarted",
+    "AfterBackward",
+    "BeforeOptimizerStep",
+    "EpochCompleted",
+    "EpochStarted",
+    "Event",
+    "ExceptionRaised",
+    "FitCompleted",
+    "FitStarted",
+    "LoopEvent",
+    "PredictBatchCompleted",
+    "PredictBatchStarted",
+    "PredictCompleted",
+    "PredictStarted",
+    "PutRecord",
+    "RunCompleted",
+    "RunSkipped",
+    "RunStarted",
+    "Teardown",
+    "TestBatchCompleted",
+    "TestBatchStarted",
+    "TestCompleted",
+    "TestStarted",
+    "TrainBatchCompleted",
+    "TrainBatchStarted",
+    "TrainEpochCompleted",
+    "TrainEpochStarted",
+    "ValidationBatchCompleted",
+    "ValidationBatchStarted",
+    "ValidationCompleted",
+    "ValidationStarted",
+]
+
+
+class Event(msgspec.Struct, frozen=True, kw_only=True):
+    """Base of every event. Subclass it for custom events; no registration needed.
+
+    ``inside_step = True`` on a class marks an event published from inside the
+    (synchronous) training step: its inline handlers must be plain ``def`` functions.
+    """
+
+    inside_step: ClassVar[bool] = False
+
+
+# ---------------------------------------------------------------- generic loop events
+
+
+class LoopEvent(Event, frozen=True, kw_only=True):
+    """An event published by a :class:`~loopbus.Loop` hook.
+
+    ``loop`` is the loop's name, ``iteration`` the loop's count of completed iterations
+    when the event was built (the index of the current iteration in advance events).
+    ``step`` (optimizer steps completed) and ``epoch`` (0-based) come from the trainer the
+    loop is attached to; they are 0 for a loop running on its own.
+    """
+
+    loop: str
+    iteration: int = 0
+    step: int = 0
+    epoch: int = 0
+    ctx: Any = None
+
+
+class RunStarted(LoopEvent, frozen=True, kw_only=True):
+    """After ``on_run_start``."""
+
+
+class AdvanceStarted(LoopEvent, frozen=True, kw_only=True):
+    """After ``on_advance_start``."""
+
+
+class AdvanceCompleted(LoopEvent, frozen=True, kw_only=True):
+    """After ``on_advance_end`` (the iteration's progress already counts as completed)."""
+
+
+class RunCompleted(LoopEvent, frozen=True, kw_only=True):
+    """After ``on_run_end``; ``output`` is what ``run`` returns."""
+
+    output: Any = None
+
+
+class RunSkipped(LoopEvent, frozen=True, kw_only=True):
+    """After ``on_skip``, when ``skip`` was true and the run did not start."""
+
+    output: Any = None
+
+
+# ---------------------------------------------------------------- trainer events
+
+
+class FitStarted(RunStarted, frozen=True, kw_only=True):
+    """``fit`` began: module attached, optimizers configured, plugins subscribed."""
+
+
+class FitCompleted(RunCompleted, frozen=True, kw_only=True):
+    """``fit`` ran to its end; ``stopped`` says whether a stop request ended it early."""
+
+    stopped: bool = False
+    reason: str | None = None
+
+
+class EpochStarted(AdvanceStarted, frozen=True, kw_only=True):
+    """An epoch of ``fit`` begins (before its training pass)."""
+
+
+class EpochCompleted(AdvanceCompleted, frozen=True, kw_only=True):
+    """An epoch of ``fit`` ended (training pass, validation and epoch schedulers done)."""
+
+
+class TrainEpochStarted(RunStarted, frozen=True, kw_only=True):
+    """The training pass over the data of one epoch begins."""
+
+
+class TrainEpochCompleted(RunCompleted, frozen=True, kw_only=True):
+    """The training pass over the data of one epoch ended."""
+
+
+class TrainBatchStarted(AdvanceStarted, frozen=True, kw_only=True):
+    """A training batch was fetched; its step is about to run. ``ctx.batch`` is set."""
+
+    batch_idx: int = 0
+
+
+class TrainBatchCompleted(AdvanceCompleted, frozen=True, kw_only=True):
+    """A training batch was processed (and validation, if due after it, has run).
+    ``ctx.output`` holds what ``training_step`` returned."""
+
+    batch_idx: int = 0
+
+
+class AfterBackward(LoopEvent, frozen=True, kw_only=True):
+    """Gradients of this batch were accumulated. Published inside the step."""
+
+    inside_step: ClassVar[bool] = True
+    batch_idx: int = 0
+
+
+class BeforeOptimizerStep(LoopEvent, frozen=True, kw_only=True):
+    """Gradients are final (unscaled, clipped); ``optimizer.step()`` comes next.
+    Published inside the step."""
+
+    inside_step: ClassVar[bool] = True
+    batch_idx: int = 0
+    optimizer: Any = None
+
+
+class ValidationStarted(RunStarted, frozen=True, kw_only=True):
+    """A validation run begins (from ``fit`` or ``validate``)."""
+
+
+class ValidationBatchStarted(AdvanceStarted, frozen=True, kw_only=True):
+    batch_idx: int = 0
+
+
+class ValidationBatchCompleted(AdvanceCompleted, frozen=True, kw_only=True):
+    batch_idx: int = 0
+
+
+class ValidationCompleted(RunCompleted, frozen=True, kw_only=True):
+    """A validation run ended; put your epoch-level metric ``compute()`` here."""
+
+
+class TestStarted(RunStarted, frozen=True, kw_only=True):
+    __test__ = False
+
+
+class TestBatchStarted(AdvanceStarted, frozen=True, kw_only=True):
+    __test__ = False
+    batch_idx: int = 0
+
+
+class TestBatchCompleted(AdvanceCompleted, frozen=True, kw_only=True):
+    __test__ = False
+    batch_idx: int = 0
+
+
+class TestCompleted(RunCompleted, frozen=True, kw_only=True):
+    __test__ = False
+
+
+class PredictStarted(RunStarted, frozen=True, kw_only=True):
+    pass
+
+
+class PredictBatchStarted(AdvanceStarted, frozen=True, kw_only=True):
+    batch_idx: int = 0
+
+
+class PredictBatchCompleted(AdvanceCompleted, frozen=True, kw_only=True):
+    batch_idx: int = 0
+
+
+class PredictCompleted(RunCompleted, frozen=True, kw_only=True):
+    pass
+
+
+class ExceptionRaised(Event, frozen=True, kw_only=True):
+    """A stage (``fit``, ``validate``, ...) is ending because of an exception."""
+
+    stage: str
+    error: Any = None
+
+
+class Teardown(Event, frozen=True, kw_only=True):
+    """The last event of every stage, however it ended.
+
+    ``reason`` is ``"completed"``, ``"stopped"`` (a stop request), ``"cancelled"`` (the
+    awaiting task was cancelled) or ``"failed"`` (an exception).
+    """
+
+    stage: str
+    reason: str
+    step: int = 0
+    epoch: int = 0
+
+
+# ---------------------------------------------------------------- records
+
+
+class PutRecord(Event, frozen=True, kw_only=True, tag=True):
+    """One ``put(name, value)`` call, as delivered to its destinations.
+
+    ``value`` is a Python number (a tensor is converted off the step's critical path);
+    ``step`` is the number of optimizer steps completed when it was published, ``epoch``
+    the current epoch, ``time`` the wall-clock time (``time.time()``) of publication,
+    ``source`` who called ``put`` and ``destinations`` where it is routed.
+    """
+
+    name: str
+    value: float | int | bool
+    step: int = 0
+    epoch: int = 0
+    time: float = 0.0
+    source: str = ""
+    destinations: tuple[str, ...] = ()

@@ -268,7 +268,8 @@ class Subscription:
             raise self.bus._not_running(self)
         try:
             send.send_nowait(event)
-        except anyio.WouldBlock:
+        except (anyio.WouldBlock, anyio.BrokenResourceError):
+            # Broken: the consumer failed, and its error is already ending the stage.
             self.dropped += 1
 
     async def _offer_block(self, event: Any) -> None:
@@ -278,7 +279,13 @@ class Subscription:
         try:
             send.send_nowait(event)
         except anyio.WouldBlock:
-            await send.send(event)
+            try:
+                await send.send(event)
+            except anyio.BrokenResourceError:
+                self.dropped += 1
+        except anyio.BrokenResourceError:
+            # The consumer failed, and its error is already ending the stage.
+            self.dropped += 1
 
     def _entry(self) -> Entry:
         if self.mode == "queued":
@@ -352,6 +359,7 @@ class EventBus:
         self._routes: dict[tuple[str, ...], tuple[Entry, ...]] = {}
         self._tg: TaskGroup | None = None
         self.failure: HandlerError | None = None
+        self._consumers: list[anyio.CancelScope] = []
 
     # ------------------------------------------------------------ subscribing
     def subscribe(
@@ -549,15 +557,44 @@ class EventBus:
         send, recv = anyio.create_memory_object_stream[Any](sub.buffer)
         sub._send, sub._recv = send, recv
         sub._done = anyio.Event()
-        tg.start_soon(self._consume, sub, recv, sub._done, name=f"loopbus consumer {sub.owner}")
+        scope = anyio.CancelScope(shield=True)
+        self._consumers.append(scope)
+        tg.start_soon(
+            self._consume_shielded, scope, sub, recv, sub._done, name=f"loopbus consumer {sub.owner}"
+        )
+
+    async def _consume_shielded(
+        self,
+        scope: anyio.CancelScope,
+        sub: Subscription,
+        recv: MemoryObjectReceiveStream[Any],
+        done: anyio.Event,
+    ) -> None:
+        # Shielded from the cancellation of the stage (a deadline, a cancelled host task):
+        # a consumer ends when drain() closes its queue, so what it accepted is handled;
+        # drain() cancels it only when its timeout runs out.
+        with scope:
+            await self._consume(sub, recv, done)
 
     async def _consume(
         self, sub: Subscription, recv: MemoryObjectReceiveStream[Any], done: anyio.Event
     ) -> None:
         handler, is_async = sub.handler, sub.is_async
+        receive_nowait = recv.receive_nowait
         try:
             async with recv:
-                async for event in recv:
+                while True:
+                    # Take what is buffered without a scheduling round trip per item;
+                    # wait (one checkpoint) only when the buffer is empty.
+                    try:
+                        event = receive_nowait()
+                    except anyio.WouldBlock:
+                        try:
+                            event = await recv.receive()
+                        except anyio.EndOfStream:
+                            break
+                    except anyio.EndOfStream:
+                        break
                     try:
                         if is_async:
                             await handler(event)
@@ -597,6 +634,10 @@ class EventBus:
         with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
             for done in waits:
                 await done.wait()
+        consumers, self._consumers = self._consumers, []
+        if scope.cancelled_caught:
+            for consumer in consumers:
+                consumer.cancel()
         return not scope.cancelled_caught
 
     @asynccontextmanager

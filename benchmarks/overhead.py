@@ -1,0 +1,268 @@
+"""Engine overhead against a hand-written PyTorch loop doing the same work.
+
+Work: a tiny MLP (32 -> 32 -> 10), batch 32, a plain DataLoader over in-memory tensors,
+one torch thread, SGD. loopbus additionally does ``put("loss", loss)`` every step and has
+one inline and one queued PutRecord subscriber. Runs alternate (hand-written, loopbus)
+in one process; the figure is the median of the per-pair ratios.
+
+It also prints the deterministic figure from DESIGN.md's performance budget: Python-level
+calls per step (``call`` + ``c_call`` profile events) that loopbus adds over the
+hand-written loop, measured over N and 2N pre-built batches so start-up cancels.
+
+    ./dev bench overhead                       # both backends, defaults below
+    ./dev bench overhead --steps 3000 --repeats 9 --backends asyncio
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import loopbus
+from loopbus import Module, PutRecord, Trainer
+
+torch.set_num_threads(1)
+
+
+def make_net(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+
+
+def make_loader(n: int = 3200) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+
+
+# ---------------------------------------------------------------- hand-written loop
+def hand_written(data: Iterable[Any], steps: int) -> torch.nn.Module:
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net.train()
+    n = 0
+    while n < steps:
+        for x, y in data:
+            loss = F.cross_entropy(net(x), y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            n += 1
+            if n >= steps:
+                break
+    return net
+
+
+# ---------------------------------------------------------------- loopbus
+class BenchModule(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = make_net()
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.net(x), y)
+        self.put("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+PluginFactory = Callable[[], list[loopbus.Plugin]]
+
+
+def with_loopbus(
+    data: Any,
+    steps: int,
+    backend: str,
+    subscribers: bool = True,
+    plugins: PluginFactory | None = None,
+    yield_interval: float = 0.005,
+) -> BenchModule:
+    module = BenchModule()
+    trainer = Trainer(
+        max_steps=steps,
+        plugins=plugins() if plugins else [],
+        leak_check=None,
+        device="cpu",
+        yield_interval=yield_interval,
+    )
+    if subscribers:
+        seen = [0.0]
+
+        def inline(record: PutRecord) -> None:
+            seen[0] = record.value
+
+        sunk: list[float] = []
+
+        def queued(record: PutRecord) -> None:
+            sunk.append(record.value)
+
+        trainer.subscribe(PutRecord, inline)
+        trainer.subscribe(PutRecord, queued, mode="queued", destination="loggers")
+    loopbus.run(trainer.fit, module, data, backend=backend)
+    return module
+
+
+# ---------------------------------------------------------------- measurement
+def timed(fn: Callable[[], Any]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def count_calls(fn: Callable[[], Any]) -> int:
+    n = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event == "call" or event == "c_call":
+            n += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def extra_calls_per_step(backend: str, subscribers: bool, n: int = 200) -> float:
+    """(loopbus(2N) - loopbus(N)) - (hand(2N) - hand(N)), per step, pre-built batches.
+    Yields to the event loop are time-based, so they are switched off here to keep the
+    count deterministic; `checkpoint_calls` reports what one yield costs."""
+    batches = list(make_loader(32 * 2 * n))
+    small, large = batches[:n], batches[: 2 * n]
+
+    def lb(data: list[Any]) -> Callable[[], Any]:
+        return lambda: with_loopbus(
+            data, len(data), backend, subscribers=subscribers, yield_interval=math.inf
+        )
+
+    def hw(data: list[Any]) -> Callable[[], Any]:
+        return lambda: hand_written(data, len(data))
+
+    lb(small)()  # warm up imports and caches
+    hw(small)()
+    d_lb = count_calls(lb(large)) - count_calls(lb(small))
+    d_hw = count_calls(hw(large)) - count_calls(hw(small))
+    return (d_lb - d_hw) / n
+
+
+def checkpoint_calls(backend: str) -> float:
+    import anyio
+    from anyio.lowlevel import checkpoint
+
+    async def many(k: int) -> None:
+        for _ in range(k):
+            await checkpoint()
+
+    a = count_calls(lambda: anyio.run(many, 100, backend=backend))
+    b = count_calls(lambda: anyio.run(many, 200, backend=backend))
+    return (b - a) / 100
+
+
+def ratio_case(
+    name: str,
+    backend: str,
+    loader: Any,
+    steps: int,
+    repeats: int,
+    plugins: PluginFactory | None = None,
+) -> dict[str, float]:
+    hand_times: list[float] = []
+    lb_times: list[float] = []
+    ratios: list[float] = []
+    # one warm-up of each
+    hand_written(loader, min(steps, 200))
+    with_loopbus(loader, min(steps, 200), backend, plugins=plugins)
+    for i in range(repeats):
+        if i % 2 == 0:
+            h = timed(lambda: hand_written(loader, steps))
+            lb = timed(lambda: with_loopbus(loader, steps, backend, plugins=plugins))
+        else:
+            lb = timed(lambda: with_loopbus(loader, steps, backend, plugins=plugins))
+            h = timed(lambda: hand_written(loader, steps))
+        hand_times.append(h)
+        lb_times.append(lb)
+        ratios.append(lb / h)
+    result = {
+        "hand_s": statistics.median(hand_times),
+        "loopbus_s": statistics.median(lb_times),
+        "ratio": statistics.median(ratios),
+    }
+    print(
+        f"{name:<34} {backend:<8} hand {result['hand_s'] * 1e3:8.1f} ms   "
+        f"loopbus {result['loopbus_s'] * 1e3:8.1f} ms   median ratio {result['ratio']:.3f}x",
+        flush=True,
+    )
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
+    parser.add_argument("--skip-calls", action="store_true", help="skip the call count")
+    parser.add_argument("--cases", nargs="+", default=["core", "plugins"])
+    args = parser.parse_args(argv)
+
+    loader = make_loader()
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} torch thread, "
+        f"{args.steps} steps, {args.repeats} alternating repeats, python {sys.version.split()[0]}"
+    )
+    if not args.skip_calls:
+        for backend in args.backends:
+            bare = extra_calls_per_step(backend, subscribers=False)
+            subs = extra_calls_per_step(backend, subscribers=True)
+            print(
+                f"extra Python calls per step ({backend}): {bare:.1f} with put and no plugins "
+                f"(budget 60); {subs:.1f} with one inline and one queued subscriber; "
+                f"+{checkpoint_calls(backend):.1f} per yield to the event loop "
+                "(at most one per yield_interval)",
+                flush=True,
+            )
+    for backend in args.backends:
+        if "core" in args.cases:
+            ratio_case("put + inline + queued subscriber", backend, loader, args.steps, args.repeats)
+        if "plugins" in args.cases:
+            factory = plugins_factory()
+            if factory is not None:
+                for label, make in factory:
+                    ratio_case(label, backend, loader, args.steps, args.repeats, plugins=make)
+
+
+def plugins_factory() -> list[tuple[str, PluginFactory]] | None:
+    """The 'plugins' case: progress bar and CSV logger (when the plugins exist)."""
+    try:
+        from loopbus import plugins as standard
+    except ImportError:  # pragma: no cover
+        return None
+    if not all(hasattr(standard, n) for n in ("ProgressBar", "CSVLogger")):
+        return None
+    out_dir = tempfile.mkdtemp(prefix="loopbus-bench-")
+    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives for the whole benchmark
+
+    def non_terminal() -> list[loopbus.Plugin]:
+        return [standard.ProgressBar(file=devnull), standard.CSVLogger(out_dir)]
+
+    return [("progress bar (non-tty) + CSV logger", non_terminal)]
+
+
+if __name__ == "__main__":
+    main()

@@ -36,7 +36,7 @@ from ..events import (
     RunStarted,
 )
 from ._progress import Progress
-from ._scope import LeakCheck, Scope, drop_scope, new_scope
+from ._scope import LeakCheck, Scope, Suspect, check_suspects, collect_suspects, new_scope
 
 if TYPE_CHECKING:
     from ._trainer import Trainer
@@ -285,6 +285,7 @@ class Loop(Generic[T]):
         tracked = leak_check is not None
         ctx = new_scope(parent_ctx, tracked, self.name)
         self.run_ctx = ctx
+        suspects: list[Suspect] = []
         ok = False
         try:
             if tracked:
@@ -345,7 +346,11 @@ class Loop(Generic[T]):
                         break
                     finally:
                         if it_ok and tracked:
-                            drop_scope(it, leak_check)
+                            # Verify the previous iteration's values now that the data
+                            # source has moved on; this one's are checked next time.
+                            found = collect_suspects(it)
+                            check_suspects(suspects, leak_check)
+                            suspects = found
                         else:
                             it.__dict__.clear()
                     if self._restarting:
@@ -369,7 +374,7 @@ class Loop(Generic[T]):
             return output
         finally:
             if ok and tracked:
-                drop_scope(ctx, leak_check)
+                check_suspects(suspects + collect_suspects(ctx), leak_check)
             else:
                 ctx.__dict__.clear()
 

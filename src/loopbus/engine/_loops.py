@@ -46,6 +46,7 @@ from ..events import (
     ValidationCompleted,
     ValidationStarted,
 )
+from ._checkpoint import capture_epoch_rng, capture_rng, restore_epoch_rng, restore_rng
 from ._loop import Loop, LoopEvents
 from ._scope import Scope
 
@@ -67,7 +68,7 @@ class Fetcher:
     right after the batch it just trained on).
     """
 
-    __slots__ = ("iterator", "next")
+    __slots__ = ("__weakref__", "iterator", "next")
 
     def __init__(self, iterator: Iterator[Any]) -> None:
         self.iterator = iterator
@@ -137,10 +138,23 @@ class _DataLoop(Loop[Any]):
 
     _limit: float = math.inf
     _borrow_batches: bool = False
+    _total: int | None = None
+
+    @property
+    def total_batches(self) -> int | None:
+        """The number of batches the current (or last) run goes through: ``len(data)``
+        capped by the ``limit_*_batches`` option, or None when the data has no length and
+        no limit applies. Read-only (for progress displays); set when the run starts."""
+        return self._total
 
     def _start_fetching(self, ctx: Scope, data: Any, iterator: Iterator[Any]) -> None:
         ctx.fetcher = Fetcher(iterator)
         self._borrow_batches = isinstance(data, Sequence)
+        try:
+            total = min(float(len(data)), self._limit)
+        except TypeError:  # an iterable without len()
+            total = self._limit
+        self._total = None if total == math.inf else int(total)
 
     def _next_batch(self, it: Scope) -> Any:
         fetcher: Fetcher = self.run_ctx.fetcher
@@ -161,6 +175,25 @@ class _DataLoop(Loop[Any]):
         if event_type is self.events.advance_started or event_type is self.events.advance_completed:
             fields["batch_idx"] = self.progress.current.ready - 1
         return super().make_event(event_type, ctx, **fields)
+
+
+async def _in_thread(step: Callable[[Any, Scope], Any], ctx: Scope, limiter: Any) -> Any:
+    """``step(ctx.batch, ctx)`` in the worker thread (``executor="thread"``).
+
+    The batch, scope and output travel in a list that is emptied on both sides, so the
+    thread hand-off (the job, its future or outcome, which the worker thread drops a
+    moment after the result is delivered) never refers to what the scope owns: otherwise
+    the iteration's leak check could see them alive, and they would outlive it.
+    """
+    box = [step, ctx]
+    await anyio.to_thread.run_sync(_run_boxed, box, limiter=limiter)
+    return box.pop()
+
+
+def _run_boxed(box: list[Any]) -> None:
+    step, ctx = box
+    box.clear()
+    box.append(step(ctx.batch, ctx))
 
 
 async def _after_step(trainer: Trainer) -> None:
@@ -184,6 +217,20 @@ class TrainEpochLoop(_DataLoop):
         super().__init__()
         self.val_loop: EvaluationLoop = EvaluationLoop(stage="validate")
         self._warned_skip = False
+        # Checkpoint/resume: the generators' state right before this epoch's iter(data)
+        # (to replay a plain loader's order), whether an epoch is in flight, whether the
+        # saved epoch was, and whether a stateful loader was already repositioned.
+        self._epoch_rng: dict[str, Any] | None = None
+        self._in_epoch = False
+        self._resume_in_epoch = True
+        self._loader_restored = False
+
+    def reset(self) -> None:
+        if self._restarting and not self._resume_in_epoch:
+            # Saved between epochs: the next epoch starts from its beginning.
+            self.restarting = False
+            self._loader_restored = False
+        super().reset()
 
     @property
     def done(self) -> bool:
@@ -201,27 +248,51 @@ class TrainEpochLoop(_DataLoop):
         ctx.borrow("val_data", val_data)
         self._limit = _batch_limit(trainer.limit_train_batches, train_data, "limit_train_batches")
         self._start_fetching(ctx, train_data, self.resume_iterator(train_data))
+        self._in_epoch = True
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
-        """An iterator over ``data`` positioned after the batches this epoch already
-        consumed (non-zero only when resuming mid-epoch)."""
-        iterator = iter(data)
-        consumed = self.progress.current.completed if self._restarting else 0
-        if consumed:
-            if not self._warned_skip:
-                warnings.warn(
-                    f"resuming mid-epoch by skipping the {consumed} batches this epoch already "
-                    "consumed (the data loader is not stateful); use "
-                    "torchdata.stateful_dataloader.StatefulDataLoader to resume in O(1).",
-                    UserWarning,
-                    stacklevel=2,
-                )
-                self._warned_skip = True
-            for _ in range(consumed):
-                try:
-                    next(iterator)
-                except StopIteration:
-                    break
+        """An iterator over ``data``, positioned after the batches this epoch already
+        consumed when resuming mid-epoch.
+
+        A stateful loader (``state_dict``/``load_state_dict``, such as torchdata's
+        ``StatefulDataLoader``) was repositioned from the checkpoint: O(1). A plain loader
+        is iterated again under the random state it started the epoch with (so a shuffled
+        loader yields the same order) and the consumed batches are skipped. Either way the
+        global random generators are then set to the checkpoint's state.
+        """
+        trainer = self.trainer
+        if not self._restarting:
+            self._epoch_rng = capture_epoch_rng(data)
+            return iter(data)
+        resume_rng = trainer._resume_rng
+        trainer._resume_rng = None
+        if resume_rng is None:
+            resume_rng = capture_rng()
+        if self._loader_restored:
+            self._loader_restored = False
+            iterator = iter(data)
+        else:
+            consumed = self.progress.current.completed
+            if self._epoch_rng is not None:
+                restore_epoch_rng(self._epoch_rng, data)
+            iterator = iter(data)
+            if consumed:
+                if not self._warned_skip:
+                    warnings.warn(
+                        f"resuming mid-epoch by skipping the {consumed} batches this epoch "
+                        "already consumed, in the same (shuffled) order as before: the data "
+                        "loader is not stateful, so they are loaded again and dropped. Use "
+                        "torchdata.stateful_dataloader.StatefulDataLoader to resume in O(1).",
+                        UserWarning,
+                        stacklevel=2,
+                    )
+                    self._warned_skip = True
+                for _ in range(consumed):
+                    try:
+                        next(iterator)
+                    except StopIteration:
+                        break
+        restore_rng(resume_rng)
         return iterator
 
     async def on_advance_start(self, ctx: Scope) -> None:
@@ -231,9 +302,7 @@ class TrainEpochLoop(_DataLoop):
         trainer = self._trainer
         assert trainer is not None
         if trainer._limiter is not None:
-            ctx.output = await anyio.to_thread.run_sync(
-                self.training_step, ctx.batch, ctx, limiter=trainer._limiter
-            )
+            ctx.output = await _in_thread(self.training_step, ctx, trainer._limiter)
         else:
             ctx.output = self.training_step(ctx.batch, ctx)
         await _after_step(trainer)
@@ -338,12 +407,20 @@ class TrainEpochLoop(_DataLoop):
             await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
         if trainer.recorder.pending:
             await trainer.recorder.flush()
+        self._in_epoch = False
 
     def on_save_checkpoint(self) -> dict[str, Any]:
-        return {"global_step": self.trainer.global_step}
+        return {
+            "global_step": self.trainer.global_step,
+            "in_epoch": self._in_epoch,
+            "epoch_rng": self._epoch_rng,
+        }
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
         self.trainer.global_step = int(state["global_step"])
+        self._resume_in_epoch = bool(state.get("in_epoch", True))
+        self._epoch_rng = state.get("epoch_rng")
+        self._loader_restored = False
 
 
 class FitLoop(Loop[None]):
@@ -373,6 +450,12 @@ class FitLoop(Loop[None]):
     async def on_advance_start(self, ctx: Scope) -> None:
         trainer = self.trainer
         trainer.current_epoch = self.progress.total.ready - 1
+        if self._restarting and not self.epoch_loop._resume_in_epoch:
+            # Resuming between epochs: set the generators as they were when saved (the
+            # train loop does this itself when it resumes mid-epoch).
+            resume_rng, trainer._resume_rng = trainer._resume_rng, None
+            if resume_rng is not None:
+                restore_rng(resume_rng)
         sampler = getattr(ctx.train_data, "sampler", None)
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch):
@@ -437,6 +520,11 @@ class EvaluationLoop(_DataLoop):
     def done(self) -> bool:
         if self.progress.current.ready >= self._limit:
             return True
+        trainer = self._trainer
+        # A stop request ends a validate/test/predict stage; validation inside fit runs
+        # to its end (fit stops after it).
+        if trainer.should_stop and trainer.stage == self.stage:  # type: ignore[union-attr]
+            return True
         fetcher: Fetcher = self.run_ctx.fetcher
         return not fetcher.has_next()
 
@@ -468,9 +556,7 @@ class EvaluationLoop(_DataLoop):
         trainer = self._trainer
         assert trainer is not None
         if trainer._limiter is not None:
-            output = await anyio.to_thread.run_sync(
-                self.evaluation_step, ctx.batch, ctx, limiter=trainer._limiter
-            )
+            output = await _in_thread(self.evaluation_step, ctx, trainer._limiter)
         else:
             output = self.evaluation_step(ctx.batch, ctx)
         self.keep_output(ctx, output)

@@ -16,6 +16,7 @@ the hook that set it when something kept it alive.
 from __future__ import annotations
 
 import gc
+import types
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -23,7 +24,15 @@ from typing import Any, Literal
 
 from .._exceptions import ScopeLeakError
 
-__all__ = ["LeakCheck", "Scope", "TrackedScope", "drop_scope", "new_scope"]
+__all__ = [
+    "LeakCheck",
+    "Scope",
+    "TrackedScope",
+    "check_suspects",
+    "collect_suspects",
+    "drop_scope",
+    "new_scope",
+]
 
 LeakCheck = Literal["raise", "warn"] | None
 
@@ -194,28 +203,40 @@ def _weak_targets(name: str, value: Any, depth: int = 0) -> Iterator[tuple[str, 
     yield name, value
 
 
-def _holders(obj: Any) -> str:
-    """Best effort: describe who still refers to ``obj``."""
+def _holders(obj: Any, max_depth: int = 4) -> str:
+    """Best effort: name the attributes that (through a few containers) keep ``obj``."""
     found: list[str] = []
-    for ref in gc.get_referrers(obj):
-        if isinstance(ref, dict):
-            for owner in gc.get_referrers(ref):
-                if getattr(owner, "__dict__", None) is ref and not isinstance(owner, Scope):
-                    for key, val in ref.items():
-                        if val is obj:
-                            found.append(f"{type(owner).__name__}.{key}")
-                            break
-        elif isinstance(ref, list):
-            for owner in gc.get_referrers(ref):
-                d = getattr(owner, "__dict__", None)
-                if isinstance(d, dict):
-                    for key, val in d.items():
-                        if val is ref:
-                            found.append(f"a list in {type(owner).__name__}.{key}")
-                            break
-        if len(found) >= 3:
+    targets: list[Any] = [obj]
+    seen = {id(obj), id(targets)}
+    for depth in range(max_depth):
+        following: list[Any] = []
+        seen.add(id(following))
+        for target in targets:
+            for ref in gc.get_referrers(target):
+                if id(ref) in seen or isinstance(ref, types.FrameType):
+                    continue
+                seen.add(id(ref))
+                if isinstance(ref, dict):
+                    for owner in gc.get_referrers(ref):
+                        if getattr(owner, "__dict__", None) is ref and not isinstance(owner, Scope):
+                            key = next((k for k, v in ref.items() if v is target), "?")
+                            via = f" (through {depth} container(s))" if depth else ""
+                            found.append(f"{type(owner).__name__}.{key}{via}")
+                    following.append(ref)
+                elif isinstance(ref, (list, tuple, set, frozenset)):
+                    following.append(ref)
+                elif not isinstance(ref, Scope):
+                    # Python >= 3.11 keeps attributes inline: the owner itself refers.
+                    attrs = getattr(ref, "__dict__", None)
+                    if isinstance(attrs, dict):
+                        for key, val in attrs.items():
+                            if val is target:
+                                via = f" (through {depth} container(s))" if depth else ""
+                                found.append(f"{type(ref).__name__}.{key}{via}")
+        if found:
             break
-    return ", ".join(found) if found else "an unknown referrer"
+        targets = following
+    return ", ".join(found[:3]) if found else "an unknown referrer"
 
 
 def _weak_refs(scope: Scope) -> list[tuple[str, str, weakref.ref[Any]]]:
@@ -232,26 +253,45 @@ def _weak_refs(scope: Scope) -> list[tuple[str, str, weakref.ref[Any]]]:
     return refs
 
 
-def drop_scope(scope: Scope, leak_check: LeakCheck = None) -> None:
-    """Clear ``scope``; with ``leak_check``, verify that what it held was freed."""
-    if leak_check is None or not isinstance(scope, TrackedScope):
+Suspect = tuple[str, str, "weakref.ref[Any]", tuple[str, str]]
+
+
+def collect_suspects(scope: Scope) -> list[Suspect]:
+    """Clear ``scope`` and return weak references to what it held that is still alive.
+
+    Those are only suspects: a data source may legitimately hold the last batch until it
+    is asked for the next one (a generator's frame does), so loops verify them one
+    iteration later with :func:`check_suspects`.
+    """
+    if not isinstance(scope, TrackedScope):
         scope.__dict__.clear()
-        return
+        return []
     refs = _weak_refs(scope)
-    origins_copy = dict(scope._origins)
+    origins = dict(scope._origins)
     scope._origins.clear()
     scope.__dict__.clear()
-    alive = [(n, label, r) for n, label, r in refs if r() is not None]
+    default = (scope._loop, "?")
+    return [
+        (name, label, ref, origins.get(name, default))
+        for name, label, ref in refs
+        if ref() is not None
+    ]
+
+
+def check_suspects(suspects: list[Suspect], leak_check: LeakCheck) -> None:
+    """Raise (or warn) for the suspects that are still alive, after a garbage collection."""
+    if leak_check is None or not suspects:
+        return
+    alive = [s for s in suspects if s[2]() is not None]
     if not alive:
         return
     gc.collect()
-    alive = [(n, label, r) for n, label, r in alive if r() is not None]
+    alive = [s for s in alive if s[2]() is not None]
     if not alive:
         return
     lines = []
-    for name, label, ref in alive:
+    for name, label, ref, (loop, hook) in alive:
         obj = ref()
-        loop, hook = origins_copy.get(name, (scope._loop, "?"))
         what = type(obj).__name__
         shape = getattr(obj, "shape", None)
         if shape is not None:
@@ -270,3 +310,11 @@ def drop_scope(scope: Scope, leak_check: LeakCheck = None) -> None:
     if leak_check == "raise":
         raise ScopeLeakError(message)
     warnings.warn(message, ResourceWarning, stacklevel=3)
+
+
+def drop_scope(scope: Scope, leak_check: LeakCheck = None) -> None:
+    """Clear ``scope``; with ``leak_check``, verify at once that what it held was freed."""
+    if leak_check is None or not isinstance(scope, TrackedScope):
+        scope.__dict__.clear()
+        return
+    check_suspects(collect_suspects(scope), leak_check)

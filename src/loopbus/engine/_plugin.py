@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from ._records import PutMixin
@@ -12,6 +13,8 @@ if TYPE_CHECKING:
     from ._trainer import Trainer
 
 __all__ = ["Plugin"]
+
+_LIFECYCLE = ("setup", "start", "stop", "teardown", "state_dict", "load_state_dict")
 
 
 class Plugin(PutMixin):
@@ -31,6 +34,23 @@ class Plugin(PutMixin):
     buffer: ClassVar[int] = 1024
     overflow: ClassVar[Literal["block", "drop"]] = "block"
     priority: ClassVar[int] = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for name in _LIFECYCLE:
+            attr = cls.__dict__.get(name)
+            if attr is None:
+                continue
+            if getattr(attr, "__loopbus_on__", None):
+                raise TypeError(
+                    f"{cls.__name__}.{name} is a Plugin lifecycle hook, so it cannot also be an "
+                    f"event handler; give the @on-decorated method another name."
+                )
+            if name in ("start", "stop") and not inspect.iscoroutinefunction(attr):
+                raise TypeError(
+                    f"{cls.__name__}.{name} overrides the lifecycle hook `async def {name}(self, "
+                    "trainer, stage, ...)` and must be `async def` with that signature."
+                )
 
     @property
     def state_key(self) -> str:

@@ -239,11 +239,25 @@ def _holders(obj: Any, max_depth: int = 4) -> str:
     return ", ".join(found[:3]) if found else "an unknown referrer"
 
 
+def _owned_outside(scope: Scope, name: str, value: Any) -> bool:
+    """Whether an enclosing scope holds the same object under ``name`` (``ctx.x -= 1``
+    in an iteration stores the run scope's value in the iteration scope too)."""
+    parent = scope._parent
+    while parent is not None:
+        if parent.__dict__.get(name, _MISSING) is value:
+            return True
+        parent = parent._parent
+    return False
+
+
+_MISSING = object()
+
+
 def _weak_refs(scope: Scope) -> list[tuple[str, str, weakref.ref[Any]]]:
     borrowed = scope._borrowed or set()
     refs: list[tuple[str, str, weakref.ref[Any]]] = []
     for name, value in scope.__dict__.items():
-        if name in borrowed:
+        if name in borrowed or _owned_outside(scope, name, value):
             continue
         for label, target in _weak_targets(name, value):
             try:

@@ -1,0 +1,36 @@
+"""The examples a newcomer runs first must keep working."""
+
+from __future__ import annotations
+
+import runpy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+@pytest.fixture
+def example_path() -> object:
+    sys.path.insert(0, str(EXAMPLES))
+    yield
+    sys.path.remove(str(EXAMPLES))
+
+
+def test_custom_loop_example(capsys: pytest.CaptureFixture[str]) -> None:
+    namespace = runpy.run_path(str(EXAMPLES / "custom_loop.py"))
+    import anyio
+
+    result = anyio.run(namespace["main"])
+    assert torch.allclose(result, torch.tensor([1.0, -2.0]), atol=1e-3)
+    out = capsys.readouterr().out
+    assert "iteration  10" in out and "minimum at [1.0, -2.0]" in out
+
+
+def test_digits_demo_reaches_95_percent(example_path: object) -> None:
+    import digits
+
+    accuracy = digits.main(["--epochs", "30"])
+    assert accuracy >= 0.95

@@ -23,7 +23,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import TYPE_CHECKING, Any, ClassVar, Generic, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from .._exceptions import MisconfigurationError, StopLoop
 from ..events import (
@@ -86,7 +86,7 @@ class Loop(Generic[T]):
     """
 
     #: Event types published by the hooks; override with the loop's own subclasses.
-    events: ClassVar[LoopEvents] = LoopEvents()
+    events: LoopEvents = LoopEvents()
     #: The loop's name in events and errors; defaults to the snake-cased class name.
     name: str = ""
 

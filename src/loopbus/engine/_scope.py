@@ -20,7 +20,7 @@ import types
 import warnings
 import weakref
 from collections.abc import Iterator
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .._exceptions import ScopeLeakError
 
@@ -54,6 +54,10 @@ class Scope:
 
     _parent: Scope | None
     _borrowed: set[str] | None
+
+    if TYPE_CHECKING:  # values are set dynamically: ``ctx.anything = value``
+
+        def __setattr__(self, name: str, value: Any) -> None: ...
 
     def __getattr__(self, name: str) -> Any:
         # Only called when ``name`` is not in this scope: look outward.
@@ -217,9 +221,12 @@ def _holders(obj: Any, max_depth: int = 4) -> str:
                     continue
                 seen.add(id(ref))
                 if isinstance(ref, dict):
-                    for owner in gc.get_referrers(ref):
-                        if getattr(owner, "__dict__", None) is ref and not isinstance(owner, Scope):
-                            key = next((k for k, v in ref.items() if v is target), "?")
+                    mapping: dict[Any, Any] = ref
+                    for owner in gc.get_referrers(mapping):
+                        if getattr(owner, "__dict__", None) is mapping and not isinstance(
+                            owner, Scope
+                        ):
+                            key = next((k for k, v in mapping.items() if v is target), "?")
                             via = f" (through {depth} container(s))" if depth else ""
                             found.append(f"{type(owner).__name__}.{key}{via}")
                     following.append(ref)
@@ -304,7 +311,7 @@ def check_suspects(suspects: list[Suspect], leak_check: LeakCheck) -> None:
     if not alive:
         return
     lines = []
-    for name, label, ref, (loop, hook) in alive:
+    for _name, label, ref, (loop, hook) in alive:
         obj = ref()
         what = type(obj).__name__
         shape = getattr(obj, "shape", None)

@@ -108,8 +108,10 @@ def _check_event_type(event_type: object) -> type[Event]:
 def _is_async_callable(handler: object) -> bool:
     if inspect.iscoroutinefunction(handler):
         return True
-    call = getattr(type(handler), "__call__", None)
-    return not inspect.isroutine(handler) and inspect.iscoroutinefunction(call)
+    if inspect.isroutine(handler):
+        return False
+    call = vars(type(handler)).get("__call__") or type(handler).__call__
+    return inspect.iscoroutinefunction(call)
 
 
 def _check_handler(handler: object, event_type: type[Event]) -> bool:
@@ -619,7 +621,7 @@ class EventBus:
             if sub.mode == "queued":
                 self._start(sub, tg)
 
-    async def drain(self, timeout: float | None = None) -> bool:
+    async def drain(self, timeout: float | None = None) -> bool:  # noqa: ASYNC109
         """Close the queues and wait until every queued subscriber handled what it was
         sent. Returns False if ``timeout`` (seconds) ran out first."""
         waits: list[anyio.Event] = []

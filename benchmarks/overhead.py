@@ -256,7 +256,7 @@ def plugins_factory() -> list[tuple[str, PluginFactory]] | None:
     if not all(hasattr(standard, n) for n in ("ProgressBar", "CSVLogger")):
         return None
     out_dir = tempfile.mkdtemp(prefix="loopbus-bench-")
-    devnull = open(os.devnull, "w")  # noqa: SIM115 - lives for the whole benchmark
+    devnull = open(os.devnull, "w")
 
     def non_terminal() -> list[loopbus.Plugin]:
         return [standard.ProgressBar(file=devnull), standard.CSVLogger(out_dir)]

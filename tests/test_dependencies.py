@@ -56,7 +56,7 @@ def test_engine_never_imports_plugins() -> None:
 def test_plugins_import_only_public_names() -> None:
     public = {"loopbus", "loopbus.events", "loopbus.plugins"}
     for path in (SRC / "plugins").rglob("*.py"):
-        for name, level in imports_of(path):
+        for name, _level in imports_of(path):
             if not name.startswith("loopbus"):
                 continue
             parts = name.split(".")

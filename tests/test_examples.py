@@ -26,7 +26,8 @@ def test_custom_loop_example(capsys: pytest.CaptureFixture[str]) -> None:
     result = anyio.run(namespace["main"])
     assert torch.allclose(result, torch.tensor([1.0, -2.0]), atol=1e-3)
     out = capsys.readouterr().out
-    assert "iteration  10" in out and "minimum at [1.0, -2.0]" in out
+    assert "iteration  10" in out
+    assert "minimum at [1.0, -2.0]" in out
 
 
 def test_digits_demo_reaches_95_percent(example_path: object) -> None:

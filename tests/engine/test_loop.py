@@ -231,7 +231,8 @@ async def test_state_dict_covers_progress_and_sub_loops() -> None:
     fresh = Outer()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
-    assert fresh.restarting and fresh.inner.restarting
+    assert fresh.restarting
+    assert fresh.inner.restarting
     with pytest.raises(KeyError, match=r"does not match its sub-loops"):
         CountLoop().load_state_dict(state)
 

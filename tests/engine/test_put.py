@@ -38,8 +38,10 @@ def test_put_accepts_numbers_and_one_element_tensors(module: Module) -> None:
     module.put_dict({"h": 7, "i": torch.tensor(8)}, destinations="loggers")
     names = [p[0] for p in pending(module)]
     assert names == ["a", "b", "c", "d", "e", "f", "g", "h", "i"]
-    assert pending(module)[5][1] == 5.5 and type(pending(module)[5][1]) is float
-    assert pending(module)[6][1] == 6 and type(pending(module)[6][1]) is int
+    assert pending(module)[5][1] == 5.5
+    assert type(pending(module)[5][1]) is float
+    assert pending(module)[6][1] == 6
+    assert type(pending(module)[6][1]) is int
     assert pending(module)[7][2] == ("loggers",)
 
 

@@ -11,7 +11,6 @@ import torch
 from loopbus import Plugin, Scope, ScopeLeakError, Trainer, on
 from loopbus.engine._scope import drop_scope, new_scope
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted, TrainEpochStarted
-
 from tests.helpers import TinyModule, make_loader
 
 
@@ -23,7 +22,9 @@ def test_lookup_falls_back_to_enclosing_scopes() -> None:
     it.batch = "it-level"
     assert it.data == "run-level"
     assert it.get("missing", 3) == 3
-    assert "data" in it and "batch" in it and "nope" not in it
+    assert "data" in it
+    assert "batch" in it
+    assert "nope" not in it
     assert it.parent is run
     with pytest.raises(AttributeError, match=r"ctx has no value 'nope'.*ctx.promote\('nope'\)"):
         _ = it.nope

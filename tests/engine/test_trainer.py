@@ -4,6 +4,7 @@ import threading
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 import pytest
 import torch
 
@@ -236,7 +237,8 @@ async def test_request_stop_ends_fit_without_an_exception() -> None:
     trainer.subscribe(Teardown, lambda e: reasons.append(e.reason))
     await trainer.fit(TinyModule(), make_loader())
     assert trainer.global_step == 5
-    assert done[0].stopped and done[0].reason == "enough"
+    assert done[0].stopped
+    assert done[0].reason == "enough"
     assert reasons == ["stopped"]
 
 
@@ -384,7 +386,7 @@ async def test_one_stage_at_a_time_per_trainer() -> None:
 
     async def second() -> None:
         while trainer.stage is None:
-            await anyio.sleep(0)
+            await anyio.lowlevel.checkpoint()
         with pytest.raises(RuntimeError, match=r"already running 'fit'.*one Trainer per run"):
             await trainer.fit(TinyModule(), make_loader())
         trainer.request_stop()

@@ -410,3 +410,18 @@ def test_run_from_sync_code_and_its_errors() -> None:
 
     with pytest.raises(RuntimeError, match=r"already running.*Await the stage instead"):
         anyio.run(nested)
+
+
+def test_trainer_module_and_plugins_are_garbage_collected_after_fit() -> None:
+    import gc
+    import weakref
+
+    recorder = Recorder()
+    trainer = Trainer(max_epochs=1, plugins=[recorder])
+    module = TinyModule()
+    sub = trainer.subscribe(PutRecord, lambda r: None, mode="queued")
+    loopbus.run(trainer.fit, module, make_loader())
+    refs = [weakref.ref(o) for o in (trainer, module, recorder, sub)]
+    del trainer, module, recorder, sub
+    gc.collect()
+    assert [r() for r in refs] == [None, None, None, None]

@@ -165,6 +165,7 @@ class Subscription:
     ``"drop"`` overflow policy and :attr:`delivered` the events handled so far."""
 
     __slots__ = (
+        "__weakref__",
         "_accept_count",
         "_done",
         "_recv",

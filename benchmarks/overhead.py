@@ -35,9 +35,21 @@ from loopbus import Module, PutRecord, Trainer
 torch.set_num_threads(1)
 
 
-def make_net(seed: int = 0) -> torch.nn.Module:
+class MLP(torch.nn.Module):
+    """32 -> 32 -> 10, the model both loops train."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = torch.nn.Linear(32, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+
+def make_net(seed: int = 0) -> MLP:
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    return MLP()
 
 
 def make_loader(n: int = 3200) -> DataLoader[Any]:
@@ -67,13 +79,19 @@ def hand_written(data: Iterable[Any], steps: int) -> torch.nn.Module:
 
 # ---------------------------------------------------------------- loopbus
 class BenchModule(Module):
+    """The same layers and forward as MLP, plus a training step that puts the loss."""
+
     def __init__(self) -> None:
         super().__init__()
-        self.net = make_net()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    forward = MLP.forward
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
         x, y = batch
-        loss = F.cross_entropy(self.net(x), y)
+        loss = F.cross_entropy(self(x), y)
         self.put("loss", loss)
         return loss
 
@@ -226,6 +244,13 @@ def main(argv: list[str] | None = None) -> None:
         f"torch {torch.__version__}, {torch.get_num_threads()} torch thread, "
         f"{args.steps} steps, {args.repeats} alternating repeats, python {sys.version.split()[0]}"
     )
+    for backend in args.backends:
+        a = hand_written(loader, 200).state_dict()
+        b = with_loopbus(loader, 200, backend).state_dict()
+        same = all(torch.equal(a[k], b[k]) for k in a)
+        print(f"same work ({backend}): final weights after 200 steps identical: {same}")
+        if not same:
+            raise SystemExit("the two loops diverged; the comparison would be meaningless")
     if not args.skip_calls:
         for backend in args.backends:
             bare = extra_calls_per_step(backend, subscribers=False)

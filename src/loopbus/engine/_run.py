@@ -48,10 +48,14 @@ def run(
         except RuntimeError:
             library = None
     if library is not None:
+        owner = getattr(func, "__self__", None)
+        name = getattr(func, "__name__", "fit")
+        call = f"{type(owner).__name__.lower()}.{name}" if owner is not None else name
         raise RuntimeError(
             f"loopbus.run() was called while an {library} event loop is already running "
-            "(a notebook, a web app, or async code). Await the stage instead: "
-            f"`await {getattr(func, '__qualname__', 'trainer.fit')}(...)`."
+            "(a notebook, a web app, or other async code), and it cannot start a second one "
+            f"in this thread. Await the stage instead: `await {call}(...)` rather than "
+            f"`loopbus.run({call}, ...)`; in a notebook cell a top-level `await` works."
         )
     return anyio.run(
         functools.partial(func, *args, **kwargs), backend=backend, backend_options=backend_options

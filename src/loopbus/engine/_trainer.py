@@ -336,7 +336,8 @@ class Trainer:
         self.global_step = 0
         #: The current (or last) epoch, 0-based (read-only for users).
         self.current_epoch = 0
-        #: Set (or call :meth:`request_stop`) to end ``fit`` at the next step boundary.
+        #: Set (or call :meth:`request_stop`) to end the running stage at the next step
+        #: boundary (validation inside ``fit`` finishes its pass first).
         self.should_stop = False
         self.stop_reason: str | None = None
         #: The running stage ("fit", "validate", "test", "predict"), or None.
@@ -546,9 +547,11 @@ class Trainer:
         module.to(device)
         self._move_to = None if device.type == "cpu" else device
         self.precision.setup(device)
+        # Every stage starts without a stop request (a stopped fit must not mark a later
+        # validate as "stopped").
+        self.should_stop = False
+        self.stop_reason = None
         if stage == "fit":
-            self.should_stop = False
-            self.stop_reason = None
             if self._configured_for is not module:
                 opts, scheds = _parse_optimizers(module.configure_optimizers(), module)
                 self.optimizers, self.lr_scheduler_configs = opts, scheds

@@ -125,10 +125,10 @@ class Run:
             with self._scope:
                 self.state = "running"
                 self.started = time.time()
-                module, train, val = await anyio.to_thread.run_sync(self._build)
                 try:
+                    module, train, val = await anyio.to_thread.run_sync(self._build)
                     await self.trainer.fit(module, train, val)
-                except Exception as exc:
+                except Exception as exc:  # the run failed; the service goes on
                     self.state = "failed"
                     self.error = f"{type(exc).__name__}: {exc}"
                 else:

@@ -192,7 +192,7 @@ class BusyModule(Module):
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
         start = time.perf_counter()
-        h = batch
+        h: torch.Tensor = batch
         for _ in range(6):
             h = torch.tanh(self.layer(h))
         loss = h.square().mean()

@@ -216,6 +216,37 @@ def test_bad_requests_get_clear_errors(server: str) -> None:
     assert "nope" in missing.json()["error"]
 
 
+async def test_a_failing_run_is_reported_and_the_others_go_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """In process: a run that fails ends as "failed" with its error, next to a run that
+    completes, and the app's task group (the service) is not disturbed."""
+    import anyio
+
+    monkeypatch.syspath_prepend(str(EXAMPLES))
+    web_app = importlib.import_module("web_app")
+    build = web_app.Run._build
+
+    def broken_build(self: Any) -> Any:
+        if self.config.seed == 13:
+            raise RuntimeError("no data today")
+        return build(self)
+
+    monkeypatch.setattr(web_app.Run, "_build", broken_build)
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            runs = web_app.Runs(tg)
+            bad = runs.start(web_app.RunConfig(epochs=1, seed=13))
+            good = runs.start(web_app.RunConfig(epochs=1, executor="inline"))
+            for run in (bad, good):
+                async for _ in run.follow(0):
+                    pass
+    assert bad.state == "failed"
+    assert bad.error == "RuntimeError: no data today"
+    assert good.state == "completed"
+    assert good.info()["step"] == BATCHES_PER_EPOCH
+
+
 # ---------------------------------------------------------------- a real browser
 def _chromium() -> str | None:
     configured = os.environ.get("LOOPBUS_CHROMIUM")

@@ -521,26 +521,30 @@ async def test_closing_events_per_ending(ending: str, executor: str) -> None:
 
 
 # ---------------------------------------------------------------- concurrent runs
-class RecordLog:
-    def __init__(self, trainer: Trainer, run: str, order: list[str]) -> None:
-        self.records: list[PutRecord] = []
-        self.run = run
-        self.order = order
-        trainer.subscribe(PutRecord, self.records.append)
-        trainer.subscribe(TrainBatchCompleted, lambda e: order.append(run))
-
-
-async def _fit_one(
-    seed: int, executor: str, order: list[str], fail_at: int | None = None
-) -> tuple[Trainer, Module, RecordLog]:
+def _new_run(
+    seed: int,
+    executor: str,
+    order: list[str],
+    fail_at: int | None = None,
+    plugins: tuple[Plugin, ...] = (),
+) -> tuple[Trainer, Module, list[PutRecord]]:
+    """A trainer, its module (built from ``seed`` now, before any run starts) and the
+    list its records go to; each training batch appends the run's name to ``order``."""
     module: TinyModule = _module(seed)
     if fail_at is not None:
         failing = FailingModule(fail_at)
         failing.load_state_dict(module.state_dict())
         module = failing
-    trainer = Trainer(max_epochs=3, plugins=[], executor=executor, yield_interval=0)  # type: ignore[arg-type]
-    log = RecordLog(trainer, f"run{seed}", order)
-    return trainer, module, log
+    trainer = Trainer(
+        max_epochs=3,
+        plugins=list(plugins),
+        executor=executor,  # type: ignore[arg-type]
+        yield_interval=0,
+    )
+    records: list[PutRecord] = []
+    trainer.subscribe(PutRecord, records.append)
+    trainer.subscribe(TrainBatchCompleted, lambda e: order.append(f"run{seed}"))
+    return trainer, module, records
 
 
 @pytest.mark.parametrize(
@@ -552,14 +556,12 @@ async def test_concurrent_runs_match_sequential_runs(executors: tuple[str, str])
     # One after the other.
     sequential = []
     for seed, executor in zip(seeds, executors, strict=True):
-        trainer, module, log = await _fit_one(seed, executor, order)
+        trainer, module, records = _new_run(seed, executor, order)
         await trainer.fit(module, _loader(seed))
-        sequential.append((trainer, module, log))
+        sequential.append((trainer, module, records))
     order.clear()
     # Both at once, in one task group.
-    concurrent = [
-        await _fit_one(seed, ex, order) for seed, ex in zip(seeds, executors, strict=True)
-    ]
+    concurrent = [_new_run(seed, ex, order) for seed, ex in zip(seeds, executors, strict=True)]
     async with anyio.create_task_group() as tg:
         for seed, (trainer, module, _) in zip(seeds, concurrent, strict=True):
             tg.start_soon(trainer.fit, module, _loader(seed))
@@ -577,8 +579,8 @@ async def test_concurrent_runs_match_sequential_runs(executors: tuple[str, str])
             assert torch.equal(a, b), name
         assert t_con.global_step == t_seq.global_step == 36
         assert t_con.current_epoch == t_seq.current_epoch
-        seq = [(r.name, r.step, r.value) for r in log_seq.records]
-        con = [(r.name, r.step, r.value) for r in log_con.records]
+        seq = [(r.name, r.step, r.value, r.source) for r in log_seq]
+        con = [(r.name, r.step, r.value, r.source) for r in log_con]
         assert con == seq
     assert concurrent[0][0].bus is not concurrent[1][0].bus
 
@@ -586,15 +588,12 @@ async def test_concurrent_runs_match_sequential_runs(executors: tuple[str, str])
 @pytest.mark.parametrize("executor", EXECUTORS)
 async def test_a_failing_run_does_not_disturb_a_concurrent_one(executor: str) -> None:
     order: list[str] = []
-    trainer_ok, module_ok, log_ok = await _fit_one(2, executor, order)
-    await trainer_ok.fit(module_ok, _loader(2))
-    alone = module_ok.state_dict()
+    trainer_alone, module_alone, records_alone = _new_run(2, executor, order)
+    await trainer_alone.fit(module_alone, _loader(2))
 
     witness_ok, witness_bad = Witness(), Witness()
-    trainer_ok, module_ok, log_ok = await _fit_one(2, executor, order)
-    trainer_bad, module_bad, _ = await _fit_one(1, executor, order, fail_at=5)
-    trainer_ok.plugins.append(witness_ok)
-    trainer_bad.plugins.append(witness_bad)
+    trainer_ok, module_ok, records_ok = _new_run(2, executor, order, plugins=(witness_ok,))
+    trainer_bad, module_bad, _ = _new_run(1, executor, order, fail_at=5, plugins=(witness_bad,))
     failures: list[BaseException] = []
 
     async def guarded(trainer: Trainer, module: Module, data: Any) -> None:
@@ -611,9 +610,9 @@ async def test_a_failing_run_does_not_disturb_a_concurrent_one(executor: str) ->
     assert witness_bad.events[-2:] == ["ExceptionRaised", "Teardown(failed)"]
     assert witness_ok.events[-2:] == ["FitCompleted(stopped=False)", "Teardown(completed)"]
     assert not any("ExceptionRaised" in e for e in witness_ok.events)
-    for name, value in alone.items():
+    for name, value in module_alone.state_dict().items():
         assert torch.equal(module_ok.state_dict()[name], value), name
-    assert {r.source for r in log_ok.records} == {"TinyModule"}
+    assert [(r.name, r.value) for r in records_ok] == [(r.name, r.value) for r in records_alone]
     assert trainer_ok.global_step == 36
 
 

@@ -17,6 +17,7 @@ from ._exceptions import MisconfigurationError as MisconfigurationError
 from ._exceptions import ScopeLeakError as ScopeLeakError
 from ._exceptions import StopLoop as StopLoop
 from ._exceptions import SubscriptionError as SubscriptionError
+from .engine import CheckpointMismatch as CheckpointMismatch
 from .engine import EvaluationLoop as EvaluationLoop
 from .engine import FitLoop as FitLoop
 from .engine import Loop as Loop
@@ -31,11 +32,16 @@ from .engine import Scope as Scope
 from .engine import Stateful as Stateful
 from .engine import TrainEpochLoop as TrainEpochLoop
 from .engine import Trainer as Trainer
+from .engine import latest_checkpoint as latest_checkpoint
+from .engine import load_checkpoint as load_checkpoint
 from .engine import register_destination as register_destination
 from .engine import register_precision as register_precision
+from .engine import remove_checkpoint as remove_checkpoint
+from .engine import remove_stale_temporaries as remove_stale_temporaries
 from .engine import run as run
 from .engine import seed_everything as seed_everything
 from .engine import set_default_plugins as set_default_plugins
+from .engine import write_checkpoint as write_checkpoint
 from .events import DESTINATIONS as DESTINATIONS
 from .events import Event as Event
 from .events import EventBus as EventBus
@@ -48,6 +54,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DESTINATIONS",
     "CheckpointError",
+    "CheckpointMismatch",
     "EvaluationLoop",
     "Event",
     "EventBus",
@@ -74,10 +81,15 @@ __all__ = [
     "Trainer",
     "__version__",
     "events",
+    "latest_checkpoint",
+    "load_checkpoint",
     "on",
     "register_destination",
     "register_precision",
+    "remove_checkpoint",
+    "remove_stale_temporaries",
     "run",
     "seed_everything",
     "set_default_plugins",
+    "write_checkpoint",
 ]

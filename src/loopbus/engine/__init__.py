@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+from ._checkpoint import CheckpointMismatch as CheckpointMismatch
+from ._checkpoint import latest_checkpoint as latest_checkpoint
+from ._checkpoint import load_checkpoint as load_checkpoint
+from ._checkpoint import remove_checkpoint as remove_checkpoint
+from ._checkpoint import remove_stale_temporaries as remove_stale_temporaries
+from ._checkpoint import write_checkpoint as write_checkpoint
 from ._loop import Loop as Loop
 from ._loop import LoopEvents as LoopEvents
 from ._loops import EvaluationLoop as EvaluationLoop
@@ -25,6 +31,7 @@ from ._trainer import Trainer as Trainer
 from ._trainer import set_default_plugins as set_default_plugins
 
 __all__ = [
+    "CheckpointMismatch",
     "Counters",
     "EvaluationLoop",
     "FitLoop",
@@ -41,9 +48,14 @@ __all__ = [
     "Stateful",
     "TrainEpochLoop",
     "Trainer",
+    "latest_checkpoint",
+    "load_checkpoint",
     "register_destination",
     "register_precision",
+    "remove_checkpoint",
+    "remove_stale_temporaries",
     "run",
     "seed_everything",
     "set_default_plugins",
+    "write_checkpoint",
 ]

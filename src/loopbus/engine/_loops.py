@@ -46,9 +46,10 @@ from ..events import (
     ValidationCompleted,
     ValidationStarted,
 )
-from ._checkpoint import capture_epoch_rng, capture_rng, restore_epoch_rng, restore_rng
 from ._loop import Loop, LoopEvents
+from ._rng import capture_epoch_rng, capture_rng, restore_epoch_rng, restore_rng
 from ._scope import Scope
+from ._state import Stateful
 
 if TYPE_CHECKING:
     from ._trainer import Trainer
@@ -224,6 +225,7 @@ class TrainEpochLoop(_DataLoop):
         self._in_epoch = False
         self._resume_in_epoch = True
         self._loader_restored = False
+        self._peeked: tuple[int, dict[str, Any]] | None = None
 
     def reset(self) -> None:
         if self._restarting and not self._resume_in_epoch:
@@ -293,7 +295,7 @@ class TrainEpochLoop(_DataLoop):
                     except StopIteration:
                         break
         restore_rng(resume_rng)
-        return iterator
+        return iterator  # type: ignore[no-any-return]
 
     async def on_advance_start(self, ctx: Scope) -> None:
         self._next_batch(ctx)
@@ -374,7 +376,21 @@ class TrainEpochLoop(_DataLoop):
             return True
         # The last batch of the epoch closes the window too: look one batch ahead.
         fetcher: Fetcher = self.run_ctx.fetcher
+        data = trainer._train_data
+        if fetcher.next is _UNSET and isinstance(data, Stateful):
+            # A checkpoint taken before this batch completes must not count the batch
+            # fetched ahead: keep the loader's position from before the fetch.
+            self._peeked = (n, data.state_dict())
         return not fetcher.has_next()
+
+    def loader_state(self, data: Any) -> dict[str, Any]:
+        """The position of a stateful training loader as of the last batch fetched for
+        training (a batch fetched only to look ahead does not count)."""
+        peeked = self._peeked
+        if peeked is not None and self._in_epoch and peeked[0] == self.progress.current.ready:
+            return peeked[1]
+        self._peeked = None
+        return data.state_dict()  # type: ignore[no-any-return]
 
     async def on_advance_end(self, ctx: Scope) -> None:
         trainer = self._trainer
@@ -412,7 +428,8 @@ class TrainEpochLoop(_DataLoop):
     def on_save_checkpoint(self) -> dict[str, Any]:
         return {
             "global_step": self.trainer.global_step,
-            "in_epoch": self._in_epoch,
+            # Loaded but not resumed yet: still the loaded position.
+            "in_epoch": self._resume_in_epoch if self._restarting else self._in_epoch,
             "epoch_rng": self._epoch_rng,
         }
 

@@ -4,17 +4,29 @@ from __future__ import annotations
 
 import functools
 import math
+import os
+import warnings
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
+from pathlib import Path
 from time import perf_counter
 from typing import Any, Literal
 
 import anyio
 import anyio.from_thread
+import anyio.to_thread
 import torch
 
 from .._exceptions import MisconfigurationError
 from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
+from ._checkpoint import (
+    CheckpointMismatch,
+    load_checkpoint,
+    load_trainer_state,
+    resolve_last,
+    trainer_state_dict,
+    write_checkpoint,
+)
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
 from ._module import Module
@@ -349,6 +361,10 @@ class Trainer:
         self._emit_sync: Callable[[Any, Any], Any] = self.bus.deliver_sync
         self._move_to: torch.device | None = None
         self._next_yield = 0.0
+        # The training data of the current (or last) fit, for its loader's state, and the
+        # random state a resumed fit applies where it resumes.
+        self._train_data: Any = None
+        self._resume_rng: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"<Trainer stage={self.stage!r} step={self.global_step} epoch={self.current_epoch}>"
@@ -383,16 +399,81 @@ class Trainer:
         await self.bus.publish(event)
 
     # ------------------------------------------------------------ stages
-    async def fit(self, module: Module, train_data: Any, val_data: Any = None) -> None:
-        """Train ``module`` on ``train_data``, validating on ``val_data`` when given."""
+    async def fit(
+        self,
+        module: Module,
+        train_data: Any,
+        val_data: Any = None,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        ckpt_strict: bool = True,
+    ) -> None:
+        """Train ``module`` on ``train_data``, validating on ``val_data`` when given.
+
+        ``ckpt_path`` resumes from a checkpoint exactly where it was taken (mid-epoch
+        included): a file, a directory (its last checkpoint) or ``"last"`` (the newest
+        checkpoint of the plugins that write them, such as ``Checkpoint``; a warning and
+        a fresh start if there is none yet). ``ckpt_strict=False`` loads what matches the
+        current run and warns about the rest (see ``docs/checkpointing.md``).
+        """
         _check_data(train_data, "train_data")
         if val_data is not None:
             _check_data(val_data, "val_data")
         self._check_module(module, "fit", "training_step")
         if val_data is not None:
             self._check_module(module, "fit with val_data", "validation_step")
-        async with self._stage("fit", module):
-            await self.fit_loop.run(train_data, val_data)
+        self._train_data = train_data
+        try:
+            async with self._stage("fit", module):
+                if ckpt_path is not None:
+                    await self._resume(ckpt_path, ckpt_strict)
+                await self.fit_loop.run(train_data, val_data)
+        finally:
+            self._resume_rng = None
+            self.fit_loop.epoch_loop._loader_restored = False
+
+    async def _resume(self, ckpt_path: str | os.PathLike[str], strict: bool) -> None:
+        path = resolve_last(self) if ckpt_path == "last" else ckpt_path
+        if path is None:
+            return
+        state = await anyio.to_thread.run_sync(load_checkpoint, path)
+        mismatch = load_trainer_state(self, state, strict=strict, source=str(path))
+        if mismatch:
+            warnings.warn(
+                f"resumed from {path} with ckpt_strict=False; what did not match kept its "
+                f"current state:\n{mismatch}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    # ------------------------------------------------------------ checkpoints
+    def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
+        """The run's state as a checkpoint dict of plain tensors and Python primitives:
+        module, optimizers, schedulers, precision (grad scaler), plugins, loops and their
+        progress, the training loader's position when it is stateful, random generators.
+        With ``to_host`` the tensors are copies in host memory (safe to write while
+        training goes on); otherwise the live tensors."""
+        return trainer_state_dict(self, to_host=to_host)
+
+    def load_state_dict(
+        self, state: dict[str, Any], strict: bool = True
+    ) -> CheckpointMismatch:
+        """Load a checkpoint dict into this run (module and optimizers must be set up:
+        resume through ``fit(..., ckpt_path=...)``). With ``strict`` any component that
+        is missing, unexpected or incompatible raises :class:`CheckpointError`; without,
+        what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
+        return load_trainer_state(self, state, strict=strict)
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
+        completeness marker) and return the path. Blocks until the file is durable."""
+        return write_checkpoint(self.state_dict(), path)
+
+    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
+        """Copy the run's state to host memory now, write it in a worker thread, and
+        return once it is durable; the event loop stays free meanwhile."""
+        state = self.state_dict(to_host=True)
+        return await anyio.to_thread.run_sync(write_checkpoint, state, path)
 
     async def validate(self, module: Module, data: Any) -> dict[str, float | int | bool]:
         """One pass of ``validation_step`` over ``data``; returns the last value of each

@@ -2,4 +2,6 @@
 
 from __future__ import annotations
 
-__all__: list[str] = []
+from ._checkpoint import Checkpoint as Checkpoint
+
+__all__: list[str] = ["Checkpoint"]

@@ -1,0 +1,522 @@
+"""Checkpoint files: plain values only, written atomically with a completeness marker,
+read back with ``torch.load(..., weights_only=True)`` and checked.
+
+Writing (:func:`write_checkpoint`): a temporary file in the target's directory, flush and
+fsync, ``os.replace`` onto the target, fsync of the directory, then a completeness marker
+``<file>.complete`` (JSON: size, CRC-32, step) written the same way; optionally the
+directory's ``last.json`` pointer. A crash at any moment leaves the previous file under
+the target name; a reader that finds a marker checks the file against it, so a torn or
+modified file is refused with a clear error.
+
+Reading (:func:`load_checkpoint`): ``torch.load(..., weights_only=True)`` only, so a file
+holding pickled Python objects is refused and nothing from it runs; then the header is
+checked (format, version).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import pickle
+import secrets
+import zlib
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .._exceptions import CheckpointError
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LAST_POINTER",
+    "check_header",
+    "checkpoint_info",
+    "latest_checkpoint",
+    "load_checkpoint",
+    "newest",
+    "remove_checkpoint",
+    "remove_stale_temporaries",
+    "to_plain",
+    "write_checkpoint",
+]
+
+FORMAT = "loopbus.checkpoint"
+#: The checkpoint format this loopbus writes and the newest one it reads.
+FORMAT_VERSION = 1
+#: The name of the pointer file that names the last checkpoint written into a directory.
+LAST_POINTER = "last.json"
+MARKER_SUFFIX = ".complete"
+_TMP_TAG = ".tmp-"
+
+PathLike = str | os.PathLike[str]
+
+
+# ---------------------------------------------------------------- plain values
+
+_LEAVES = (type(None), bool, int, float, complex, str, bytes, torch.dtype, torch.device)
+_KEYS = (str, int, float, bool, type(None))
+
+
+def _fail_plain(where: str, obj: Any) -> CheckpointError:
+    text = repr(obj)
+    if len(text) > 80:
+        text = text[:77] + "..."
+    return CheckpointError(
+        f"cannot save {where}: it is a value of type {type(obj).__qualname__} ({text}). A "
+        "checkpoint holds only tensors and Python primitives (None, bool, int, float, str, "
+        "bytes and lists, tuples and dicts of them), so that it loads with "
+        "torch.load(..., weights_only=True) and nothing is unpickled. Convert the value "
+        "in the component's state_dict() (to a number, a list or a tensor) and back in its "
+        "load_state_dict()."
+    )
+
+
+class _Plain:
+    """Checks that a state is plain and rebuilds it; with ``copy`` every tensor is copied
+    to host memory (storage shared between tensors stays shared)."""
+
+    def __init__(self, copy: bool) -> None:
+        self.copy = copy
+        self.memo: dict[Any, torch.Tensor] = {}
+        self.cuda = False
+
+    def tensor(self, t: torch.Tensor, where: str) -> torch.Tensor:
+        cls = type(t)
+        if cls is not torch.Tensor and cls is not torch.nn.Parameter:
+            raise _fail_plain(where, t)
+        if not self.copy:
+            return t.detach() if t.requires_grad or cls is not torch.Tensor else t
+        key = (
+            t.untyped_storage().data_ptr(),
+            t.storage_offset(),
+            tuple(t.shape),
+            t.stride(),
+            t.dtype,
+            t.device,
+        )
+        copied = self.memo.get(key)
+        if copied is None:
+            if t.device.type == "cpu":
+                copied = t.detach().clone()
+            else:
+                # One synchronisation for all device tensors, at the end of the walk.
+                copied = t.detach().to("cpu", non_blocking=True)
+                self.cuda = self.cuda or t.device.type == "cuda"
+            self.memo[key] = copied
+        return copied
+
+    def walk(self, obj: Any, where: str) -> Any:
+        cls = type(obj)
+        if cls in _LEAVES:
+            return obj
+        if isinstance(obj, torch.Tensor):
+            return self.tensor(obj, where)
+        if cls is dict or cls is OrderedDict:
+            out: dict[Any, Any] = {} if cls is dict else OrderedDict()
+            for key, value in obj.items():
+                if type(key) not in _KEYS:
+                    raise CheckpointError(
+                        f"cannot save {where}: key {key!r} is a {type(key).__qualname__}; "
+                        "state dict keys must be str, int, float, bool or None."
+                    )
+                out[key] = self.walk(value, f"{where}[{key!r}]")
+            metadata = getattr(obj, "_metadata", None)
+            if metadata is not None:  # nn.Module.state_dict() versions its entries
+                out._metadata = self.walk(metadata, f"{where}._metadata")  # type: ignore[attr-defined]
+            return out
+        if cls is list:
+            return [self.walk(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+        if cls is tuple:
+            return tuple(self.walk(v, f"{where}[{i}]") for i, v in enumerate(obj))
+        if cls is torch.Size:
+            return obj
+        raise _fail_plain(where, obj)
+
+
+def to_plain(state: Any, *, copy: bool = False, where: str = "the state") -> Any:
+    """``state`` rebuilt from plain containers; raises :class:`CheckpointError` naming the
+    first value that is not a tensor or a Python primitive. With ``copy``, every tensor is
+    copied to host memory, so the result stays valid while training goes on."""
+    walker = _Plain(copy)
+    result = walker.walk(state, where)
+    if walker.cuda:
+        torch.cuda.synchronize()
+    return result
+
+
+# ---------------------------------------------------------------- writing
+
+
+def marker_path(path: PathLike) -> Path:
+    """The completeness marker of the checkpoint at ``path``."""
+    p = Path(path)
+    return p.with_name(p.name + MARKER_SUFFIX)
+
+
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # platforms that cannot open a directory (Windows)
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _temp_path(target: Path) -> Path:
+    return target.with_name(f".{target.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+
+
+class _ChecksumWriter:
+    """A file wrapper that counts and CRC-32s what ``torch.save`` writes through it."""
+
+    __slots__ = ("crc", "file", "size")
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+        self.crc = 0
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        self.crc = zlib.crc32(data, self.crc)
+        written: int = self.file.write(data)
+        self.size += written
+        return written
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _write_durably(target: Path, write: Any, before_replace: Any = None) -> Any:
+    """Write ``target`` through a temporary file: ``write(file)``, flush, fsync, rename,
+    fsync the directory. The temporary file is removed if anything fails."""
+    temp = _temp_path(target)
+    try:
+        with open(temp, "wb") as file:
+            result = write(file)
+            file.flush()
+            os.fsync(file.fileno())
+        if before_replace is not None:
+            before_replace()
+        os.replace(temp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            temp.unlink()
+        raise
+    _fsync_dir(target.parent)
+    return result
+
+
+def _write_json(target: Path, payload: dict[str, Any]) -> None:
+    data = json.dumps(payload, indent=1, sort_keys=True).encode()
+    _write_durably(target, lambda f: f.write(data))
+
+
+def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool = False) -> Path:
+    """Write a checkpoint made by :meth:`Trainer.state_dict` to ``path``, atomically.
+
+    The file appears under its name only once complete and on disk (temporary file in the
+    same directory, flush, fsync, rename, directory fsync); its completeness marker
+    ``<path>.complete`` follows. With ``update_last`` the directory's ``last.json``
+    pointer is then moved to it. A crash at any moment leaves the previous checkpoint
+    loadable. Returns the path written.
+    """
+    target = Path(os.fspath(path))
+    header = check_header(state, "the state passed to write_checkpoint")
+    plain = to_plain(state, where=f"checkpoint (for {target.name})")
+    if target.is_dir():
+        raise CheckpointError(
+            f"cannot write a checkpoint to {target}: it is a directory; pass a file path "
+            "such as 'checkpoints/run.ckpt'."
+        )
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+
+        def save(file: Any) -> _ChecksumWriter:
+            writer = _ChecksumWriter(file)
+            torch.save(plain, writer)  # type: ignore[arg-type]  # a file-like writer
+            return writer
+
+        marker = marker_path(target)
+        # A marker must never describe other content than its file: the old one goes
+        # right before the new file replaces the old (which stays loadable without it).
+        writer: _ChecksumWriter = _write_durably(
+            target, save, lambda: marker.unlink(missing_ok=True)
+        )
+        info = {
+            "format": FORMAT,
+            "format_version": header["format_version"],
+            "file": target.name,
+            "size": writer.size,
+            "crc32": writer.crc,
+            "global_step": header.get("global_step"),
+            "epoch": header.get("epoch"),
+            "created": header.get("created"),
+        }
+        _write_json(marker, info)
+        if update_last:
+            pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
+            pointer["checkpoint"] = target.name
+            _write_json(target.parent / LAST_POINTER, pointer)
+    except OSError as exc:
+        raise CheckpointError(
+            f"could not write the checkpoint {target}: {exc}. The previous checkpoint at "
+            "that path, if any, is unchanged."
+        ) from exc
+    return target
+
+
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint and its completeness marker (the marker first, so that a crash
+    in between never leaves a marker without its file). Missing files are ignored."""
+    target = Path(os.fspath(path))
+    marker_path(target).unlink(missing_ok=True)
+    target.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(directory: PathLike) -> list[Path]:
+    """Delete temporary files that writers which no longer run left in ``directory``."""
+    removed: list[Path] = []
+    d = Path(directory)
+    if not d.is_dir():
+        return removed
+    for entry in d.iterdir():
+        name = entry.name
+        if not name.startswith(".") or _TMP_TAG not in name:
+            continue
+        tail = name.rsplit(_TMP_TAG, 1)[1]
+        pid_text = tail.split("-", 1)[0]
+        if not pid_text.isdigit():
+            continue
+        pid = int(pid_text)
+        if pid != os.getpid() and _alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
+
+
+# ---------------------------------------------------------------- reading
+
+
+def checkpoint_info(path: PathLike) -> dict[str, Any] | None:
+    """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
+    time of creation), or None if it has none."""
+    marker = marker_path(path)
+    try:
+        text = marker.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read the completeness marker {marker}: {exc}") from exc
+    try:
+        info = json.loads(text)
+    except ValueError:
+        raise CheckpointError(
+            f"the completeness marker {marker} is not valid JSON; it was modified by hand. "
+            "Delete it to load the checkpoint without the integrity check."
+        ) from None
+    if not isinstance(info, dict):
+        raise CheckpointError(f"the completeness marker {marker} does not hold a JSON object.")
+    return info
+
+
+def _verify(file: Path) -> None:
+    info = checkpoint_info(file)
+    if info is None:
+        return
+    size = file.stat().st_size
+    expected = info.get("size")
+    if size != expected:
+        raise CheckpointError(
+            f"the checkpoint {file} is torn or truncated: its completeness marker records "
+            f"{expected} bytes but the file has {size}. It was not written completely (or was "
+            "modified after it was written); load another checkpoint, for example the "
+            "previous one in the same directory."
+        )
+    crc = 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    if crc != info.get("crc32"):
+        raise CheckpointError(
+            f"the checkpoint {file} is corrupted: its CRC-32 does not match the one its "
+            "completeness marker recorded when it was written. Load another checkpoint, for "
+            "example the previous one in the same directory."
+        )
+
+
+def newest(candidates: Iterable[Path]) -> Path | None:
+    best: tuple[Any, ...] | None = None
+    chosen: Path | None = None
+    for path in candidates:
+        try:
+            info = checkpoint_info(path) or {}
+        except CheckpointError:
+            info = {}
+        step = info.get("global_step")
+        created = info.get("created")
+        if not isinstance(created, (int, float)):
+            try:
+                created = path.stat().st_mtime
+            except OSError:
+                created = 0.0
+        key = (step if isinstance(step, int) else -1, created)
+        if best is None or key > best:
+            best, chosen = key, path
+    return chosen
+
+
+def latest_checkpoint(directory: PathLike) -> Path | None:
+    """The last checkpoint written into ``directory``: the one its ``last.json`` pointer
+    names or, without a pointer, the newest complete one (with a matching marker). None
+    when the directory holds no checkpoint."""
+    d = Path(os.fspath(directory))
+    pointer = d / LAST_POINTER
+    if pointer.exists():
+        return _follow_pointer(pointer)
+    if not d.is_dir():
+        return None
+    complete = []
+    for marker in d.glob("*" + MARKER_SUFFIX):
+        file = marker.with_name(marker.name[: -len(MARKER_SUFFIX)])
+        try:
+            info = checkpoint_info(file)
+        except CheckpointError:
+            continue
+        if info is not None and file.is_file() and file.stat().st_size == info.get("size"):
+            complete.append(file)
+    return newest(complete)
+
+
+def _follow_pointer(pointer: Path) -> Path:
+    try:
+        info = json.loads(pointer.read_text())
+        name = info["checkpoint"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CheckpointError(
+            f"the last-checkpoint pointer {pointer} cannot be read ({exc!r}); it should be "
+            'JSON like {"checkpoint": "epoch=0-step=100.ckpt"}. Pass a checkpoint file '
+            "explicitly instead."
+        ) from exc
+    if not isinstance(name, str) or not name or os.sep in name or name in (".", ".."):
+        raise CheckpointError(
+            f"the last-checkpoint pointer {pointer} names {name!r}, which is not a file name "
+            "in its directory."
+        )
+    return pointer.parent / name
+
+
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The checkpoint file ``path`` means: a file, a directory (its last checkpoint) or a
+    ``last.json`` pointer."""
+    p = Path(os.fspath(path))
+    if p.is_dir():
+        found = latest_checkpoint(p)
+        if found is None:
+            raise CheckpointError(
+                f"no checkpoint in the directory {p}: it has no {LAST_POINTER} pointer and "
+                "no complete checkpoint file. Pass the path of a checkpoint file."
+            )
+        p = found
+    elif p.name == LAST_POINTER and p.is_file():
+        p = _follow_pointer(p)
+    if not p.exists():
+        nearby = ""
+        if p.parent.is_dir():
+            names = sorted(x.name for x in p.parent.glob("*.ckpt"))[:10]
+            if names:
+                nearby = f" Checkpoints in {p.parent}: {', '.join(names)}."
+        raise CheckpointError(f"no checkpoint at {p}: the file does not exist.{nearby}")
+    return p
+
+
+def _short(exc: BaseException) -> str:
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    for line in lines:
+        if "GLOBAL" in line or "Unsupported" in line:
+            return line
+    return lines[0] if lines else type(exc).__name__
+
+
+def load_checkpoint(
+    path: PathLike, *, map_location: Any = "cpu", verify: bool = True
+) -> dict[str, Any]:
+    """Read a checkpoint written by loopbus, safely.
+
+    ``path`` is a checkpoint file, a directory (its last checkpoint) or a ``last.json``
+    pointer. The file is read with ``torch.load(..., weights_only=True)``: a file holding
+    pickled Python objects is refused and nothing from it runs. With ``verify`` the file
+    is first checked against its completeness marker (size and CRC-32) when it has one.
+    Raises :class:`CheckpointError` naming the file for a missing, torn, foreign or newer
+    checkpoint.
+    """
+    file = resolve_checkpoint(path)
+    if verify:
+        _verify(file)
+    try:
+        state = torch.load(file, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as exc:
+        if "weights only" in str(exc).lower():
+            raise CheckpointError(
+                f"refusing to load {file}: it contains pickled Python objects, which a "
+                f"weights-only load does not execute ({_short(exc)}). Nothing from the file "
+                "was run. loopbus checkpoints hold only tensors and Python primitives; if "
+                "this is another kind of file and you trust its source, read it yourself "
+                "with torch.load(..., weights_only=False)."
+            ) from None
+        raise CheckpointError(
+            f"cannot read the checkpoint {file}: it is torn, truncated or not a checkpoint "
+            f"({_short(exc)})."
+        ) from exc
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointError(
+            f"cannot read the checkpoint {file}: it is torn or truncated (an interrupted "
+            f"write or copy) or not a checkpoint at all ({_short(exc)}). Load another "
+            "checkpoint, for example the previous one in the same directory."
+        ) from exc
+    check_header(state, str(file))
+    return state  # type: ignore[no-any-return]
+
+
+def check_header(state: Any, source: str) -> dict[str, Any]:
+    header = state.get("loopbus") if isinstance(state, dict) else None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{source} is not a loopbus checkpoint (it has no 'loopbus' header; top-level "
+            f"keys: {keys}). Checkpoints come from Trainer.state_dict(), "
+            "Trainer.save_checkpoint() or the Checkpoint plugin; to load bare module "
+            "weights use module.load_state_dict(torch.load(path, weights_only=True))."
+        )
+    version = header.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{source} has an invalid format_version {version!r}.")
+    if version > FORMAT_VERSION:
+        import loopbus
+
+        raise CheckpointError(
+            f"{source} was written by a newer loopbus ({header.get('version')!r}, checkpoint "
+            f"format {version}); this loopbus ({loopbus.__version__}) reads formats up to "
+            f"{FORMAT_VERSION}. Upgrade loopbus to load it."
+        )
+    return header

@@ -1,0 +1,413 @@
+"""``Checkpoint``: save the run every N steps, every N epochs and/or on the best value of a
+monitored record; keep the last K and the best K; maintain a ``last.json`` pointer; write
+in the background if asked.
+
+Written against the public API only, like a user's plugin.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import anyio
+import anyio.to_thread
+import torch
+
+from loopbus import (
+    CheckpointError,
+    MisconfigurationError,
+    Plugin,
+    latest_checkpoint,
+    on,
+    remove_checkpoint,
+    remove_stale_temporaries,
+    write_checkpoint,
+)
+from loopbus.events import (
+    EpochCompleted,
+    FitCompleted,
+    PutRecord,
+    Subscription,
+    TrainBatchCompleted,
+    ValidationCompleted,
+)
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from loopbus import Trainer
+
+__all__ = ["Checkpoint"]
+
+
+def _check_every(name: str, value: Any) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise MisconfigurationError(
+            f"Checkpoint({name}=...) must be an int >= 1 or None, got {value!r}."
+        )
+    return value
+
+
+def _is_global_zero() -> bool:
+    dist = torch.distributed
+    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
+
+
+class Checkpoint(Plugin):
+    """Saves checkpoints of a ``fit`` into ``dirpath``.
+
+    When (any combination; with none of them, every epoch):
+
+    * ``every_n_steps=N``: after every N-th optimizer step (at ``TrainBatchCompleted``);
+    * ``every_n_epochs=N``: at the end of every N-th epoch (``EpochCompleted``, after the
+      epoch's validation and schedulers);
+    * ``monitor="val/acc", mode="max"``: when the monitored put record reaches one of the
+      ``keep_best`` best values. The value is checked after each validation, and the save
+      happens at the next consistent boundary: the ``TrainBatchCompleted`` of the batch
+      the validation ran after (``val_check_interval``), or ``EpochCompleted`` (validation
+      at epoch end). A checkpoint taken in the middle of a batch could not be resumed
+      exactly, so none is.
+    * ``save_on_end``: once more when ``fit`` completes or is stopped, unless nothing
+      happened since the last save (a failed or cancelled ``fit`` saves nothing, so the
+      last checkpoint stays the last good state).
+
+    What is kept: the ``keep_last`` most recent periodic checkpoints (None: all), the
+    ``keep_best`` best ones (None: all), and always the newest, which the directory's
+    ``last.json`` pointer names: ``trainer.fit(..., ckpt_path="last")`` resumes from it.
+
+    ``background=True``: the step pays only for copying the state to host memory; the
+    file is written in a worker thread. At most one save is in flight (a save waits for
+    the previous one), and ``fit`` returns only once the last one is durable. A failed
+    background write is raised at the next save or when ``fit`` ends.
+
+    File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``;
+    two saves at the same epoch and step share a name, and the later one replaces the
+    earlier (atomically).
+    """
+
+    #: After the other callbacks of the same event, so that their state is saved updated.
+    priority: ClassVar[int] = -100
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike[str],
+        *,
+        every_n_steps: int | None = None,
+        every_n_epochs: int | None = None,
+        monitor: str | None = None,
+        mode: Literal["min", "max"] = "min",
+        keep_last: int | None = 1,
+        keep_best: int | None = 1,
+        filename: str = "epoch={epoch}-step={step}",
+        background: bool = False,
+        save_on_end: bool = True,
+    ) -> None:
+        if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
+            raise MisconfigurationError(
+                f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
+            )
+        self.dirpath = Path(os.fspath(dirpath))
+        self.every_n_steps = _check_every("every_n_steps", every_n_steps)
+        self.every_n_epochs = _check_every("every_n_epochs", every_n_epochs)
+        if monitor is not None and (not isinstance(monitor, str) or not monitor):
+            raise MisconfigurationError(
+                f"Checkpoint(monitor=...) must be the name of a put record such as 'val/acc', "
+                f"got {monitor!r}."
+            )
+        if mode not in ("min", "max"):
+            raise MisconfigurationError(
+                f"Checkpoint(mode=...) must be 'min' (lower is better) or 'max', got {mode!r}."
+            )
+        if monitor is None and self.every_n_steps is None and self.every_n_epochs is None:
+            self.every_n_epochs = 1
+        self.monitor = monitor
+        self.monitor_mode: Literal["min", "max"] = mode
+        self.keep_last = _check_every("keep_last", keep_last)
+        self.keep_best = _check_every("keep_best", keep_best)
+        try:
+            example = filename.format(epoch=0, step=0)
+        except (KeyError, IndexError, ValueError, AttributeError) as exc:
+            raise MisconfigurationError(
+                f"Checkpoint(filename={filename!r}) is not a valid template: {exc!r}; use the "
+                "fields {epoch} and {step}, for example 'epoch={epoch}-step={step}'."
+            ) from None
+        if not example or "/" in example or os.sep in example or example.startswith("."):
+            raise MisconfigurationError(
+                f"Checkpoint(filename={filename!r}) must make a plain file name (no "
+                "directory separators, not starting with a dot)."
+            )
+        self.filename = filename
+        self.background = bool(background)
+        self.save_on_end = bool(save_on_end)
+
+        # Checkpointed state (see state_dict).
+        self._recent: list[str] = []
+        self._best: list[tuple[float, str]] = []
+        self._last: str | None = None
+        self._last_saved: tuple[int, str] | None = None
+        self._monitor_value: float | None = None
+        self._monitor_fresh = False
+        self._validated = False
+
+        # Per stage.
+        self._trainer: Trainer | None = None
+        self._task_group: TaskGroup | None = None
+        self._record_sub: Subscription | None = None
+        self._idle: anyio.Event | None = None
+        self._error: BaseException | None = None
+        self._saw_validation = False
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(dirpath={str(self.dirpath)!r})"
+
+    @property
+    def state_key(self) -> str:
+        """``"Checkpoint"``, or ``"Checkpoint[<monitor>]"`` with a monitor, so that a run can
+        keep one periodic and several monitored checkpoints apart."""
+        return "Checkpoint" if self.monitor is None else f"Checkpoint[{self.monitor}]"
+
+    # ------------------------------------------------------------ public API
+    def last_checkpoint_path(self) -> Path | None:
+        """The newest checkpoint in ``dirpath`` (what ``ckpt_path="last"`` loads), or None."""
+        return latest_checkpoint(self.dirpath)
+
+    @property
+    def best_checkpoint_path(self) -> Path | None:
+        """The checkpoint with the best monitored value so far, or None."""
+        return self.dirpath / self._best[0][1] if self._best else None
+
+    @property
+    def best_value(self) -> float | None:
+        """The best monitored value so far, or None."""
+        return self._best[0][0] if self._best else None
+
+    # ------------------------------------------------------------ lifecycle
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._trainer = trainer
+        self._error = None
+        self._idle = None
+        self._saw_validation = False
+        try:
+            self.dirpath.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CheckpointError(
+                f"Checkpoint cannot create its directory {self.dirpath}: {exc}"
+            ) from exc
+        remove_stale_temporaries(self.dirpath)
+        if self.monitor is not None:
+            self._record_sub = trainer.subscribe(
+                PutRecord,
+                self._on_record,
+                destination="callbacks",
+                owner=f"{type(self).__name__}._on_record",
+            )
+
+    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+        self._task_group = task_group
+
+    async def stop(self, trainer: Trainer, stage: str) -> None:
+        await self._wait_idle()
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        if self._record_sub is not None:
+            self._record_sub.unsubscribe()
+            self._record_sub = None
+        self._trainer = None
+        self._task_group = None
+
+    # ------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recent": list(self._recent),
+            "best": [[value, name] for value, name in self._best],
+            "last": self._last,
+            "last_saved": list(self._last_saved) if self._last_saved is not None else None,
+            "monitor": self.monitor,
+            "mode": self.monitor_mode,
+            "monitor_value": self._monitor_value,
+            "monitor_fresh": self._monitor_fresh,
+            "validated": self._validated,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        saved_monitor = state_dict.get("monitor")
+        if saved_monitor != self.monitor or state_dict.get("mode") != self.monitor_mode:
+            # Best values of another metric (or order) mean nothing here: start afresh.
+            self._best = []
+            self._monitor_value = None
+            self._monitor_fresh = False
+        else:
+            self._best = [(float(v), str(n)) for v, n in state_dict.get("best", [])]
+            value = state_dict.get("monitor_value")
+            self._monitor_value = None if value is None else float(value)
+            self._monitor_fresh = bool(state_dict.get("monitor_fresh", False))
+        self._recent = [str(n) for n in state_dict.get("recent", [])]
+        last = state_dict.get("last")
+        self._last = None if last is None else str(last)
+        last_saved = state_dict.get("last_saved")
+        self._last_saved = None if last_saved is None else (int(last_saved[0]), str(last_saved[1]))
+        self._validated = bool(state_dict.get("validated", False))
+
+    # ------------------------------------------------------------ events
+    def _on_record(self, record: PutRecord) -> None:
+        if record.name == self.monitor:
+            self._monitor_value = float(record.value)
+            self._monitor_fresh = True
+
+    @on(ValidationCompleted)
+    def _on_validation(self, event: ValidationCompleted) -> None:
+        if self._trainer is not None and self.monitor is not None:
+            # Deferred to the next batch or epoch boundary (see the class docstring).
+            self._validated = True
+            self._saw_validation = True
+
+    @on(TrainBatchCompleted)
+    async def _on_batch(self, event: TrainBatchCompleted) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        step = trainer.global_step
+        periodic = (
+            self.every_n_steps is not None
+            and step > 0
+            and step % self.every_n_steps == 0
+            # With gradient accumulation several batches end at the same step: save once.
+            and not (self._last_saved is not None and self._last_saved[0] == step)
+        )
+        best = self._monitor_check() if self._validated else None
+        if periodic or best is not None:
+            await self._save("batch", periodic=periodic, best=best)
+
+    @on(EpochCompleted)
+    async def _on_epoch(self, event: EpochCompleted) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        periodic = self.every_n_epochs is not None and (event.epoch + 1) % self.every_n_epochs == 0
+        best = None
+        if self.monitor is not None:
+            if self._monitor_value is None and self._saw_validation:
+                raise MisconfigurationError(
+                    f"Checkpoint(monitor={self.monitor!r}) found no record named "
+                    f"{self.monitor!r} by the end of an epoch with validation; the records "
+                    f"put so far are {sorted(trainer.latest)}. Put it "
+                    f"(self.put({self.monitor!r}, value)) from validation_step or a handler, "
+                    "or fix the name."
+                )
+            if self._validated or self._monitor_fresh:
+                best = self._monitor_check()
+        if periodic or best is not None:
+            await self._save("epoch", periodic=periodic, best=best)
+
+    @on(FitCompleted)
+    async def _on_end(self, event: FitCompleted) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        if self.monitor is not None and self._monitor_value is None:
+            warnings.warn(
+                f"Checkpoint(monitor={self.monitor!r}) never saw a record named "
+                f"{self.monitor!r} during fit, so it saved no best checkpoint; the records "
+                f"put were {sorted(trainer.latest)}.",
+                UserWarning,
+                stacklevel=2,
+            )
+        if not self.save_on_end:
+            return
+        if (
+            self._last_saved is not None
+            and self._last_saved[0] == trainer.global_step
+            and (self._last_saved[1] in ("epoch", "end"))
+        ):
+            return  # nothing changed since the epoch-end save
+        if trainer.global_step == 0 and self._last_saved is None:
+            return  # nothing was trained
+        await self._save("end", periodic=True, best=None)
+
+    # ------------------------------------------------------------ saving
+    def _monitor_check(self) -> float | None:
+        """The monitored value if it earns a place among the best, else None."""
+        self._validated = False
+        fresh, self._monitor_fresh = self._monitor_fresh, False
+        value = self._monitor_value
+        if value is None or not fresh or math.isnan(value):
+            return None
+        if self.keep_best is None or len(self._best) < self.keep_best:
+            return value
+        worst = self._best[-1][0]
+        return value if self._better(value, worst) else None
+
+    def _better(self, a: float, b: float) -> bool:
+        return a < b if self.monitor_mode == "min" else a > b
+
+    def _register(self, name: str, *, periodic: bool, best: float | None) -> list[str]:
+        """Record a save of ``name``; return the files no longer kept."""
+        before = set(self._recent) | {n for _, n in self._best}
+        if self._last is not None:
+            before.add(self._last)
+        if periodic:
+            self._recent = [n for n in self._recent if n != name] + [name]
+            if self.keep_last is not None:
+                self._recent = self._recent[-self.keep_last :]
+        if best is not None:
+            ranked = [(v, n) for v, n in self._best if n != name] + [(best, name)]
+            ranked.sort(key=lambda item: item[0], reverse=self.monitor_mode == "max")
+            self._best = ranked if self.keep_best is None else ranked[: self.keep_best]
+        self._last = name
+        kept = set(self._recent) | {n for _, n in self._best} | {name}
+        return sorted(before - kept)
+
+    async def _wait_idle(self) -> None:
+        idle = self._idle
+        if idle is not None:
+            await idle.wait()
+            self._idle = None
+        error, self._error = self._error, None
+        if error is not None:
+            raise CheckpointError(
+                f"a background checkpoint save into {self.dirpath} failed: "
+                f"{type(error).__name__}: {error}"
+            ) from error
+
+    async def _save(self, kind: str, *, periodic: bool, best: float | None) -> None:
+        trainer = self._trainer
+        assert trainer is not None
+        await self._wait_idle()
+        name = self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step)
+        name += ".ckpt"
+        evicted = self._register(name, periodic=periodic, best=best)
+        self._last_saved = (trainer.global_step, kind)
+        if not _is_global_zero():
+            return  # checkpoints are written once, by rank zero
+        if self.background and self._task_group is not None:
+            state = trainer.state_dict(to_host=True)
+            self._idle = anyio.Event()
+            self._task_group.start_soon(self._write_in_background, state, name, evicted, self._idle)
+        else:
+            # The step waits, but the event loop stays free for other tasks meanwhile.
+            state = trainer.state_dict()
+            await anyio.to_thread.run_sync(self._write, state, name, evicted)
+
+    def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
+        write_checkpoint(state, self.dirpath / name, update_last=True)
+        for old in evicted:
+            if old != name:
+                remove_checkpoint(self.dirpath / old)
+
+    async def _write_in_background(
+        self, state: dict[str, Any], name: str, evicted: list[str], done: anyio.Event
+    ) -> None:
+        try:
+            await anyio.to_thread.run_sync(self._write, state, name, evicted)
+        except Exception as exc:  # raised at the next save, or when fit ends
+            self._error = exc
+        finally:
+            done.set()

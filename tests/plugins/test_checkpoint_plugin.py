@@ -1,0 +1,372 @@
+"""The Checkpoint plugin: when it saves, what it keeps, the last pointer, background saves,
+and resuming from ``last``."""
+
+from __future__ import annotations
+
+import ast
+import os
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+import torch
+
+import loopbus
+from loopbus import CheckpointError, HandlerError, Plugin, Trainer, on
+from loopbus.events import TrainBatchCompleted
+from loopbus.plugins import Checkpoint
+from tests.engine._ckpt_scenario import Net, make_data
+
+N_TRAIN = 96
+BATCH = 8
+PER_EPOCH = N_TRAIN // BATCH  # 12
+
+
+def build(
+    checkpoint: Checkpoint,
+    *,
+    plugins: list[Plugin] | None = None,
+    module: Net | None = None,
+    **options: Any,
+) -> tuple[Trainer, Net, Any, Any]:
+    loopbus.seed_everything(3)
+    net = module if module is not None else Net()
+    train, val = make_data("plain", n_train=N_TRAIN, batch=BATCH)
+    options.setdefault("max_epochs", 2)
+    trainer = Trainer(plugins=[checkpoint, *(plugins or [])], device="cpu", **options)
+    return trainer, net, train, val
+
+
+def ckpt_names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.glob("*.ckpt"))
+
+
+def last_name(directory: Path) -> str:
+    last = loopbus.latest_checkpoint(directory)
+    assert last is not None
+    return last.name
+
+
+class ScriptedAcc(Net):
+    """Puts ``val/acc`` from a script, one value per validation run."""
+
+    def __init__(self, values: list[float]) -> None:
+        super().__init__()
+        self.values = list(values)
+        self.runs = 0
+
+    def validation_step(self, batch: Any, ctx: Any) -> None:
+        if ctx.batch_idx == 0:
+            self.put("val/acc", self.values[self.runs])
+            self.runs += 1
+
+
+class Crash(Plugin):
+    def __init__(self, at_step: int) -> None:
+        self.at_step = at_step
+
+    @on(TrainBatchCompleted)
+    def crash(self, event: TrainBatchCompleted) -> None:
+        if event.step == self.at_step:
+            raise RuntimeError("simulated crash")
+
+
+# ---------------------------------------------------------------- when and what
+
+
+async def test_every_n_steps_keeps_the_last_k(tmp_path: Path) -> None:
+    trainer, module, train, val = build(Checkpoint(tmp_path, every_n_steps=5, keep_last=2))
+    await trainer.fit(module, train, val)
+    # Saves at steps 5, 10, 15, 20 and at the end (24); the last two remain.
+    assert ckpt_names(tmp_path) == ["epoch=1-step=20.ckpt", "epoch=1-step=24.ckpt"]
+    assert last_name(tmp_path) == "epoch=1-step=24.ckpt"
+    for name in ckpt_names(tmp_path):
+        assert (tmp_path / (name + ".complete")).exists()
+        assert torch.load(tmp_path / name, weights_only=True)["loopbus"]["global_step"] == int(
+            name.split("step=")[1].split(".")[0]
+        )
+
+
+async def test_every_epoch_by_default_keep_all(tmp_path: Path) -> None:
+    trainer, module, train, val = build(Checkpoint(tmp_path, keep_last=None), max_epochs=3)
+    await trainer.fit(module, train, val)
+    assert ckpt_names(tmp_path) == [f"epoch={e}-step={12 * (e + 1)}.ckpt" for e in range(3)]
+    state = loopbus.load_checkpoint(tmp_path / "epoch=0-step=12.ckpt")
+    assert state["loops"]["fit"]["progress"]["total"]["completed"] == 1
+    assert state["loops"]["fit"]["loops"]["epoch_loop"]["state"]["in_epoch"] is False
+
+
+async def test_monitor_keeps_the_best_k(tmp_path: Path) -> None:
+    values = [0.5, 0.7, 0.6, 0.9, 0.8, 0.1]
+    checkpoint = Checkpoint(tmp_path, monitor="val/acc", mode="max", keep_best=2, save_on_end=False)
+    trainer, module, train, val = build(checkpoint, module=ScriptedAcc(values), max_epochs=6)
+    await trainer.fit(module, train, val)
+    # Best two: 0.9 (epoch 3) and 0.8 (epoch 4).
+    assert ckpt_names(tmp_path) == ["epoch=3-step=48.ckpt", "epoch=4-step=60.ckpt"]
+    assert checkpoint.best_value == 0.9
+    assert checkpoint.best_checkpoint_path == tmp_path / "epoch=3-step=48.ckpt"
+    assert last_name(tmp_path) == "epoch=4-step=60.ckpt"
+    saved = loopbus.load_checkpoint(checkpoint.best_checkpoint_path)
+    assert saved["records"]["val/acc"]["value"] == 0.9
+    assert saved["plugins"]["Checkpoint[val/acc]"]["best"] == [
+        [0.9, "epoch=3-step=48.ckpt"],
+        [0.7, "epoch=1-step=24.ckpt"],
+    ]
+
+
+async def test_a_save_due_to_validation_waits_for_the_batch_boundary(tmp_path: Path) -> None:
+    values = [0.5, 0.7, 0.9, 0.8, 0.95, 0.2]
+    checkpoint = Checkpoint(
+        tmp_path, monitor="val/acc", mode="max", keep_best=None, save_on_end=False
+    )
+    trainer, module, train, val = build(
+        checkpoint, module=ScriptedAcc(values), max_epochs=1, val_check_interval=4
+    )
+    await trainer.fit(module, train, val)
+    # Validations after batches 4, 8, 12 of the epoch; each improved the value.
+    assert ckpt_names(tmp_path) == [
+        "epoch=0-step=12.ckpt",
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8.ckpt",
+    ]
+    state = loopbus.load_checkpoint(tmp_path / "epoch=0-step=8.ckpt")
+    epoch_loop = state["loops"]["fit"]["loops"]["epoch_loop"]
+    # Taken at TrainBatchCompleted of batch 8, after the validation that ran in it.
+    assert epoch_loop["progress"]["current"]["completed"] == 8
+    assert epoch_loop["loops"]["val_loop"]["progress"]["total"]["completed"] == 2 * 2
+    assert state["records"]["val/acc"]["value"] == 0.7
+
+
+async def test_monitor_that_is_never_put_is_an_error(tmp_path: Path) -> None:
+    checkpoint = Checkpoint(tmp_path, monitor="val/accuracy", mode="max")
+    trainer, module, train, val = build(checkpoint)
+    with pytest.raises(
+        HandlerError,
+        match=r"monitor='val/accuracy'.*records put so far are \['train/loss', 'val/loss'\]",
+    ):
+        await trainer.fit(module, train, val)
+
+
+def test_options_are_validated(tmp_path: Path) -> None:
+    with pytest.raises(loopbus.MisconfigurationError, match="every_n_steps"):
+        Checkpoint(tmp_path, every_n_steps=0)
+    with pytest.raises(loopbus.MisconfigurationError, match="mode"):
+        Checkpoint(tmp_path, monitor="val/acc", mode="maximum")  # type: ignore[arg-type]
+    with pytest.raises(loopbus.MisconfigurationError, match="filename"):
+        Checkpoint(tmp_path, filename="{epoch}/{step}")
+    with pytest.raises(loopbus.MisconfigurationError, match="filename"):
+        Checkpoint(tmp_path, filename="{loss}")
+
+
+# ---------------------------------------------------------------- resume
+
+
+async def test_resume_from_last_is_exact_and_keeps_managing_files(tmp_path: Path) -> None:
+    trainer, module, train, val = build(Checkpoint(tmp_path / "ref", every_n_steps=4, keep_last=2))
+    await trainer.fit(module, train, val)
+    expected = {k: v.clone() for k, v in module.state_dict().items()}
+    expected_files = ckpt_names(tmp_path / "ref")
+
+    directory = tmp_path / "run"
+    trainer, module, train, val = build(
+        Checkpoint(directory, every_n_steps=4, keep_last=2), plugins=[Crash(at_step=15)]
+    )
+    with pytest.raises(HandlerError, match="simulated crash"):
+        await trainer.fit(module, train, val)
+    assert last_name(directory) == "epoch=0-step=12.ckpt"
+
+    trainer, module, train, val = build(Checkpoint(directory, every_n_steps=4, keep_last=2))
+    with pytest.warns(UserWarning, match="resuming mid-epoch by skipping"):
+        await trainer.fit(module, train, val, ckpt_path="last")
+    for name, tensor in expected.items():
+        assert torch.equal(module.state_dict()[name], tensor), name
+    # The files the crashed run left are managed on: the same two remain.
+    assert ckpt_names(directory) == expected_files
+
+
+async def test_ckpt_path_last_without_a_checkpoint_warns_and_starts_fresh(tmp_path: Path) -> None:
+    trainer, module, train, val = build(Checkpoint(tmp_path), max_epochs=1)
+    with pytest.warns(
+        UserWarning, match=r"ckpt_path='last' but no checkpoint has been written yet"
+    ):
+        await trainer.fit(module, train, val, ckpt_path="last")
+    assert trainer.global_step == PER_EPOCH
+    assert ckpt_names(tmp_path) == ["epoch=0-step=12.ckpt"]
+
+
+async def test_stale_temporaries_are_removed_at_setup(tmp_path: Path) -> None:
+    dead = tmp_path / ".epoch=0-step=3.ckpt.tmp-999999999-abcd1234"
+    mine = tmp_path / f".epoch=0-step=4.ckpt.tmp-{os.getpid()}-abcd1234"
+    live = tmp_path / ".epoch=0-step=5.ckpt.tmp-1-abcd1234"  # pid 1 is alive
+    other = tmp_path / "notes.tmp-999999999-x"
+    for path in (dead, mine, live, other):
+        path.write_bytes(b"partial")
+    trainer, module, train, val = build(Checkpoint(tmp_path), max_steps=1)
+    await trainer.fit(module, train, val)
+    assert not dead.exists()
+    assert not mine.exists()
+    assert live.exists()
+    assert other.exists()
+
+
+# ---------------------------------------------------------------- background saves
+
+
+class SlowWrites:
+    """Wraps the plugin's writer: slow, and counting how many writes overlap."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float = 0.05) -> None:
+        import loopbus.plugins._checkpoint as module
+
+        self.real = module.write_checkpoint
+        self.delay = delay
+        self.active = 0
+        self.most = 0
+        self.done: list[str] = []
+        monkeypatch.setattr(module, "write_checkpoint", self)
+
+    def __call__(self, state: Any, path: Any, **options: Any) -> Path:
+        self.active += 1
+        self.most = max(self.most, self.active)
+        try:
+            time.sleep(self.delay)
+            result: Path = self.real(state, path, **options)
+            self.done.append(Path(path).name)
+            return result
+        finally:
+            self.active -= 1
+
+
+async def test_background_saves_are_durable_when_fit_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writes = SlowWrites(monkeypatch, delay=0.1)
+    checkpoint = Checkpoint(tmp_path, every_n_steps=3, keep_last=None, background=True)
+    trainer, module, train, val = build(checkpoint, max_epochs=1)
+    await trainer.fit(module, train, val)
+    assert writes.most == 1, "more than one save was in flight"
+    assert writes.done == [f"epoch=0-step={s}.ckpt" for s in (3, 6, 9, 12, 12)]
+    assert ckpt_names(tmp_path) == [f"epoch=0-step={s}.ckpt" for s in (12, 3, 6, 9)]
+    # Written from a host copy taken at the step: the weights are those of that step.
+    final = loopbus.load_checkpoint(tmp_path / "epoch=0-step=12.ckpt")
+    for name, tensor in module.state_dict().items():
+        assert torch.equal(final["module"][name], tensor)
+    third = loopbus.load_checkpoint(tmp_path / "epoch=0-step=3.ckpt")
+    assert not torch.equal(third["module"]["net.0.weight"], module.state_dict()["net.0.weight"])
+
+
+async def test_a_failed_background_write_fails_fit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import loopbus.plugins._checkpoint as module_under_test
+
+    def broken(state: Any, path: Any, **options: Any) -> Path:
+        raise CheckpointError(f"could not write the checkpoint {path}: disk full")
+
+    monkeypatch.setattr(module_under_test, "write_checkpoint", broken)
+    checkpoint = Checkpoint(tmp_path, every_n_steps=5, background=True)
+    trainer, module, train, val = build(checkpoint, max_epochs=1)
+    with pytest.raises(
+        (CheckpointError, HandlerError), match=r"background checkpoint save .* failed.*disk full"
+    ):
+        await trainer.fit(module, train, val)
+
+
+class Stopwatch(Plugin):
+    """Times the Checkpoint plugin's handler (``Checkpoint.priority`` is -100): just
+    before it (-99) wait until the previous write is complete, time a host copy of the
+    state on its own, start the clock; just after it (-101) stop the clock."""
+
+    def __init__(self, directory: Path, every: int) -> None:
+        self.directory = directory
+        self.every = every
+        self.blocked: list[float] = []
+        self.copy: list[float] = []
+        self.previous: str | None = None
+        self.t0 = 0.0
+        self.trainer: Trainer | None = None
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(TrainBatchCompleted, priority=-99)
+    async def before(self, event: TrainBatchCompleted) -> None:
+        if event.step % self.every:
+            return
+        # Measure a save alone, not the wait for the previous one: wait until it is
+        # written, the pointer moved to it and the file before it deleted.
+        while self.previous and (  # noqa: ASYNC110 - polling files: there is no event
+            loopbus.latest_checkpoint(self.directory) != self.directory / self.previous
+            or len(list(self.directory.glob("*.ckpt*"))) != 2
+        ):
+            await anyio.sleep(0.005)
+        assert self.trainer is not None
+        start = time.perf_counter()
+        self.trainer.state_dict(to_host=True)
+        self.copy.append(time.perf_counter() - start)
+        self.t0 = time.perf_counter()
+
+    @on(TrainBatchCompleted, priority=-101)
+    async def after(self, event: TrainBatchCompleted) -> None:
+        if event.step % self.every:
+            return
+        self.blocked.append(time.perf_counter() - self.t0)
+        self.previous = f"epoch={event.epoch}-step={event.step}.ckpt"
+
+
+class Wide(Net):
+    """About 2.1 M parameters (8 MB, and as much again of momentum)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(4, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 1024),
+            torch.nn.ReLU(),
+            torch.nn.Linear(1024, 2),
+        )
+
+
+async def test_background_save_blocks_the_step_only_for_the_host_copy(tmp_path: Path) -> None:
+    every = 2
+    watch = Stopwatch(tmp_path, every)
+    checkpoint = Checkpoint(
+        tmp_path, every_n_steps=every, keep_last=1, background=True, save_on_end=False
+    )
+    trainer, module, train, val = build(
+        checkpoint, plugins=[watch], module=Wide(), max_steps=32, max_epochs=3
+    )
+    await trainer.fit(module, train, val)
+    blocked = statistics.median(watch.blocked)
+    copy = statistics.median(watch.copy)
+    ratio = blocked / copy
+    print(
+        f"\nbackground save: step blocked {blocked * 1e3:.1f} ms, host copy {copy * 1e3:.1f} ms, ratio {ratio:.2f}"
+    )
+    assert len(watch.blocked) == 32 // every
+    # Blocking = bookkeeping + the host copy + handing off; generous for a noisy machine.
+    assert blocked <= 1.5 * copy + 0.005, f"blocked {blocked:.4f}s vs host copy {copy:.4f}s"
+    # Complete when fit returns.
+    assert ckpt_names(tmp_path) == ["epoch=2-step=32.ckpt"]
+    final = loopbus.load_checkpoint(tmp_path / "epoch=2-step=32.ckpt")
+    assert torch.equal(final["module"]["net.2.weight"], module.state_dict()["net.2.weight"])
+
+
+# ---------------------------------------------------------------- written like user code
+
+
+def test_the_plugin_imports_only_public_names() -> None:
+    source = Path(loopbus.plugins.__file__).with_name("_checkpoint.py")
+    tree = ast.parse(source.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("loopbus"):
+            assert node.module in ("loopbus", "loopbus.events"), node.module
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                assert not alias.name.startswith("loopbus.") or alias.name == "loopbus.events"

@@ -307,7 +307,14 @@ class TrainEpochLoop(_DataLoop):
             ctx.output = await _in_thread(self.training_step, ctx, trainer._limiter)
         else:
             ctx.output = self.training_step(ctx.batch, ctx)
-        await _after_step(trainer)
+        # _after_step, inlined: this runs once per training step.
+        recorder = trainer.recorder
+        if recorder.pending:
+            await recorder.flush()
+        now = perf_counter()
+        if now >= trainer._next_yield:
+            await checkpoint()
+            trainer._next_yield = perf_counter() + trainer.yield_interval
 
     def training_step(self, batch: Any, ctx: Scope) -> Any:
         """The synchronous step: forward, backward, clipping, optimizer and per-step

@@ -322,6 +322,7 @@ class TrainEpochLoop(_DataLoop):
         trainer = self._trainer
         assert trainer is not None
         module = trainer.module
+        assert module is not None
         precision = trainer.precision
         autocast = precision.autocast
         if autocast is None:
@@ -538,6 +539,7 @@ class EvaluationLoop(_DataLoop):
 
     def _step_function(self) -> Callable[[Any, Scope], Any]:
         module = self.trainer.module
+        assert module is not None
         return module.validation_step if self.stage == "validate" else module.test_step
 
     @property
@@ -559,6 +561,7 @@ class EvaluationLoop(_DataLoop):
 
     async def run(self, *args: Any, parent_ctx: Scope | None = None, **kwargs: Any) -> Any:
         module = self.trainer.module
+        assert module is not None
         was_training = module.training
         module.eval()
         try:
@@ -616,7 +619,9 @@ class PredictionLoop(EvaluationLoop):
         self.events = _EVAL_EVENTS["predict"]
 
     def _step_function(self) -> Callable[[Any, Scope], Any]:
-        return self.trainer.module.predict_step
+        module = self.trainer.module
+        assert module is not None
+        return module.predict_step
 
     async def on_run_start(self, ctx: Scope, data: Any) -> None:
         trainer = self.trainer

@@ -29,7 +29,7 @@ class Precision:
         """Called when a stage starts, with the device the module runs on."""
 
     def backward(self, loss: torch.Tensor, **kwargs: Any) -> None:
-        loss.backward(**kwargs)
+        loss.backward(**kwargs)  # type: ignore[no-untyped-call]
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Make the gradients of ``optimizer`` true gradients (before clipping)."""

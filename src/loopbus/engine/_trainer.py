@@ -648,11 +648,15 @@ class Trainer:
             module.train()
         if self.executor == "thread":
             self._limiter = anyio.CapacityLimiter(1)
-            self._emit_sync = functools.partial(anyio.from_thread.run_sync, self.bus.deliver_sync)
+            self._emit_sync = self._emit_from_worker
         else:
             self._limiter = None
             self._emit_sync = self.bus.deliver_sync
         self._next_yield = perf_counter() + self.yield_interval
+
+    def _emit_from_worker(self, entries: Any, event: Any) -> None:
+        """Deliver an in-step event from the worker thread on the event loop's thread."""
+        anyio.from_thread.run_sync(self.bus.deliver_sync, entries, event)
 
     def _step_lr_schedulers(self, interval: str) -> None:
         for config in self.lr_scheduler_configs:

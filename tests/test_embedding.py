@@ -18,6 +18,7 @@ import pytest
 import torch
 from anyio.lowlevel import checkpoint
 from torch.utils.data import DataLoader, TensorDataset
+from torchdata.stateful_dataloader import StatefulDataLoader
 
 import loopbus
 from loopbus import Module, Plugin, PutRecord, Trainer, on
@@ -39,6 +40,7 @@ from loopbus.events import (
     ValidationCompleted,
     ValidationStarted,
 )
+from loopbus.plugins import Checkpoint
 from tests.helpers import TinyModule, make_loader
 
 EXECUTORS = ["inline", "thread"]
@@ -73,6 +75,11 @@ def _loader(seed: int, n: int = 96, batch_size: int = 8) -> DataLoader[Any]:
     x = torch.randn(n, 4, generator=g)
     y = (x[:, 0] > 0).long()
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=True, generator=g)
+
+
+def _stateful_loader() -> StatefulDataLoader:
+    """A loader whose position is checkpointed (resuming mid-epoch is then O(1))."""
+    return StatefulDataLoader(make_loader(n=96).dataset, batch_size=8)
 
 
 def _module(seed: int) -> TinyModule:
@@ -141,29 +148,6 @@ class SlowFileLogger(Plugin):
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         self.file.close()
-
-
-class SaveEveryBatch(Plugin):
-    """Writes the module's weights after every training batch, atomically (temporary
-    file, then ``os.replace``), as a checkpointing plugin does."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.trainer: Trainer | None = None
-        self.saved = 0
-
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        self.trainer = trainer
-
-    @on(TrainBatchCompleted)
-    def save(self, event: TrainBatchCompleted) -> None:
-        assert self.trainer is not None
-        assert self.trainer.module is not None
-        tmp = self.path.with_suffix(".tmp")
-        state = {"module": self.trainer.module.state_dict(), "step": self.trainer.global_step}
-        torch.save(state, tmp)
-        os.replace(tmp, self.path)
-        self.saved += 1
 
 
 class CountingModule(TinyModule):
@@ -275,32 +259,37 @@ _CANCEL_EVENTS: list[type[Event]] = [
 _ONCE_PER_EPOCH = (TrainEpochStarted, EpochCompleted)
 
 
-def _cancel_plan(seed: int) -> tuple[str, Any, int]:
+def _cancel_plan(seed: int) -> tuple[str, Any, int, bool]:
     """Where to cancel: from a handler of the nth event of a type, at a deadline, or
-    from another task after the nth training batch."""
+    from another task after the nth training batch; and whether checkpoints are written
+    in the background."""
     rnd = random.Random(seed)
     how = rnd.choice(["event", "event", "deadline", "task"])
+    background = rnd.random() < 0.5
     if how == "event":
         event = rnd.choice(_CANCEL_EVENTS)
         nth = 1 if event is FitStarted else rnd.randint(1, 3 if event in _ONCE_PER_EPOCH else 30)
-        return how, event, nth
+        return how, event, nth, background
     if how == "deadline":
-        return how, rnd.uniform(0.0, 0.15), 0
-    return how, None, rnd.randint(1, 40)
+        return how, rnd.uniform(0.0, 0.15), 0, background
+    return how, None, rnd.randint(1, 40), background
 
 
+# torchdata's StatefulDataLoader calls a torch function that torch deprecated.
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
 @pytest.mark.parametrize("executor", EXECUTORS)
 @pytest.mark.parametrize("seed", range(10))
 async def test_cancellation_at_random_points(seed: int, executor: str, tmp_path: Path) -> None:
-    how, what, nth = _cancel_plan(seed)
+    how, what, nth, background = _cancel_plan(seed)
     module = CountingModule()
     witness = Witness()
     logger = SlowFileLogger(tmp_path / "log.txt")
-    saver = SaveEveryBatch(tmp_path / "last.ckpt")
+    ckpt_dir = tmp_path / "ckpt"
+    checkpoint = Checkpoint(ckpt_dir, every_n_steps=2, background=background)
     trainer = Trainer(
         max_epochs=1000,  # runs until the plan cancels it
         val_check_interval=5,
-        plugins=[witness, logger, saver],
+        plugins=[witness, logger, checkpoint],
         executor=executor,  # type: ignore[arg-type]
         device="cpu",
     )
@@ -337,7 +326,7 @@ async def test_cancellation_at_random_points(seed: int, executor: str, tmp_path:
                     scope.cancel()
 
                 tg.start_soon(canceller)
-            await trainer.fit(module, make_loader(n=96, batch_size=8), make_loader(n=32, seed=1))
+            await trainer.fit(module, _stateful_loader(), make_loader(n=32, seed=1))
 
     assert scope.cancelled_caught
     # Teardown fired exactly once, as "cancelled", and nothing claims the run completed.
@@ -356,12 +345,24 @@ async def test_cancellation_at_random_points(seed: int, executor: str, tmp_path:
     assert {t.id for t in anyio.get_running_tasks()} == tasks_before
     assert _own_threads() == threads_before
     assert module.in_step == 0
-    # The last checkpoint is complete and loads.
-    assert not (tmp_path / "last.tmp").exists()
-    if saver.saved:
-        state = torch.load(tmp_path / "last.ckpt", weights_only=True)
-        assert 1 <= state["step"] <= trainer.global_step
-        TinyModule().load_state_dict(state["module"])
+    # The last checkpoint is complete, loads, and a new run resumes from it.
+    last = loopbus.latest_checkpoint(ckpt_dir)
+    assert last == checkpoint.last_checkpoint_path()
+    if ckpt_dir.exists():  # no temporary file left behind
+        assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".")] == []
+    if last is not None:
+        state = loopbus.load_checkpoint(last)  # verified against its marker, weights_only
+        saved_step = state["loopbus"]["global_step"]
+        assert 2 <= saved_step <= trainer.global_step
+        assert saved_step % 2 == 0
+        resumed = Trainer(
+            max_steps=saved_step + 3,
+            val_check_interval=5,
+            plugins=[Checkpoint(tmp_path / "resumed", every_n_steps=1000)],
+            device="cpu",
+        )
+        await resumed.fit(TinyModule(), _stateful_loader(), ckpt_path=last)
+        assert resumed.global_step == saved_step + 3
     # The trainer is usable again.
     await trainer.validate(module, make_loader(n=32, seed=1))
     assert witness.events[-1] == "Teardown(completed)"

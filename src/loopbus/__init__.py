@@ -3,7 +3,9 @@
 Dependency rule (a test enforces it):  events  <-  engine  <-  plugins
   * ``loopbus.events`` imports neither torch nor the engine;
   * ``loopbus.engine`` imports events, never plugins;
-  * ``loopbus.plugins`` import only public names (``loopbus``, ``loopbus.events``).
+  * ``loopbus.stream`` (the metric stream's protocol and client) imports events only;
+  * ``loopbus.plugins`` import only public names (``loopbus``, ``loopbus.events``,
+    ``loopbus.stream``).
 This module only re-exports.
 """
 
@@ -16,6 +18,7 @@ from ._exceptions import LoopbusError as LoopbusError
 from ._exceptions import MisconfigurationError as MisconfigurationError
 from ._exceptions import ScopeLeakError as ScopeLeakError
 from ._exceptions import StopLoop as StopLoop
+from ._exceptions import StreamError as StreamError
 from ._exceptions import SubscriptionError as SubscriptionError
 from .engine import CheckpointMismatch as CheckpointMismatch
 from .engine import EvaluationLoop as EvaluationLoop
@@ -48,6 +51,8 @@ from .events import EventBus as EventBus
 from .events import PutRecord as PutRecord
 from .events import Subscription as Subscription
 from .events import on as on
+from . import stream as stream
+from .stream import connect as connect
 
 __version__ = "0.1.0"
 
@@ -75,11 +80,13 @@ __all__ = [
     "ScopeLeakError",
     "Stateful",
     "StopLoop",
+    "StreamError",
     "Subscription",
     "SubscriptionError",
     "TrainEpochLoop",
     "Trainer",
     "__version__",
+    "connect",
     "events",
     "latest_checkpoint",
     "load_checkpoint",
@@ -91,5 +98,6 @@ __all__ = [
     "run",
     "seed_everything",
     "set_default_plugins",
+    "stream",
     "write_checkpoint",
 ]

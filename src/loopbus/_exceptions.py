@@ -12,6 +12,7 @@ __all__ = [
     "MisconfigurationError",
     "ScopeLeakError",
     "StopLoop",
+    "StreamError",
     "SubscriptionError",
 ]
 
@@ -50,6 +51,14 @@ class MisconfigurationError(LoopbusError, ValueError):
 class CheckpointError(LoopbusError):
     """Raised when a checkpoint cannot be written or read: missing, torn, from a newer
     format, or not matching the components of the current run."""
+
+
+class StreamError(LoopbusError, ConnectionError):
+    """Raised when a metric stream cannot be served or read: a stream server cannot listen
+    on its address; a client cannot reach the server, is turned away (authentication,
+    protocol version, too many clients), is closed with an error, sees the server go away
+    without a bye, or receives data that breaks the protocol. Being a ``ConnectionError``,
+    it is caught by code that handles network errors; reconnecting is the caller's choice."""
 
 
 class StopLoop(Exception):  # noqa: N818 - a control-flow signal, like StopIteration

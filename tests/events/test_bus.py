@@ -285,3 +285,17 @@ async def test_queued_handler_error_propagates_from_running() -> None:
     assert isinstance(leaves[0], HandlerError)
     assert "broken raised KeyError while handling Ping" in str(leaves[0])
     assert bus.failure is leaves[0]
+
+
+async def test_running_drain_timeout_cancels_a_hung_consumer() -> None:
+    bus = EventBus()
+    forever = anyio.Event()
+
+    async def hung(e: Ping) -> None:
+        await forever.wait()
+
+    sub = bus.subscribe(Ping, hung, mode="queued")
+    with anyio.fail_after(5):
+        async with bus.running(drain_timeout=0.05):
+            await bus.publish(Ping())
+    assert sub.delivered == 0

@@ -644,16 +644,17 @@ class EventBus:
         return not scope.cancelled_caught
 
     @asynccontextmanager
-    async def running(self) -> AsyncIterator[EventBus]:
+    async def running(self, drain_timeout: float | None = None) -> AsyncIterator[EventBus]:
         """Run the queued subscribers' tasks for the duration of the block and drain them
-        at its end."""
+        at its end (waiting at most ``drain_timeout`` seconds if given; consumers still
+        busy then are cancelled)."""
         async with anyio.create_task_group() as tg:
             self.start(tg)
             try:
                 yield self
             finally:
                 with anyio.CancelScope(shield=True):
-                    await self.drain()
+                    await self.drain(drain_timeout)
 
 
 def _handler_error(sub: Subscription, event: Any, exc: BaseException) -> HandlerError:

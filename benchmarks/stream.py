@@ -1,0 +1,317 @@
+"""The stream server: records per second delivered over loopback, and what serving eight
+clients costs the training step.
+
+1. Throughput. A producer publishes pre-built put records on the trainer's bus as fast
+   as it can (yielding to the event loop every ``yield_interval``, as the training loop
+   does); one client, then eight, read them in a separate process with
+   ``loopbus.connect``. The figure is records received per second at the clients,
+   first record to last (summed over clients for eight), with the records dropped
+   because a client fell behind.
+2. Overhead. The same small training run as ``benchmarks/overhead.py`` (an MLP
+   32 -> 32 -> 10, batch 32, SGD, one torch thread), putting two records per step, with a
+   StreamServer and (a) no client, (b) eight clients reading everything from another
+   process. Runs alternate in one process; the figure is the median of the per-pair
+   ratios of wall time (b / a) over the training window (first batch to teardown), and
+   the same ratio for the training process's CPU time, which the client process's share
+   of a busy machine does not inflate. A run without any server is shown for reference.
+
+    ./dev bench stream                        # defaults below
+    ./dev bench stream --records 400000 --steps 2000 --repeats 21
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import loopbus
+from loopbus import Module, Plugin, PutRecord, Trainer, on
+from loopbus.events import FitStarted, Teardown, TrainBatchStarted
+from loopbus.plugins import ServerStarted, StreamServer
+
+torch.set_num_threads(1)
+
+
+# ---------------------------------------------------------------- client process
+async def _client_main(address: str, n: int) -> None:
+    """Connect ``n`` clients, read until the run ends, print one JSON result line."""
+    results: list[dict[str, Any]] = [{} for _ in range(n)]
+
+    async def read(i: int, stream: loopbus.stream.Stream) -> None:
+        count = 0
+        first = 0.0
+        async for _ in stream:
+            if not count:
+                first = time.time()
+            count += 1
+        results[i] = {"records": count, "gaps": stream.gaps, "first": first, "last": time.time()}
+
+    streams = []
+    try:
+        for _ in range(n):
+            streams.append(await loopbus.connect(address).__aenter__())  # noqa: PERF401
+        async with anyio.create_task_group() as tg:
+            for i, stream in enumerate(streams):
+                tg.start_soon(read, i, stream)
+    finally:
+        for stream in streams:
+            await stream.aclose()
+    print(json.dumps(results), flush=True)
+
+
+def spawn_clients(address: str, n: int) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, __file__, "--client", address, "--clients", str(n)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+
+
+class Gate(Plugin):
+    """Starts the clients when the server listens; holds the run until they subscribed."""
+
+    priority = 100
+
+    def __init__(self, server: StreamServer, clients: int) -> None:
+        self.server = server
+        self.clients = clients
+        self.process: subprocess.Popen[str] | None = None
+
+    @on(ServerStarted)
+    def started(self, event: ServerStarted) -> None:
+        if self.clients:
+            self.process = spawn_clients(event.address, self.clients)
+
+    @on(FitStarted)
+    async def hold(self, event: FitStarted) -> None:
+        with anyio.fail_after(120):
+            while self.server.subscribers < self.clients:  # noqa: ASYNC110 - a counter
+                await anyio.sleep(0.01)
+
+    def results(self) -> list[dict[str, Any]]:
+        if self.process is None:
+            return []
+        out, _ = self.process.communicate(timeout=120)
+        return json.loads(out.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- throughput
+class Producer(Plugin):
+    """Publishes ``n`` records on the bus as fast as it can, once the clients are in."""
+
+    priority = -100  # after the gate
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.seconds = 0.0
+
+    @on(FitStarted)
+    async def produce(self, event: FitStarted) -> None:
+        trainer = self._trainer
+        records = [
+            PutRecord(
+                name=f"bench/metric{i % 8}",
+                value=float(i),
+                step=i,
+                time=time.time(),
+                source="Producer",
+                destinations=("external",),
+            )
+            for i in range(1024)
+        ]
+        publish = trainer.publish
+        interval = trainer.yield_interval
+        start = time.perf_counter()
+        next_yield = start + interval
+        for i in range(self.n):
+            await publish(records[i & 1023])
+            if not i & 255 and time.perf_counter() >= next_yield:
+                await anyio.lowlevel.checkpoint()
+                next_yield = time.perf_counter() + interval
+        self.seconds = time.perf_counter() - start
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self._trainer = trainer
+
+
+class IdleModule(Module):
+    """One step that does nothing: the producer is the workload."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.zeros(1))
+
+    automatic_optimization = False
+
+    def training_step(self, batch: Any, ctx: Any) -> None:
+        return None
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def throughput(records: int, clients: int) -> dict[str, Any]:
+    server = StreamServer(announce=False)
+    gate = Gate(server, clients)
+    producer = Producer(records)
+    trainer = Trainer(max_steps=1, plugins=[server, gate, producer], leak_check=None, device="cpu")
+    loopbus.run(trainer.fit, IdleModule(), [torch.zeros(1)])
+    results = gate.results()
+    received = sum(r["records"] for r in results)
+    # All clients together, from the first record any of them got to the last.
+    span = max(r["last"] for r in results) - min(r["first"] for r in results)
+    per_client = statistics.median(r["records"] / (r["last"] - r["first"]) for r in results)
+    return {
+        "clients": clients,
+        "produced_per_s": records / producer.seconds,
+        "delivered_per_s": received / span,
+        "per_client_per_s": per_client,
+        "received": received,
+        "dropped": server.dropped,
+    }
+
+
+# ---------------------------------------------------------------- overhead
+class BenchModule(Module):
+    """benchmarks/overhead.py's MLP; puts the loss and the learning rate every step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.put("train/loss", loss)
+        self.put("train/lr", 0.01)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Window(Plugin):
+    """Wall and process CPU time from the first training batch to the teardown."""
+
+    def __init__(self) -> None:
+        self.wall = self.cpu = 0.0
+
+    @on(TrainBatchStarted, once=1)
+    def begin(self, event: TrainBatchStarted) -> None:
+        self.wall, self.cpu = -time.perf_counter(), -time.process_time()
+
+    @on(Teardown)
+    def end(self, event: Teardown) -> None:
+        self.wall += time.perf_counter()
+        self.cpu += time.process_time()
+
+
+def make_loader(n: int) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(n, 32, generator=g)
+    y = torch.randint(0, 10, (n,), generator=g)
+    return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
+
+
+def train(steps: int, clients: int | None, data: Any) -> tuple[float, float, int]:
+    """One run; ``clients=None`` means no server at all. Returns (wall, cpu, received)."""
+    window = Window()
+    plugins: list[Plugin] = [window]
+    gate = None
+    if clients is not None:
+        server = StreamServer(announce=False)
+        gate = Gate(server, clients)
+        plugins = [server, gate, window]
+    trainer = Trainer(max_steps=steps, plugins=plugins, leak_check=None, device="cpu")
+    loopbus.run(trainer.fit, BenchModule(), data)
+    received = sum(r["records"] for r in gate.results()) if gate is not None else 0
+    return window.wall, window.cpu, received
+
+
+def overhead(steps: int, repeats: int) -> dict[str, Any]:
+    data = make_loader(32 * steps)
+    train(min(steps, 300), 0, data)  # warm-up
+    wall_ratios, cpu_ratios = [], []
+    walls: dict[str, list[float]] = {"none": [], "server": [], "eight": []}
+    received = 0
+    for i in range(repeats):
+        # Alternate the order within pairs (ABBA) so slow drifts of the machine cancel.
+        order = (0, 8) if i % 2 == 0 else (8, 0)
+        runs = {clients: train(steps, clients, data) for clients in order}
+        bare, _, _ = train(steps, None, data)
+        (wall0, cpu0, _), (wall8, cpu8, got) = runs[0], runs[8]
+        walls["none"].append(bare)
+        walls["server"].append(wall0)
+        walls["eight"].append(wall8)
+        wall_ratios.append(wall8 / wall0)
+        cpu_ratios.append(cpu8 / cpu0)
+        received = got
+    quartiles = statistics.quantiles(wall_ratios, n=4) if len(wall_ratios) > 1 else wall_ratios * 3
+    return {
+        "steps": steps,
+        "step_us": {k: 1e6 * statistics.median(v) / steps for k, v in walls.items()},
+        "wall_ratio": statistics.median(wall_ratios),
+        "wall_iqr": (quartiles[0], quartiles[-1]),
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "received_by_eight": received,
+        "expected_by_eight": 8 * 2 * steps,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--records", type=int, default=300_000)
+    parser.add_argument("--steps", type=int, default=1000)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
+    parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.client:
+        anyio.run(_client_main, args.client, args.clients)
+        return
+
+    print(f"stream server benchmark (python {sys.version.split()[0]}, torch {torch.__version__}, "
+          f"{os.cpu_count()} CPUs)")
+    for clients in (1, 8):
+        r = throughput(args.records, clients)
+        print(
+            f"throughput, {clients} client{'s' if clients > 1 else ''}: "
+            f"{r['delivered_per_s']:,.0f} records/s delivered"
+            + (f" in all ({r['per_client_per_s']:,.0f} per client, median)" if clients > 1 else "")
+            + f"; produced at {r['produced_per_s']:,.0f}/s; "
+            f"{r['received']:,} received, {r['dropped']:,} dropped"
+        )
+    o = overhead(args.steps, args.repeats)
+    us = o["step_us"]
+    print(
+        f"training step ({o['steps']} steps, 2 records/step, median of {args.repeats}): "
+        f"no server {us['none']:.0f} us, server without clients {us['server']:.0f} us, "
+        f"server with 8 clients {us['eight']:.0f} us"
+    )
+    print(
+        f"overhead with 8 clients vs none: wall {o['wall_ratio']:.3f}x "
+        f"(interquartile {o['wall_iqr'][0]:.3f}-{o['wall_iqr'][1]:.3f}), "
+        f"training-process CPU {o['cpu_ratio']:.3f}x; "
+        f"{o['received_by_eight']:,} of {o['expected_by_eight']:,} records delivered"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,252 @@
+"""The ``loopbus`` command.
+
+``loopbus watch ADDRESS`` shows a live table of a running run's records (latest value,
+step and rate of each name); ``loopbus watch --jsonl ADDRESS`` prints one JSON object
+per record instead, for piping into other tools. ``ADDRESS`` is what the run's
+``StreamServer`` printed: ``tcp://127.0.0.1:PORT`` or ``unix:///path``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import math
+import os
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import IO, Any
+
+import anyio
+import msgspec
+
+from ._exceptions import StreamError
+from .events import PutRecord
+from .stream import EpochEnded, Gap, StageEnded, Stream, connect
+
+__all__ = ["main"]
+
+_RATE_WINDOW = 64
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="loopbus",
+        description="loopbus: an async, event-driven training-loop engine for PyTorch.",
+    )
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    watch = commands.add_parser(
+        "watch",
+        help="watch the records of a run that serves them (StreamServer)",
+        description=(
+            "Connect to a run's stream server and show its records live: a table of the "
+            "latest value, step and rate of each record name, or with --jsonl one JSON "
+            "object per line. Ends when the run's stage ends."
+        ),
+    )
+    watch.add_argument(
+        "address", help="where the run serves: tcp://HOST:PORT, HOST:PORT, PORT, or unix:///path"
+    )
+    watch.add_argument(
+        "--jsonl",
+        action="store_true",
+        help='print one JSON object per record ({"seq": ..., "type": "PutRecord", "name": ...})',
+    )
+    watch.add_argument(
+        "--names",
+        action="append",
+        metavar="GLOB",
+        help="only records whose name matches (repeat, or separate with commas); default all",
+    )
+    watch.add_argument(
+        "--events",
+        action="store_true",
+        help="also show lifecycle events (epoch and stage ends)",
+    )
+    watch.add_argument(
+        "--token",
+        default=os.environ.get("LOOPBUS_TOKEN"),
+        help="the server's token, if it has one (default: $LOOPBUS_TOKEN)",
+    )
+    watch.add_argument(
+        "--wait",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="keep trying to connect for this long while nothing listens yet",
+    )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``loopbus`` console script; returns the exit status."""
+    args = _parser().parse_args(argv)
+    names: list[str] | None = None
+    if args.names:
+        names = [part for item in args.names for part in item.split(",") if part]
+    try:
+        return anyio.run(_watch, args, names)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except StreamError as exc:
+        print(f"loopbus watch: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # a bad address or filter
+        print(f"loopbus watch: {exc}", file=sys.stderr)
+        return 2
+
+
+async def _open(args: argparse.Namespace, names: list[str] | None) -> Stream:
+    topics = ["records", "events"] if args.events else ["records"]
+    deadline = time.monotonic() + max(0.0, args.wait)
+    while True:
+        stream = connect(args.address, names=names, topics=topics, token=args.token, yield_gaps=True)
+        try:
+            return await stream.__aenter__()
+        except StreamError as exc:
+            if not isinstance(exc.__cause__, OSError) or time.monotonic() >= deadline:
+                raise
+        await anyio.sleep(0.2)
+
+
+async def _watch(args: argparse.Namespace, names: list[str] | None) -> int:
+    stream = await _open(args, names)
+    try:
+        if args.jsonl:
+            await _print_jsonl(stream)
+        else:
+            await _show_table(stream)
+    finally:
+        await stream.aclose()
+    return 0
+
+
+async def _print_jsonl(stream: Stream, out: IO[bytes] | None = None) -> None:
+    """One JSON object per record (and event), with its sequence number first; gap
+    notices go to stderr. Flushed whenever the stream has nothing more buffered."""
+    out = out if out is not None else sys.stdout.buffer
+    encode = msgspec.json.Encoder().encode
+    try:
+        async for item in stream:
+            if type(item) is Gap:
+                print(
+                    f"loopbus watch: {item.count} records dropped (seq {item.seq} to "
+                    f"{item.seq + item.count - 1}): reading too slowly",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                continue
+            value = getattr(item, "value", None)
+            if type(value) is float and not math.isfinite(value):
+                # JSON has no literal for these: write them as the JSONL logger does.
+                text = "nan" if value != value else ("inf" if value > 0 else "-inf")
+                item = msgspec.structs.replace(item, value=text)
+            out.write(b'{"seq":%d,' % stream.seq + encode(item)[1:] + b"\n")
+            if not stream.buffered:
+                out.flush()
+        out.flush()
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, and keep Python from complaining
+        # about the unflushed stdout at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+
+
+class _Row:
+    __slots__ = ("count", "epoch", "step", "times", "value")
+
+    def __init__(self) -> None:
+        self.value: Any = None
+        self.step = 0
+        self.epoch = 0
+        self.count = 0
+        self.times: collections.deque[float] = collections.deque(maxlen=_RATE_WINDOW)
+
+    def rate(self) -> float | None:
+        times = self.times
+        if len(times) < 2 or times[-1] <= times[0]:
+            return None
+        return (len(times) - 1) / (times[-1] - times[0])
+
+
+class _Status:
+    __slots__ = ("last", "records", "step")
+
+    def __init__(self) -> None:
+        self.last = ""
+        self.records = 0
+        self.step = 0
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+async def _show_table(stream: Stream) -> None:
+    from rich.console import Console
+    from rich.live import Live
+    from rich.table import Table
+
+    rows: dict[str, _Row] = {}
+    status = _Status()
+    welcome = stream.welcome
+    stage = welcome.stage if welcome is not None else None
+
+    def render() -> Table:
+        title = f"loopbus · {stream.address}" + (f" · {stage}" if stage else "")
+        table = Table(title=title, title_justify="left", expand=False)
+        table.add_column("name", style="bold")
+        table.add_column("value", justify="right")
+        table.add_column("step", justify="right")
+        table.add_column("epoch", justify="right")
+        table.add_column("records/s", justify="right")
+        table.add_column("count", justify="right")
+        for name in sorted(rows):
+            row = rows[name]
+            rate = row.rate()
+            table.add_row(
+                name,
+                _fmt(row.value),
+                str(row.step),
+                str(row.epoch),
+                "" if rate is None else f"{rate:.3g}",
+                str(row.count),
+            )
+        caption = f"{status.records} records · step {status.step}"
+        if stream.gaps:
+            caption += f" · {stream.gaps} dropped (display too slow)"
+        if status.last:
+            caption += f" · {status.last}"
+        table.caption = caption
+        table.caption_justify = "left"
+        return table
+
+    console = Console(stderr=False)
+    with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False):
+        async for item in stream:
+            kind = type(item)
+            if kind is PutRecord:
+                record: PutRecord = item  # type: ignore[assignment]
+                row = rows.get(record.name)
+                if row is None:
+                    row = rows[record.name] = _Row()
+                row.value = record.value
+                row.step = record.step
+                row.epoch = record.epoch
+                row.count += 1
+                row.times.append(record.time)
+                status.records += 1
+                status.step = max(status.step, record.step)
+            elif isinstance(item, EpochEnded):
+                status.last = f"epoch {item.epoch} ended"
+            elif isinstance(item, StageEnded):
+                status.last = f"{item.stage} {item.reason}"
+        if stream.bye is not None:
+            status.last = f"ended: {stream.bye.reason or 'the stage ended'}"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,249 @@
+"""The metric stream's wire protocol: message types and framing (no I/O).
+
+Every message is a tagged msgspec Struct (``{"type": "<Name>", ...}`` as a msgpack map)
+sent in a frame: a 4-byte big-endian unsigned length, then that many bytes of msgpack.
+``docs/protocol.md`` is the specification; this module is its reference implementation.
+The stream server (``loopbus.plugins.StreamServer``) and the client (``loopbus.connect``)
+share it. Nothing here imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Final
+
+import msgspec
+
+from .._exceptions import StreamError
+
+__all__ = [
+    "BYE_CODES",
+    "HEADER_SIZE",
+    "MAX_CLIENT_FRAME",
+    "MAX_SERVER_FRAME",
+    "PROTOCOL_VERSION",
+    "TOPICS",
+    "Record",
+    "Batch",
+    "Bye",
+    "ClientMessage",
+    "EpochEnded",
+    "FrameReader",
+    "Gap",
+    "Hello",
+    "Item",
+    "RawBatch",
+    "ServerMessage",
+    "StageEnded",
+    "Subscribe",
+    "Subscribed",
+    "Welcome",
+    "append_frame",
+    "record_fields",
+]
+
+#: The protocol version this module speaks (``Hello.version``, ``Welcome.version``).
+PROTOCOL_VERSION: Final = 1
+#: Bytes of the length prefix in front of every frame.
+HEADER_SIZE: Final = 4
+#: Default limit on the payload of a frame a client sends (servers may configure it).
+MAX_CLIENT_FRAME: Final = 64 * 1024
+#: Servers never send a frame with a larger payload; clients refuse larger ones.
+MAX_SERVER_FRAME: Final = 16 * 1024 * 1024
+#: What a client can subscribe to: put records, and the lifecycle events below.
+TOPICS: Final = ("records", "events")
+#: ``Bye.code`` values. ``"end"`` is a normal end (the run's stage ended, or the client
+#: is leaving); the others name what the receiver did wrong or why it was turned away.
+BYE_CODES: Final = (
+    "end",
+    "auth",
+    "version",
+    "too_large",
+    "malformed",
+    "unexpected",
+    "timeout",
+    "busy",
+)
+
+_Str = Annotated[str, msgspec.Meta(max_length=256)]
+_Patterns = Annotated[list[_Str], msgspec.Meta(max_length=64)]
+_Topics = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=8)]
+_Count = Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """Base of the wire messages: tag field ``"type"``, tag the class name."""
+
+
+# ---------------------------------------------------------------- client -> server
+
+
+class Hello(_Message, frozen=True, kw_only=True):
+    """The first frame a client sends. ``token`` is required when the server has one."""
+
+    version: _Count
+    token: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
+    client: _Str = ""
+
+
+class Subscribe(_Message, frozen=True, kw_only=True):
+    """Choose what to receive: records whose name matches one of the ``names`` globs
+    (``*``, ``?``, ``[abc]``; case-sensitive), from the ``topics`` of :data:`TOPICS`.
+    May be sent again to replace the filters."""
+
+    names: _Patterns = msgspec.field(default_factory=lambda: ["*"])
+    topics: _Topics = msgspec.field(default_factory=lambda: ["records"])
+
+
+class Bye(_Message, frozen=True, kw_only=True):
+    """The last frame of a connection, from either side. ``code`` is one of
+    :data:`BYE_CODES`; ``reason`` says it in words."""
+
+    code: Annotated[str, msgspec.Meta(max_length=32)] = "end"
+    reason: Annotated[str, msgspec.Meta(max_length=1024)] = ""
+
+
+# ---------------------------------------------------------------- server -> client
+
+
+class Welcome(_Message, frozen=True, kw_only=True):
+    """The server accepted the client's Hello. Describes the run and the server's limits."""
+
+    version: int
+    server: str
+    stage: str | None = None
+    step: int = 0
+    epoch: int = 0
+    time: float = 0.0
+    max_frame: int = MAX_CLIENT_FRAME
+    buffer: int = 0
+    topics: list[str] = msgspec.field(default_factory=lambda: list(TOPICS))
+
+
+class Subscribed(_Message, frozen=True, kw_only=True):
+    """The server applied a Subscribe: items from sequence number ``seq`` on are
+    selected by these filters."""
+
+    seq: int
+    names: list[str]
+    topics: list[str]
+
+
+class Record(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag="R"):
+    """Topic ``"records"``: one put record, as the array
+    ``["R", name, value, step, epoch, time, source]`` (compact: it is most of the
+    traffic). The Python client turns it into a :class:`~loopbus.PutRecord`."""
+
+    name: str
+    value: float | int | bool
+    step: int = 0
+    epoch: int = 0
+    time: float = 0.0
+    source: str = ""
+
+
+class EpochEnded(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=True):
+    """Topic ``"events"``: an epoch of ``fit`` ended (training pass and validation done);
+    the array ``["EpochEnded", epoch, step, time]``."""
+
+    epoch: int
+    step: int
+    time: float
+
+
+class StageEnded(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=True):
+    """Topic ``"events"``: a stage (``"fit"``, ``"validate"``, ...) ended; ``reason`` is
+    ``"completed"``, ``"stopped"``, ``"cancelled"`` or ``"failed"``; the array
+    ``["StageEnded", stage, reason, step, epoch, time]``."""
+
+    stage: str
+    reason: str
+    step: int
+    epoch: int
+    time: float
+
+
+#: What a batch carries: arrays whose first element names their type.
+Item = Record | EpochEnded | StageEnded
+
+
+class Batch(_Message, frozen=True, kw_only=True):
+    """Consecutive items of the client's stream: ``items[i]`` has sequence number
+    ``seq + i``."""
+
+    seq: int
+    items: list[Item]
+
+
+class RawBatch(msgspec.Struct, frozen=True, kw_only=True, tag="Batch"):
+    """:class:`Batch` with items already encoded (how servers send one item to many
+    clients while encoding it once)."""
+
+    seq: int
+    items: list[msgspec.Raw]
+
+
+class Gap(msgspec.Struct, frozen=True, kw_only=True, tag=True):
+    """The ``count`` items from sequence number ``seq`` on were dropped for this client
+    (it read too slowly and its queue overflowed)."""
+
+    seq: int
+    count: int
+
+
+ClientMessage = Hello | Subscribe | Bye
+ServerMessage = Welcome | Subscribed | Batch | Gap | Bye
+
+
+def record_fields(record: Any) -> tuple[Any, ...]:
+    """The wire form of a :class:`~loopbus.PutRecord` (encodes like a :class:`Record`)."""
+    return ("R", record.name, record.value, record.step, record.epoch, record.time, record.source)
+
+
+# ---------------------------------------------------------------- framing
+
+
+def append_frame(encoder: msgspec.msgpack.Encoder, message: object, buffer: bytearray) -> int:
+    """Encode ``message`` as one frame at the end of ``buffer``; return its payload size."""
+    start = len(buffer)
+    buffer += b"\0\0\0\0"
+    encoder.encode_into(message, buffer, start + HEADER_SIZE)
+    size = len(buffer) - start - HEADER_SIZE
+    buffer[start : start + HEADER_SIZE] = size.to_bytes(HEADER_SIZE, "big")
+    return size
+
+
+class FrameReader:
+    """Split a byte stream into frame payloads. ``feed`` raises :class:`StreamError` at
+    the first length prefix above ``limit``, before reading the payload."""
+
+    __slots__ = ("_buffer", "limit")
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._buffer = bytearray()
+
+    @property
+    def pending(self) -> int:
+        """Bytes received that do not yet form a whole frame."""
+        return len(self._buffer)
+
+    def feed(self, data: bytes) -> list[bytes]:
+        buffer = self._buffer
+        buffer += data
+        frames: list[bytes] = []
+        pos, end = 0, len(buffer)
+        limit = self.limit
+        while end - pos >= HEADER_SIZE:
+            size = int.from_bytes(buffer[pos : pos + HEADER_SIZE], "big")
+            if size > limit:
+                raise StreamError(
+                    f"a frame announces {size} bytes, more than the limit of {limit} bytes."
+                )
+            stop = pos + HEADER_SIZE + size
+            if stop > end:
+                break
+            frames.append(bytes(buffer[pos + HEADER_SIZE : stop]))
+            pos = stop
+        if pos:
+            del buffer[:pos]
+        return frames

@@ -286,7 +286,39 @@ def plugins_factory() -> list[tuple[str, PluginFactory]] | None:
     def non_terminal() -> list[loopbus.Plugin]:
         return [standard.ProgressBar(file=devnull), standard.CSVLogger(out_dir)]
 
-    return [("progress bar (non-tty) + CSV logger", non_terminal)]
+    cases: list[tuple[str, PluginFactory]] = [("progress bar (non-tty) + CSV logger", non_terminal)]
+    tty = pseudo_terminal()
+    if tty is not None:
+
+        def terminal() -> list[loopbus.Plugin]:
+            return [standard.ProgressBar(file=tty), standard.CSVLogger(out_dir)]
+
+        cases.append(("progress bar (pty) + CSV logger", terminal))
+    return cases
+
+
+def pseudo_terminal() -> Any:
+    """A text file on a pseudo-terminal whose output a daemon thread reads and discards,
+    so the progress bar draws its live display as it would in a real terminal."""
+    try:
+        import pty
+        import threading
+    except ImportError:  # pragma: no cover - not on Windows
+        return None
+    master, slave = pty.openpty()
+
+    def discard() -> None:
+        while True:
+            try:
+                if not os.read(master, 1 << 16):
+                    return
+            except OSError:
+                return
+
+    threading.Thread(target=discard, name="pty reader", daemon=True).start()
+    if os.environ.get("TERM", "").lower() in ("", "dumb", "unknown"):
+        os.environ["TERM"] = "xterm-256color"  # a terminal that can draw the bars
+    return open(slave, "w", encoding="utf-8", closefd=True)  # lives for the whole benchmark
 
 
 if __name__ == "__main__":

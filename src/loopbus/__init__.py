@@ -101,3 +101,7 @@ __all__ = [
     "stream",
     "write_checkpoint",
 ]
+
+# Last: the standard plugins are written against the names above, like user code, and
+# importing them registers the mixed precisions and the default progress bar.
+from . import plugins as plugins  # noqa: E402

@@ -2,8 +2,46 @@
 
 from __future__ import annotations
 
+import functools
+
+from loopbus import register_precision, set_default_plugins
+
 from ._checkpoint import Checkpoint as Checkpoint
+from ._early_stopping import EarlyStopping as EarlyStopping
+from ._loggers import CSVLogger as CSVLogger
+from ._loggers import JSONLLogger as JSONLLogger
+from ._loggers import Logger as Logger
+from ._loggers import decode_records as decode_records
+from ._loggers import read_csv as read_csv
+from ._loggers import read_jsonl as read_jsonl
+from ._lr_monitor import LearningRateMonitor as LearningRateMonitor
+from ._precision import MixedPrecision as MixedPrecision
+from ._progress import ProgressBar as ProgressBar
 from ._stream import ServerStarted as ServerStarted
 from ._stream import StreamServer as StreamServer
+from ._tensorboard import TensorBoardLogger as TensorBoardLogger
+from ._timer import Timer as Timer
 
-__all__: list[str] = ["Checkpoint", "ServerStarted", "StreamServer"]
+__all__: list[str] = [
+    "CSVLogger",
+    "Checkpoint",
+    "EarlyStopping",
+    "JSONLLogger",
+    "LearningRateMonitor",
+    "Logger",
+    "MixedPrecision",
+    "ProgressBar",
+    "ServerStarted",
+    "StreamServer",
+    "TensorBoardLogger",
+    "Timer",
+    "decode_records",
+    "read_csv",
+    "read_jsonl",
+]
+
+# Trainer(precision="16-mixed" | "bf16-mixed") builds a MixedPrecision.
+register_precision("16-mixed", functools.partial(MixedPrecision, "16-mixed"))
+register_precision("bf16-mixed", functools.partial(MixedPrecision, "bf16-mixed"))
+# Trainer(plugins=None): a progress bar and nothing else (loggers are opt-in).
+set_default_plugins([ProgressBar])

@@ -1,0 +1,358 @@
+"""The progress bar: rich bars in a terminal, one plain line per epoch anywhere else.
+
+It costs nothing per step: it subscribes to no per-step event. Run-level events only note
+which loops are running (no drawing happens in a handler); a task of its own reads their
+progress counters and the latest put records a few times a second and redraws.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from collections import deque
+from typing import IO, TYPE_CHECKING, Any
+
+import anyio
+from rich.console import Console
+from rich.errors import LiveError
+from rich.progress import BarColumn, Progress, TaskID, TextColumn
+
+from loopbus import Loop, Plugin, on
+from loopbus.events import EpochCompleted, FitCompleted, RunCompleted, RunStarted, Teardown
+
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from loopbus import Trainer
+
+__all__ = ["ProgressBar"]
+
+_LABELS = {
+    "fit": "Epochs",
+    "train": "Train",
+    "validate": "Validate",
+    "test": "Test",
+    "predict": "Predict",
+}
+_RATE_WINDOW = 30.0  # seconds of history behind the rate and the ETA
+
+
+def _fmt(value: float | int | bool) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def _fmt_time(seconds: float) -> str:
+    if seconds < 60:
+        return f"{seconds:.1f}s"
+    minutes, secs = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+class _Run:
+    """One run of a loop: when it started and recent (time, completed) samples."""
+
+    __slots__ = ("loop", "samples", "start")
+
+    def __init__(self, loop: Loop[Any]) -> None:
+        self.loop = loop
+        self.start = time.monotonic()
+        self.samples: deque[tuple[float, int]] = deque(maxlen=256)
+
+    def info(self, completed: int, total: float | None, now: float) -> str:
+        """``"n/total  rate  elapsed  eta"``, the rate over the last half minute."""
+        samples = self.samples
+        samples.append((now, completed))
+        while len(samples) > 2 and now - samples[0][0] > _RATE_WINDOW:
+            samples.popleft()
+        t0, c0 = samples[0]
+        if len(samples) == 1:
+            t0, c0 = self.start, 0
+        rate = (completed - c0) / (now - t0) if now > t0 else 0.0
+        parts = [f"{completed}/{'?' if total is None else int(total)}"]
+        if rate > 0:
+            parts.append(f"{rate:.1f} it/s" if rate >= 1 else f"{1 / rate:.1f} s/it")
+        parts.append(_fmt_time(now - self.start))
+        if total is not None and rate > 0:
+            parts.append(f"eta {_fmt_time(max(total - completed, 0) / rate)}")
+        return "  ".join(parts)
+
+
+class ProgressBar(Plugin):
+    """Progress of the running loops and the latest records addressed to
+    ``"progress_bar"``.
+
+    In a terminal (or Jupyter) it draws one rich bar per running loop (the epochs, the
+    training batches of the epoch, the validation batches while validation runs) with
+    rate, elapsed time and ETA, and the latest value of each record put with the
+    ``"progress_bar"`` destination. It redraws ``refresh_rate`` times a second from a task
+    of its own, never per step or per epoch. It also writes one line per epoch (above the
+    bars), and that line is all it writes when the output is not a terminal (a CI log, a
+    file, a pipe, ``TERM=dumb``): plain text, no control codes. When ``fit`` ends early
+    the stop request's reason (early stopping, a time budget) is written too.
+
+    It is the default plugin set: ``Trainer()`` has one, ``Trainer(plugins=[])`` has
+    none, and a list of plugins replaces the default, so add it back when you pass some::
+
+        trainer = Trainer(max_epochs=10, plugins=[ProgressBar(refresh_rate=2), CSVLogger("runs")])
+
+    ``file`` writes to that file instead of standard error (bars if it is a terminal);
+    ``console`` uses a rich ``Console`` as it is configured (``force_terminal=True``
+    forces bars).
+    """
+
+    def __init__(
+        self,
+        *,
+        refresh_rate: float = 4.0,
+        file: IO[str] | None = None,
+        console: Console | None = None,
+    ) -> None:
+        if (
+            isinstance(refresh_rate, bool)
+            or not isinstance(refresh_rate, (int, float))
+            or not 0 < refresh_rate <= 60
+        ):
+            raise ValueError(
+                f"ProgressBar(refresh_rate=...) is redraws per second, a number in (0, 60], "
+                f"got {refresh_rate!r}."
+            )
+        if file is not None and console is not None:
+            raise ValueError("ProgressBar takes file= or console=, not both.")
+        self.refresh_rate = float(refresh_rate)
+        self._file = file
+        self._console = console
+        self._trainer: Trainer | None = None
+        self._stage = ""
+        self._loops: dict[str, Loop[Any]] = {}
+        self._running: dict[str, _Run] = {}
+        self._progress: Progress | None = None
+        self._tasks: dict[str, TaskID] = {}
+        self._lines: list[str] = []
+        self._refresher: anyio.CancelScope | None = None
+        self._epoch_start = 0.0
+        self._val_time = 0.0
+
+    # ------------------------------------------------------------ output
+    @property
+    def console(self) -> Console:
+        """The rich console the bar draws on."""
+        if self._console is None:
+            if self._file is not None:
+                self._console = Console(file=self._file, force_terminal=_isatty(self._file))
+            else:
+                self._console = Console(stderr=True, force_terminal=_isatty(sys.stderr))
+        return self._console
+
+    @property
+    def is_interactive(self) -> bool:
+        """Whether bars are drawn (a terminal or Jupyter) rather than plain lines only."""
+        console = self.console
+        return console.is_jupyter or (console.is_terminal and not console.is_dumb_terminal)
+
+    def write_line(self, line: str) -> None:
+        """Write a line of text: above the bars (at the next redraw) when they are drawn,
+        else straight to the output."""
+        if self._progress is not None:
+            self._lines.append(line)
+            return
+        out = self.console.file
+        out.write(line + "\n")
+        out.flush()
+
+    # ------------------------------------------------------------ stage
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self._trainer = trainer
+        self._stage = stage
+        self._loops = {}
+        self._running = {}
+        self._lines = []
+        self._epoch_start = time.monotonic()
+        self._val_time = 0.0
+
+        def walk(loop: Loop[Any]) -> None:
+            self._loops.setdefault(loop.name, loop)
+            for child in loop.children.values():
+                walk(child)
+
+        walk(trainer.loops[stage])
+
+    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+        if not self.is_interactive:
+            return
+        progress = Progress(
+            TextColumn("{task.description:<8}"),
+            BarColumn(bar_width=30),
+            # One text column filled by refresh(): rich's rate and time columns would
+            # cost about a millisecond per redraw between them.
+            TextColumn("{task.fields[info]}", markup=False),
+            console=self.console,
+            auto_refresh=False,
+        )
+        try:
+            progress.start()
+        except LiveError:  # another live display owns this console: lines only
+            return
+        self._progress = progress
+        self._tasks = {}
+        scope = self._refresher = anyio.CancelScope()
+        task_group.start_soon(self._refresh_loop, scope, name="ProgressBar refresh")
+
+    async def _refresh_loop(self, scope: anyio.CancelScope) -> None:
+        interval = 1.0 / self.refresh_rate
+        with scope:
+            while True:
+                await anyio.sleep(interval)
+                self.refresh()
+
+    async def stop(self, trainer: Trainer, stage: str) -> None:
+        self._close_live()
+
+    def teardown(self, trainer: Trainer, stage: str) -> None:
+        self._close_live()
+        self._trainer = None
+        self._loops = {}
+        self._running = {}
+
+    def _close_live(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+            self._refresher = None
+        progress = self._progress
+        if progress is not None:
+            self.refresh()
+            self._progress = None
+            self._tasks = {}
+            progress.stop()
+
+    # ------------------------------------------------------------ drawing
+    def metrics(self) -> dict[str, float | int | bool]:
+        """The latest value of each record put with the ``"progress_bar"`` destination."""
+        trainer = self._trainer
+        if trainer is None:
+            return {}
+        return {
+            name: record.value
+            for name, record in trainer.latest.items()
+            if "progress_bar" in record.destinations
+        }
+
+    def _metrics_text(self) -> str:
+        return "  ".join(f"{name} {_fmt(value)}" for name, value in self.metrics().items())
+
+    def _counts(self, loop: Loop[Any]) -> tuple[int, float | None]:
+        """(completed, total) iterations of ``loop`` for its bar."""
+        if hasattr(loop, "total_batches"):  # a batch loop: this run's batches
+            total: float | None = loop.total_batches
+            return loop.progress.current.completed, total
+        max_epochs = self._trainer.max_epochs if self._trainer is not None else math.inf
+        total = max_epochs if loop.name == "fit" and max_epochs != math.inf else None
+        return loop.progress.total.completed, total
+
+    def refresh(self) -> None:
+        """Redraw the bars now (the refresh task calls it; a no-op without bars)."""
+        progress = self._progress
+        if progress is None:
+            return
+        now = time.monotonic()
+        tasks = self._tasks
+        running = self._running
+        for name, shown in tasks.items():
+            if name not in running:
+                progress.update(shown, visible=False)
+        metrics = self._metrics_text() if running else ""
+        metrics_on = "train" if "train" in running else next(iter(running), None)
+        for name, run in running.items():
+            completed, total = self._counts(run.loop)
+            info = run.info(completed, total, now)
+            if name == metrics_on and metrics:
+                info = f"{info}  {metrics}"
+            task = tasks.get(name)
+            if task is None:
+                # One task per loop for the whole stage (adding one redraws at once).
+                tasks[name] = progress.add_task(
+                    _LABELS.get(name, name), total=total, completed=completed, info=info
+                )
+            else:
+                progress.update(task, completed=completed, total=total, info=info, visible=True)
+        lines = self._lines
+        if lines:
+            self._lines = []
+            # Printing above a live display redraws it too: one redraw for both.
+            progress.console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+        else:
+            progress.refresh()
+
+    # ------------------------------------------------------------ events
+    @on(RunStarted)
+    def _run_started(self, event: RunStarted) -> None:
+        loop = self._loops.get(event.loop)
+        if loop is None:
+            return
+        if event.loop == "train":
+            self._epoch_start = time.monotonic()
+            self._val_time = 0.0
+        self._running[event.loop] = _Run(loop)
+
+    @on(RunCompleted)
+    def _run_completed(self, event: RunCompleted) -> None:
+        run = self._running.pop(event.loop, None)
+        if run is None:
+            return
+        elapsed = time.monotonic() - run.start
+        if event.loop == "validate" and self._stage == "fit":
+            self._val_time += elapsed
+        elif event.loop == self._stage and self._stage != "fit":
+            n = run.loop.progress.current.completed
+            line = f"{_LABELS.get(event.loop, event.loop)}: {n} batches in {_fmt_time(elapsed)}"
+            metrics = self._metrics_text()
+            self.write_line(f"{line} | {metrics}" if metrics else line)
+
+    @on(EpochCompleted)
+    def _epoch_completed(self, event: EpochCompleted) -> None:
+        trainer = self._trainer
+        if trainer is None:
+            return
+        max_epochs = trainer.max_epochs
+        parts = [
+            f"Epoch {event.epoch + 1}" + ("" if max_epochs == math.inf else f"/{int(max_epochs)}")
+        ]
+        train = self._loops.get("train")
+        if train is not None:
+            n = train.progress.current.completed
+            train_time = max(time.monotonic() - self._epoch_start - self._val_time, 1e-9)
+            text = f"{n} batches in {_fmt_time(train_time)} ({n / train_time:.1f} it/s)"
+            if self._val_time:
+                text += f", validation {_fmt_time(self._val_time)}"
+            parts.append(text)
+        parts.append(f"step {event.step}")
+        metrics = self._metrics_text()
+        if metrics:
+            parts.append(metrics)
+        self.write_line(" | ".join(parts))
+
+    @on(FitCompleted)
+    def _fit_completed(self, event: FitCompleted) -> None:
+        if event.stopped:
+            reason = event.reason or "stop requested"
+            self.write_line(f"Stopped at epoch {event.epoch + 1}, step {event.step}: {reason}")
+
+    @on(Teardown)
+    def _teardown(self, event: Teardown) -> None:
+        if event.reason in ("failed", "cancelled"):
+            self.write_line(
+                f"{event.stage} {event.reason} at epoch {event.epoch + 1}, step {event.step}"
+            )
+
+
+def _isatty(file: Any) -> bool:
+    isatty = getattr(file, "isatty", None)
+    try:
+        tty = bool(isatty()) if isatty is not None else False
+    except (ValueError, OSError):
+        return False
+    return tty and os.environ.get("TERM", "").lower() not in ("dumb", "unknown")

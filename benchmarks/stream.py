@@ -4,19 +4,22 @@ clients costs the training step.
 1. Throughput. A producer publishes pre-built put records on the trainer's bus as fast
    as it can (yielding to the event loop every ``yield_interval``, as the training loop
    does); one client, then eight, read them in a separate process with
-   ``loopbus.connect``. The figure is records received per second at the clients,
-   first record to last (summed over clients for eight), with the records dropped
-   because a client fell behind.
+   ``loopbus.connect``. The figure is records received per second at the clients, from
+   the first record any client got to the last (all clients together for eight), with
+   the records dropped because a client fell behind.
 2. Overhead. The same small training run as ``benchmarks/overhead.py`` (an MLP
    32 -> 32 -> 10, batch 32, SGD, one torch thread), putting two records per step, with a
-   StreamServer and (a) no client, (b) eight clients reading everything from another
-   process. Runs alternate in one process; the figure is the median of the per-pair
-   ratios of wall time (b / a) over the training window (first batch to teardown), and
-   the same ratio for the training process's CPU time, which the client process's share
-   of a busy machine does not inflate. A run without any server is shown for reference.
+   StreamServer and (a) no client, (b) eight clients reading everything from one other
+   process (which stays up and reconnects for each run). Runs alternate in one process
+   (ABBA); the figure is the median of the per-pair ratios of wall time (b / a) over the
+   training window (first batch to teardown), and the same for the training process's
+   CPU time. A run without any server is shown for reference. By default the training
+   process is pinned to the first CPU and the clients to the others, as a dashboard on
+   another core or machine would be.
 
     ./dev bench stream                        # defaults below
-    ./dev bench stream --records 400000 --steps 2000 --repeats 21
+    ./dev bench stream --records 400000 --steps 4000 --repeats 31
+    ./dev bench stream --no-pin               # clients may share the training CPU
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -45,8 +49,9 @@ torch.set_num_threads(1)
 
 
 # ---------------------------------------------------------------- client process
-async def _client_main(address: str, n: int) -> None:
-    """Connect ``n`` clients, read until the run ends, print one JSON result line."""
+async def _session(address: str, n: int, retry: bool) -> list[dict[str, Any]]:
+    """Connect ``n`` clients (retrying while nothing listens, if ``retry``) and read
+    until the stage ends. One result per client."""
     results: list[dict[str, Any]] = [{} for _ in range(n)]
 
     async def read(i: int, stream: loopbus.stream.Stream) -> None:
@@ -60,22 +65,51 @@ async def _client_main(address: str, n: int) -> None:
 
     streams = []
     try:
-        for _ in range(n):
-            streams.append(await loopbus.connect(address).__aenter__())  # noqa: PERF401
+        while len(streams) < n:
+            try:
+                streams.append(await loopbus.connect(address).__aenter__())
+            except loopbus.StreamError:
+                if not retry or streams:
+                    raise
+                await anyio.sleep(0.02)
         async with anyio.create_task_group() as tg:
             for i, stream in enumerate(streams):
                 tg.start_soon(read, i, stream)
     finally:
         for stream in streams:
             await stream.aclose()
-    print(json.dumps(results), flush=True)
+    return results
 
 
-def spawn_clients(address: str, n: int) -> subprocess.Popen[str]:
+async def _client_main(address: str, n: int, sessions: int) -> None:
+    """Run ``sessions`` sessions of ``n`` clients; print one JSON line per session."""
+    for _ in range(sessions):
+        results = await _session(address, n, retry=sessions > 1)
+        print(json.dumps(results), flush=True)
+
+
+#: With --pin: the training process runs on the first CPU, the clients on the others
+#: (a dashboard on another core or machine), so the clients' decoding does not compete
+#: with the step for a core.
+PIN: dict[str, set[int]] = {}
+
+
+def spawn_clients(address: str, n: int, sessions: int = 1) -> subprocess.Popen[str]:
+    clients = PIN.get("clients")
     return subprocess.Popen(
-        [sys.executable, __file__, "--client", address, "--clients", str(n)],
+        [
+            sys.executable,
+            __file__,
+            "--client",
+            address,
+            "--clients",
+            str(n),
+            "--sessions",
+            str(sessions),
+        ],
         stdout=subprocess.PIPE,
         text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, clients)) if clients else None,
     )
 
 
@@ -84,14 +118,15 @@ class Gate(Plugin):
 
     priority = 100
 
-    def __init__(self, server: StreamServer, clients: int) -> None:
+    def __init__(self, server: StreamServer, clients: int, spawn: bool = True) -> None:
         self.server = server
         self.clients = clients
+        self.spawn = spawn
         self.process: subprocess.Popen[str] | None = None
 
     @on(ServerStarted)
     def started(self, event: ServerStarted) -> None:
-        if self.clients:
+        if self.clients and self.spawn:
             self.process = spawn_clients(event.address, self.clients)
 
     @on(FitStarted)
@@ -230,39 +265,47 @@ def make_loader(n: int) -> DataLoader[Any]:
     return DataLoader(TensorDataset(x, y), batch_size=32, shuffle=False)
 
 
-def train(steps: int, clients: int | None, data: Any) -> tuple[float, float, int]:
-    """One run; ``clients=None`` means no server at all. Returns (wall, cpu, received)."""
+def train(steps: int, data: Any, server: StreamServer | None, clients: int = 0) -> tuple[float, float]:
+    """One run; the ``clients`` (already running, see :func:`overhead`) are waited for
+    before the first step. Returns the training window's wall and CPU seconds."""
     window = Window()
     plugins: list[Plugin] = [window]
-    gate = None
-    if clients is not None:
-        server = StreamServer(announce=False)
-        gate = Gate(server, clients)
-        plugins = [server, gate, window]
+    if server is not None:
+        plugins = [server, Gate(server, clients, spawn=False), window]
     trainer = Trainer(max_steps=steps, plugins=plugins, leak_check=None, device="cpu")
     loopbus.run(trainer.fit, BenchModule(), data)
-    received = sum(r["records"] for r in gate.results()) if gate is not None else 0
-    return window.wall, window.cpu, received
+    return window.wall, window.cpu
 
 
 def overhead(steps: int, repeats: int) -> dict[str, Any]:
     data = make_loader(32 * steps)
-    train(min(steps, 300), 0, data)  # warm-up
+    # Eight clients in one process for the whole comparison: each session they connect
+    # to the server on `port`, read until the stage ends, and reconnect for the next.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    pool = spawn_clients(f"tcp://127.0.0.1:{port}", 8, sessions=repeats + 1)
+
+    def serving(clients: int) -> StreamServer:
+        # The clients only ever connect to `port`; the no-client runs use another one.
+        return StreamServer(port=port if clients else 0, announce=False)
+
+    train(min(steps, 300), data, serving(8), 8)  # warm-up, the pool's first session
     wall_ratios, cpu_ratios = [], []
     walls: dict[str, list[float]] = {"none": [], "server": [], "eight": []}
-    received = 0
     for i in range(repeats):
         # Alternate the order within pairs (ABBA) so slow drifts of the machine cancel.
         order = (0, 8) if i % 2 == 0 else (8, 0)
-        runs = {clients: train(steps, clients, data) for clients in order}
-        bare, _, _ = train(steps, None, data)
-        (wall0, cpu0, _), (wall8, cpu8, got) = runs[0], runs[8]
-        walls["none"].append(bare)
+        runs = {clients: train(steps, data, serving(clients), clients) for clients in order}
+        walls["none"].append(train(steps, data, None)[0])
+        (wall0, cpu0), (wall8, cpu8) = runs[0], runs[8]
         walls["server"].append(wall0)
         walls["eight"].append(wall8)
         wall_ratios.append(wall8 / wall0)
         cpu_ratios.append(cpu8 / cpu0)
-        received = got
+    out, _ = pool.communicate(timeout=120)
+    sessions = [json.loads(line) for line in out.strip().splitlines()][1:]
+    received = [sum(r["records"] for r in session) for session in sessions]
     quartiles = statistics.quantiles(wall_ratios, n=4) if len(wall_ratios) > 1 else wall_ratios * 3
     return {
         "steps": steps,
@@ -270,7 +313,7 @@ def overhead(steps: int, repeats: int) -> dict[str, Any]:
         "wall_ratio": statistics.median(wall_ratios),
         "wall_iqr": (quartiles[0], quartiles[-1]),
         "cpu_ratio": statistics.median(cpu_ratios),
-        "received_by_eight": received,
+        "received_by_eight": min(received),
         "expected_by_eight": 8 * 2 * steps,
     }
 
@@ -278,17 +321,31 @@ def overhead(steps: int, repeats: int) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=300_000)
-    parser.add_argument("--steps", type=int, default=1000)
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--steps", type=int, default=2000)
+    parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument(
+        "--no-pin",
+        dest="pin",
+        action="store_false",
+        help="do not pin the training process and the clients to different CPUs",
+    )
     parser.add_argument("--client", metavar="ADDRESS", help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--sessions", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.client:
-        anyio.run(_client_main, args.client, args.clients)
+        anyio.run(_client_main, args.client, args.clients, args.sessions)
         return
 
-    print(f"stream server benchmark (python {sys.version.split()[0]}, torch {torch.__version__}, "
-          f"{os.cpu_count()} CPUs)")
+    cpus = sorted(os.sched_getaffinity(0))
+    if args.pin and len(cpus) >= 2:
+        PIN["clients"] = set(cpus[1:])
+        os.sched_setaffinity(0, {cpus[0]})
+    print(
+        f"stream server benchmark (python {sys.version.split()[0]}, torch {torch.__version__}, "
+        f"{len(cpus)} CPUs; "
+        + (f"training on CPU {cpus[0]}, clients on {sorted(PIN['clients'])})" if PIN else "unpinned)")
+    )
     for clients in (1, 8):
         r = throughput(args.records, clients)
         print(
@@ -309,7 +366,8 @@ def main() -> None:
         f"overhead with 8 clients vs none: wall {o['wall_ratio']:.3f}x "
         f"(interquartile {o['wall_iqr'][0]:.3f}-{o['wall_iqr'][1]:.3f}), "
         f"training-process CPU {o['cpu_ratio']:.3f}x; "
-        f"{o['received_by_eight']:,} of {o['expected_by_eight']:,} records delivered"
+        f"{o['received_by_eight']:,} of {o['expected_by_eight']:,} records delivered "
+        "(fewest in a run)"
     )
 
 

@@ -2,6 +2,7 @@
 
     ./dev demo                      # or: python examples/digits.py
     python examples/digits.py --epochs 30 --backend trio
+    python examples/digits.py --serve --epochs 300   # then, elsewhere: loopbus watch 8765
 
 Shows the pieces a newcomer needs: a ``Module`` with ``training_step`` /
 ``validation_step``, torchmetrics for accuracy (aggregation is user code), ``put`` for
@@ -86,12 +87,25 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--executor", choices=["inline", "thread"], default="inline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--serve",
+        nargs="?",
+        const="tcp://127.0.0.1:8765",
+        metavar="ADDRESS",
+        help="serve the records to other processes (`loopbus watch ADDRESS`); "
+        "default address tcp://127.0.0.1:8765",
+    )
     args = parser.parse_args(argv)
 
     loopbus.seed_everything(args.seed)
     train, val = digits_loaders(seed=args.seed)
     module = DigitsNet(epochs=args.epochs)
-    trainer = Trainer(max_epochs=args.epochs, executor=args.executor)
+    plugins = None  # the default: a progress bar
+    if args.serve:
+        from loopbus.plugins import ProgressBar, StreamServer
+
+        plugins = [StreamServer.from_address(args.serve), ProgressBar()]
+    trainer = Trainer(max_epochs=args.epochs, executor=args.executor, plugins=plugins)
     loopbus.run(trainer.fit, module, train, val, backend=args.backend)
 
     accuracy = float(trainer.latest["val/acc"].value)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -84,3 +85,17 @@ def test_console_script_is_declared() -> None:
 
     scripts = {ep.name: ep.value for ep in entry_points(group="console_scripts")}
     assert scripts.get("loopbus") == "loopbus.__main__:main"
+
+
+def test_digits_demo_serves_its_records(capfd: pytest.CaptureFixture[str]) -> None:
+    examples = str(Path(__file__).resolve().parents[1] / "examples")
+    sys.path.insert(0, examples)
+    try:
+        import digits
+
+        digits.main(["--epochs", "1", "--serve", "tcp://127.0.0.1:0"])
+    finally:
+        sys.path.remove(examples)
+    err = capfd.readouterr().err
+    assert "loopbus: streaming records on tcp://127.0.0.1:" in err
+    assert "watch them with: loopbus watch tcp://127.0.0.1:" in err

@@ -5,23 +5,30 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 from typing import Any
 
 import anyio
+import msgspec
 import pytest
 
 import loopbus
 from loopbus import MisconfigurationError, PutRecord, StreamError
-from loopbus.events import TrainBatchCompleted
-from loopbus.plugins import StreamServer
+from loopbus.events import TrainBatchCompleted, ValidationStarted
+from loopbus.plugins import JSONLLogger, StreamServer, read_jsonl
 from loopbus.stream import EpochEnded, Gap, StageEnded, parse_address
 from tests.helpers import TinyModule, make_loader
-from tests.plugins.stream_helpers import ChattyModule, serving
+from tests.plugins.stream_helpers import ChattyModule, Gate, serving
 
 
-async def test_client_receives_exactly_the_records_in_order() -> None:
+async def test_client_receives_exactly_the_records_in_order(tmp_path: Path) -> None:
+    """Compared with the JSONL log of the same run (and an inline subscriber's copy)."""
     async with serving(
-        TinyModule(), max_epochs=2, train=make_loader(128), val=make_loader(32)
+        TinyModule(),
+        max_epochs=2,
+        train=make_loader(128),
+        val=make_loader(32),
+        plugins=(JSONLLogger(tmp_path),),
     ) as run:
         received: list[PutRecord] = []
         seqs: list[int] = []
@@ -31,8 +38,12 @@ async def test_client_receives_exactly_the_records_in_order() -> None:
                 async for record in stream:
                     received.append(record)  # type: ignore[arg-type]
                     seqs.append(stream.seq)
-    assert len(run.captured) == 2 * (8 + 2)  # train/loss per batch, val/loss per val batch
-    assert received == run.expected
+    logged = read_jsonl(tmp_path / "records.jsonl")
+    assert len(logged) == 2 * (8 + 2)  # train/loss per batch, val/loss per val batch
+    # The stream does not carry the run's other destinations: streamed records have
+    # ("external",), logged ones all four.
+    assert received == [msgspec.structs.replace(r, destinations=("external",)) for r in logged]
+    assert logged == run.captured
     assert seqs == list(range(len(received)))
     assert stream.gaps == 0
     assert stream.bye is not None
@@ -221,3 +232,40 @@ def test_server_options_are_validated() -> None:
         StreamServer(linger=-1)
     assert StreamServer.from_address("unix:///tmp/a.sock").path == "/tmp/a.sock"
     assert StreamServer.from_address("tcp://127.0.0.1:5").port == 5
+
+
+async def test_thread_executor_and_a_new_server_for_each_stage() -> None:
+    """Steps in a worker thread change nothing for clients; each stage serves anew
+    (a new port with port=0) and ends its clients' streams with a bye."""
+    server = StreamServer(announce=False)
+    async with serving(
+        TinyModule(), server=server, executor="thread", train=make_loader(64)
+    ) as run:
+        async with loopbus.connect(run.address) as stream:
+            run.gate.go.set()
+            with anyio.fail_after(60):
+                received = [r async for r in stream]
+    assert received == run.expected
+    assert stream.bye is not None
+    assert stream.bye.reason == "the fit stage ended"
+    first_address = run.address
+
+    class ValidationGate(Gate):
+        @loopbus.on(ValidationStarted)
+        async def hold_validation(self, event: ValidationStarted) -> None:
+            await self.go.wait()
+
+    gate = ValidationGate()
+    trainer = loopbus.Trainer(plugins=[server, gate], executor="thread")
+    records: list[Any] = []
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer.validate, TinyModule(), make_loader(64))
+            await gate.started.wait()
+            async with loopbus.connect(gate.address, topics=["records", "events"]) as stream:
+                gate.go.set()
+                records = [r async for r in stream]
+    assert gate.address != first_address
+    assert [type(r).__name__ for r in records] == ["PutRecord"] * 4 + ["StageEnded"]
+    assert stream.bye is not None
+    assert stream.bye.reason == "the validate stage ended"

@@ -115,10 +115,11 @@ class StreamServer(loopbus.Plugin):
       Smaller means a stalled client holds less stale data and learns of its gap sooner.
     * ``max_clients``: connections beyond this are turned away (``busy``).
     * ``max_frame``: the largest frame (bytes) a client may send.
-    * ``flush_interval``: the time (s) a client's writer pauses after a send so that
-      records put meanwhile go out together (one send per interval: 10 per second by
-      default). A record put after a quiet spell goes out at once, and a queue half
-      full ends the pause early.
+    * ``flush_interval``: after a send, a client's writer pauses until the next tick of
+      this period (s) so that records put meanwhile go out together: at most one send
+      per tick, 10 per second by default. A record put after a quiet spell goes out at
+      once, and a queue half full ends the pause early. 0 sends whenever there is
+      something to send.
     * ``linger``: at the end of a stage, seconds to let clients receive what is queued
       and the closing bye before they are disconnected.
     * ``handshake_timeout``: seconds a new connection has to send its ``Hello``.
@@ -432,6 +433,8 @@ class StreamServer(loopbus.Plugin):
                 async with anyio.create_task_group() as tg:
                     self._conn_tg = tg
                     tg.start_soon(self._accept_all, listeners)
+                    if self.flush_interval:
+                        tg.start_soon(self._tick, name="loopbus stream ticker")
         finally:
             try:
                 for listener in listeners:
@@ -439,6 +442,16 @@ class StreamServer(loopbus.Plugin):
                 self._remove_unix_path()
             finally:
                 self._stopped.set()
+
+    async def _tick(self) -> None:
+        """End the pause of every paused writer each ``flush_interval``: one timer for
+        all clients, so a pause costs a client nothing but an event."""
+        interval = self.flush_interval
+        while True:
+            await anyio.sleep(interval)
+            for client in self._clients:
+                if client.paused:
+                    client.notify()
 
     async def _accept_all(self, listeners: list[Listener[Any]]) -> None:
         assert self._accept_scope is not None
@@ -622,7 +635,7 @@ class StreamServer(loopbus.Plugin):
     async def _write(self, client: Connection) -> None:
         buffer = bytearray()
         stream = client.stream
-        flush_interval = self.flush_interval
+        flush_interval = self.flush_interval > 0
         try:
             while True:
                 if not client.queue and not client.acks and client.bye is None:
@@ -640,11 +653,12 @@ class StreamServer(loopbus.Plugin):
                 buffer.clear()
                 await stream.send(data)
                 if flush_interval and client.bye is None:
-                    # Let records gather: one send per interval, or sooner if half the
-                    # queue fills (a fast producer), or on a close or a subscription.
+                    # Let records gather until the next tick (see _tick), or until half
+                    # the queue fills (a fast producer), a close or a subscription.
                     client.threshold = client.high
-                    with anyio.move_on_after(flush_interval):
-                        await client.wake.wait()
+                    client.paused = True
+                    await client.wake.wait()
+                    client.paused = False
                     client.threshold = NEVER
                     client.wake = anyio.Event()
         except _GONE:

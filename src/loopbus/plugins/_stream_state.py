@@ -61,6 +61,7 @@ class Connection:
         "input_closed",
         "match",
         "next_seq",
+        "paused",
         "peer",
         "queue",
         "reader",
@@ -89,6 +90,8 @@ class Connection:
         self.wake = anyio.Event()
         self.high = max(1, buffer // 2)
         self.threshold = NEVER
+        #: The writer sent a batch and waits for the next tick before the next one.
+        self.paused = False
         self.match: Callable[[str], Any] = match_nothing
         self.topics: frozenset[str] = frozenset()
         self.acks: list[Subscribed] = []

@@ -158,16 +158,24 @@ def count_calls(fn: Callable[[], Any]) -> int:
     return n
 
 
-def extra_calls_per_step(backend: str, subscribers: bool, n: int = 200) -> float:
+def extra_calls_per_step(
+    backend: str, subscribers: bool, n: int = 200, plugins: PluginFactory | None = None
+) -> float:
     """(loopbus(2N) - loopbus(N)) - (hand(2N) - hand(N)), per step, pre-built batches.
     Yields to the event loop are time-based, so they are switched off here to keep the
-    count deterministic; `checkpoint_calls` reports what one yield costs."""
+    count deterministic; `checkpoint_calls` reports what one yield costs. Only the event
+    loop's thread is counted (a logger's writer thread is not)."""
     batches = list(make_loader(32 * 2 * n))
     small, large = batches[:n], batches[: 2 * n]
 
     def lb(data: list[Any]) -> Callable[[], Any]:
         return lambda: with_loopbus(
-            data, len(data), backend, subscribers=subscribers, yield_interval=math.inf
+            data,
+            len(data),
+            backend,
+            subscribers=subscribers,
+            plugins=plugins,
+            yield_interval=math.inf,
         )
 
     def hw(data: list[Any]) -> Callable[[], Any]:
@@ -269,6 +277,13 @@ def main(argv: list[str] | None = None) -> None:
             factory = plugins_factory()
             if factory is not None:
                 for label, make in factory:
+                    if not args.skip_calls and "non-tty" in label:
+                        calls = extra_calls_per_step(backend, subscribers=True, plugins=make)
+                        print(
+                            f"extra Python calls per step ({backend}) with the same subscribers "
+                            f"and {label}: {calls:.1f}",
+                            flush=True,
+                        )
                     ratio_case(label, backend, loader, args.steps, args.repeats, plugins=make)
 
 
@@ -298,24 +313,20 @@ def plugins_factory() -> list[tuple[str, PluginFactory]] | None:
 
 
 def pseudo_terminal() -> Any:
-    """A text file on a pseudo-terminal whose output a daemon thread reads and discards,
-    so the progress bar draws its live display as it would in a real terminal."""
+    """A text file on a pseudo-terminal whose output another process reads and discards
+    (as a terminal emulator would), so the progress bar draws its live display."""
     try:
         import pty
-        import threading
     except ImportError:  # pragma: no cover - not on Windows
         return None
+    import atexit
+    import subprocess
+
     master, slave = pty.openpty()
-
-    def discard() -> None:
-        while True:
-            try:
-                if not os.read(master, 1 << 16):
-                    return
-            except OSError:
-                return
-
-    threading.Thread(target=discard, name="pty reader", daemon=True).start()
+    drain = "import os\nwhile True:\n    try:\n        if not os.read(0, 1 << 16): break\n    except OSError: break"
+    reader = subprocess.Popen([sys.executable, "-c", drain], stdin=master, stdout=subprocess.DEVNULL)
+    os.close(master)  # the reader holds it now
+    atexit.register(reader.kill)
     if os.environ.get("TERM", "").lower() in ("", "dumb", "unknown"):
         os.environ["TERM"] = "xterm-256color"  # a terminal that can draw the bars
     return open(slave, "w", encoding="utf-8", closefd=True)  # lives for the whole benchmark

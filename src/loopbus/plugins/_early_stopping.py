@@ -106,6 +106,11 @@ class EarlyStopping(Plugin):
             f"min_delta={self.min_delta})"
         )
 
+    @property
+    def state_key(self) -> str:
+        """Includes the monitor and mode, so several early stoppings can be checkpointed."""
+        return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.monitor_mode!r}}}"
+
     def setup(self, trainer: Trainer, stage: str) -> None:
         self._trainer = trainer
         self._fitting = stage == "fit"

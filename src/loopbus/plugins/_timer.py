@@ -87,6 +87,7 @@ class Timer(Plugin):
         self._elapsed: dict[str, float] = dict.fromkeys(_STAGES, 0.0)
         self._started: dict[str, float] = {}
         self._alarm: anyio.CancelScope | None = None
+        self._changed: anyio.Event | None = None
         self._trainer: Trainer | None = None
 
     def __repr__(self) -> str:
@@ -140,8 +141,10 @@ class Timer(Plugin):
                 remaining = self.time_remaining("fit")
                 if remaining is None or remaining <= 0:
                     break
-                # Short naps, so a state loaded during the stage is taken into account.
-                await anyio.sleep(min(remaining, 1.0))
+                # load_state_dict() (a resume) sets the event: sleep again from there.
+                self._changed = anyio.Event()
+                with anyio.move_on_after(remaining):
+                    await self._changed.wait()
             trainer.request_stop(self._reason())
 
     @on(EpochCompleted)
@@ -153,11 +156,13 @@ class Timer(Plugin):
         if self._alarm is not None:
             self._alarm.cancel()
             self._alarm = None
+        self._changed = None
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         if self._alarm is not None:
             self._alarm.cancel()
             self._alarm = None
+        self._changed = None
         start = self._started.pop(stage, None)
         if start is not None:
             self._elapsed[stage] = self._elapsed.get(stage, 0.0) + time.monotonic() - start
@@ -173,3 +178,9 @@ class Timer(Plugin):
             self._elapsed[str(stage)] = float(seconds)
             if stage in self._started:  # loaded while the stage runs: count from now
                 self._started[stage] = time.monotonic()
+        # Loaded while fit runs (fit(ckpt_path=...) resumes after plugins started).
+        if "fit" in self._started and self._trainer is not None and self.duration is not None:
+            if self.expired:
+                self._trainer.request_stop(self._reason())
+            elif self._changed is not None:
+                self._changed.set()

@@ -44,21 +44,23 @@ Value = float | int | bool
 
 
 class Logger(Plugin):
-    """Base of loggers: batches put records and writes them in a worker thread.
+    """Base of loggers: batches put records and writes them from a thread of its own.
 
-    Subclasses implement :meth:`open`, :meth:`write`, :meth:`flush` and :meth:`close`.
-    They run in a worker thread, one at a time, never concurrently with each other, so
-    they may block (a file, a socket, a database)::
+    Subclasses implement :meth:`write` and, as needed, :meth:`open`, :meth:`flush` and
+    :meth:`close`. They run off the event loop (the writer thread, or a worker thread for
+    ``open`` and ``close``), one at a time, never concurrently with each other, so they
+    may block (a file, a socket, a database)::
 
         class PrintLogger(Logger):
             def write(self, records):
                 for r in records:
                     print(f"step {r.step}: {r.name} = {r.value}")
 
-    ``flush_interval`` is the longest time (s) a record waits in the batch before it is
-    written; ``buffer`` bounds both the subscription's queue and the batch; ``overflow``
-    is what a full queue does to the step (``"block"`` waits, ``"drop"`` drops and
-    counts). The writer is flushed and closed when the stage ends, however it ends.
+    The writer writes a batch at most every ``flush_interval`` seconds (sooner when it
+    holds ``buffer`` records), so a record waits about that long at most; ``buffer``
+    bounds both the subscription's queue and the batch; ``overflow`` is what a full queue
+    does to the step (``"block"`` waits, ``"drop"`` drops and counts). Everything is
+    written, flushed and closed when the stage ends, however it ends.
     """
 
     destination: ClassVar[str] = "loggers"

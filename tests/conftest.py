@@ -7,8 +7,8 @@ import os
 
 os.environ.setdefault("LOOPBUS_LEAK_CHECK", "raise")
 
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 # The tests use tiny models: one intra-op thread is fastest and stays fast on a busy
 # machine (a pool of spinning threads fighting for two cores is not).

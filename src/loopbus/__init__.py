@@ -12,6 +12,7 @@ This module only re-exports.
 from __future__ import annotations
 
 from . import events as events
+from . import stream as stream
 from ._exceptions import CheckpointError as CheckpointError
 from ._exceptions import HandlerError as HandlerError
 from ._exceptions import LoopbusError as LoopbusError
@@ -51,7 +52,6 @@ from .events import EventBus as EventBus
 from .events import PutRecord as PutRecord
 from .events import Subscription as Subscription
 from .events import on as on
-from . import stream as stream
 from .stream import connect as connect
 
 __version__ = "0.1.0"
@@ -104,4 +104,4 @@ __all__ = [
 
 # Last: the standard plugins are written against the names above, like user code, and
 # importing them registers the mixed precisions and the default progress bar.
-from . import plugins as plugins  # noqa: E402
+from . import plugins as plugins

@@ -61,6 +61,6 @@ class StreamError(LoopbusError, ConnectionError):
     it is caught by code that handles network errors; reconnecting is the caller's choice."""
 
 
-class StopLoop(Exception):  # noqa: N818 - a control-flow signal, like StopIteration
+class StopLoop(Exception):
     """Raise from a loop hook to end the loop's ``run`` early, the way ``StopIteration``
     ends Lightning's loops (``StopIteration`` itself cannot cross an ``async def``)."""

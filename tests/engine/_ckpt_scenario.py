@@ -175,7 +175,7 @@ def run_scenario(
     resumed_mid_epoch = None
     if resume:
         last = loopbus.load_checkpoint(dirpath)
-        resumed_mid_epoch = last["loops"]["fit"]["loops"]["epoch_loop"]["state"]["in_epoch"]
+        resumed_mid_epoch = last["loops/fit"]["loops"]["epoch_loop"]["state"]["in_epoch"]
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if resume else None)
@@ -199,7 +199,8 @@ def write_then_die(dirpath: str, second: str, die_after: int) -> None:
     loopbus.write_checkpoint(
         trainer.state_dict(), os.path.join(dirpath, "a.ckpt"), update_last=True
     )
-    trainer.global_step += 1000  # make the second state recognisably different
+    second_state = trainer.state_dict()
+    second_state["loopbus"]["global_step"] += 1000  # make it recognisably different
     real_write = _checkpoint_io._ChecksumWriter.write
 
     def write(self: Any, data: Any) -> int:
@@ -210,7 +211,7 @@ def write_then_die(dirpath: str, second: str, die_after: int) -> None:
         return real_write(self, data)
 
     _checkpoint_io._ChecksumWriter.write = write  # type: ignore[method-assign]
-    loopbus.write_checkpoint(trainer.state_dict(), os.path.join(dirpath, second), update_last=True)
+    loopbus.write_checkpoint(second_state, os.path.join(dirpath, second), update_last=True)
 
 
 # Warm torch's lazy imports (the first optimizer pulls in torch._dynamo, about a second)

@@ -233,16 +233,18 @@ async def test_round_trip_of_every_component(tmp_path: Path, loader: str) -> Non
     _, path = await _trained_trainer(tmp_path, loader)
     saved = loopbus.load_checkpoint(path)
     # Every component is there, with real content.
-    assert saved["optimizers"][0]["state_dict"]["state"], "no momentum buffers"
-    assert "momentum_buffer" in saved["optimizers"][0]["state_dict"]["state"][0]
-    assert saved["lr_schedulers"][0]["state_dict"]["last_epoch"] == 1
-    assert saved["plugins"]["Counter"]["batches"] == PER_EPOCH + 5
-    train_state = saved["loops"]["fit"]["loops"]["epoch_loop"]
+    assert saved["optimizers/0"]["state_dict"]["state"], "no momentum buffers"
+    assert "momentum_buffer" in saved["optimizers/0"]["state_dict"]["state"][0]
+    assert saved["lr_schedulers/0"]["state_dict"]["last_epoch"] == 1
+    assert saved["plugins/Counter"]["batches"] == PER_EPOCH + 5
+    train_state = saved["loops/fit"]["loops"]["epoch_loop"]
     assert train_state["progress"]["current"]["completed"] == 5
     assert train_state["state"]["in_epoch"] is True
     assert set(saved["rng"]) >= {"python", "torch"}
     assert saved["records"]["train/loss"]["step"] == saved["loopbus"]["global_step"]
-    assert bool(saved["data"]) == (loader == "stateful")
+    assert ("data/train" in saved) == (loader == "stateful")
+    assert saved["run"] == {"step": saved["loopbus"]["global_step"], "epoch": 1}
+    assert saved["loopbus"]["parts"] == [k for k in saved if k != "loopbus"]
     assert saved["grads"], "mid accumulation window: gradients pending"
 
     # Load into a fresh run that has its optimizers configured, and save again.
@@ -342,17 +344,18 @@ async def test_state_that_is_not_plain_is_refused_at_save_naming_the_component(
     await trainer.fit(module, train, val)
     with pytest.raises(
         CheckpointError,
-        match=r"cannot save checkpoint\['plugins'\]\['Sloppy'\]\['when'\]: it is a value of type object.*tensors and Python primitives",
+        match=r"cannot save checkpoint\['plugins/Sloppy'\]\['when'\]: it is a value of type object.*tensors and Python primitives",
     ):
         trainer.save_checkpoint(tmp_path / "x.ckpt")
     assert not (tmp_path / "x.ckpt").exists()
 
 
-async def test_two_plugins_with_one_state_key_are_refused(tmp_path: Path) -> None:
+async def test_two_plugins_with_one_state_key_are_saved_apart(tmp_path: Path) -> None:
     trainer, module, train, val = build(plugins=[Counter()], max_steps=1)
     await trainer.fit(module, train, val)
-    with pytest.raises(CheckpointError, match=r"same checkpoint key 'Counter'.*state_key"):
-        trainer.state_dict()
+    state = trainer.state_dict()
+    assert "plugins/Counter" in state
+    assert "plugins/Counter#2" in state
 
 
 # ---------------------------------------------------------------- errors
@@ -435,7 +438,7 @@ async def test_plugin_missing_from_checkpoint_and_the_reverse(good_checkpoint: P
     trainer, module, train, val = build(plugins=[Extra()])
     with pytest.raises(
         CheckpointError,
-        match=r"(?s)plugins\['Extra'\]: this run has the plugin but the checkpoint has no state",
+        match=r"(?s)plugins/Extra: this run has it but the checkpoint has no state",
     ):
         await trainer.fit(module, train, val, ckpt_path=good_checkpoint)
 
@@ -445,7 +448,7 @@ async def test_plugin_missing_from_checkpoint_and_the_reverse(good_checkpoint: P
     trainer = Trainer(max_epochs=1, accumulate_grad_batches=2, plugins=[], device="cpu")
     with pytest.raises(
         CheckpointError,
-        match=r"(?s)plugins\['Counter'\]: the checkpoint has state for it but no plugin",
+        match=r"(?s)plugins/Counter: the checkpoint has state for it but this run has no such part",
     ):
         await trainer.fit(module, train, val, ckpt_path=good_checkpoint)
 
@@ -457,7 +460,7 @@ async def test_stateful_loader_state_without_a_stateful_loader(tmp_path: Path) -
     trainer, module, train, val = build("plain")
     with pytest.raises(
         CheckpointError,
-        match=r"(?s)s\.ckpt does not match.*data\['train'\].*not stateful.*strict=False",
+        match=r"(?s)s\.ckpt does not match.*data/train.*not stateful.*strict=False",
     ):
         await trainer.fit(module, train, val, ckpt_path=path)
 
@@ -473,10 +476,12 @@ async def test_optimizer_class_mismatch(good_checkpoint: Path) -> None:
     trainer = Trainer(max_epochs=1, plugins=[Counter()], device="cpu")
     with pytest.raises(
         CheckpointError,
-        match=r"optimizers\[0\] is a torch\.optim\.sgd\.SGD in the checkpoint but a torch\.optim\.adam\.Adam",
+        match=r"optimizers/0: a torch\.optim\.sgd\.SGD in the checkpoint but a torch\.optim\.adam\.Adam",
     ) as info:
         await trainer.fit(module, train, val, ckpt_path=good_checkpoint)
-    assert "lr_schedulers: the checkpoint has 1 schedulers, this run 0" in str(info.value)
+    assert "lr_schedulers/0: the checkpoint has state for it but this run has no such part" in str(
+        info.value
+    )
 
 
 async def test_strict_false_loads_what_matches_and_lists_the_rest(good_checkpoint: Path) -> None:
@@ -485,7 +490,7 @@ async def test_strict_false_loads_what_matches_and_lists_the_rest(good_checkpoin
     trainer, module, train, val = build(plugins=[Extra()], n_out_hidden=16)
     with pytest.warns(
         UserWarning,
-        match=r"(?s)ckpt_strict=False.*plugins\['Extra'\].*'net\.0\.weight' has shape.*optimizers\[0\] holds state",
+        match=r"(?s)ckpt_strict=False.*plugins/Extra.*'net\.0\.weight' has shape.*optimizers/0: holds state",
     ):
         await trainer.fit(module, train, val, ckpt_path=good_checkpoint, ckpt_strict=False)
 
@@ -498,7 +503,7 @@ async def test_strict_false_loads_what_matches_and_lists_the_rest(good_checkpoin
     assert any("Extra" in m for m in mismatch.missing)
     assert any("optimizers" in m for m in mismatch.mismatched)
     assert torch.equal(module.state_dict()["net.3.bias"], saved["module"]["net.3.bias"])
-    assert trainer.plugins[0].batches == saved["plugins"]["Counter"]["batches"]
+    assert trainer.plugins[0].batches == saved["plugins/Counter"]["batches"]
     assert trainer.global_step == saved["loopbus"]["global_step"]
 
 

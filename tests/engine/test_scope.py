@@ -98,8 +98,8 @@ class Watcher(Plugin):
 
     @on(TrainEpochStarted)
     def epoch(self, event: TrainEpochStarted) -> None:
-        self.refs.append(weakref.ref(event.ctx.fetcher))
-        self.refs.append(weakref.ref(event.ctx.fetcher.iterator))
+        self.refs.append(weakref.ref(event.ctx.source))
+        self.refs.append(weakref.ref(event.ctx.source.iterator))
 
     @on(TrainBatchStarted)
     def batch(self, event: TrainBatchStarted) -> None:

@@ -95,8 +95,8 @@ async def test_every_epoch_by_default_keep_all(tmp_path: Path) -> None:
     await trainer.fit(module, train, val)
     assert ckpt_names(tmp_path) == [f"epoch={e}-step={12 * (e + 1)}.ckpt" for e in range(3)]
     state = loopbus.load_checkpoint(tmp_path / "epoch=0-step=12.ckpt")
-    assert state["loops"]["fit"]["progress"]["total"]["completed"] == 1
-    assert state["loops"]["fit"]["loops"]["epoch_loop"]["state"]["in_epoch"] is False
+    assert state["loops/fit"]["progress"]["total"]["completed"] == 1
+    assert state["loops/fit"]["loops"]["epoch_loop"]["state"]["in_epoch"] is False
 
 
 async def test_monitor_keeps_the_best_k(tmp_path: Path) -> None:
@@ -111,7 +111,7 @@ async def test_monitor_keeps_the_best_k(tmp_path: Path) -> None:
     assert last_name(tmp_path) == "epoch=4-step=60.ckpt"
     saved = loopbus.load_checkpoint(checkpoint.best_checkpoint_path)
     assert saved["records"]["val/acc"]["value"] == 0.9
-    assert saved["plugins"]["Checkpoint[val/acc]"]["best"] == [
+    assert saved["plugins/Checkpoint[val/acc]"]["best"] == [
         [0.9, "epoch=3-step=48.ckpt"],
         [0.7, "epoch=1-step=24.ckpt"],
     ]
@@ -133,7 +133,7 @@ async def test_a_save_due_to_validation_waits_for_the_batch_boundary(tmp_path: P
         "epoch=0-step=8.ckpt",
     ]
     state = loopbus.load_checkpoint(tmp_path / "epoch=0-step=8.ckpt")
-    epoch_loop = state["loops"]["fit"]["loops"]["epoch_loop"]
+    epoch_loop = state["loops/fit"]["loops"]["epoch_loop"]
     # Taken at TrainBatchCompleted of batch 8, after the validation that ran in it.
     assert epoch_loop["progress"]["current"]["completed"] == 8
     assert epoch_loop["loops"]["val_loop"]["progress"]["total"]["completed"] == 2 * 2

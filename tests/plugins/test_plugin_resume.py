@@ -50,10 +50,10 @@ async def test_early_stopping_timer_and_scaler_resume_from_a_checkpoint_file(
     )
     await trainer.fit(StepScript(script), data)
     path = trainer.save_checkpoint(tmp_path / "step4.ckpt")
-    saved = load_checkpoint(path)["plugins"]
-    assert saved[first[2].state_key]["wait_count"] == 2
-    assert saved[first[3].state_key]["best_score"] == 1.0
-    assert saved["Timer"]["time_elapsed"]["fit"] > 0
+    saved = load_checkpoint(path)
+    assert saved[f"plugins/{first[2].state_key}"]["wait_count"] == 2
+    assert saved[f"plugins/{first[3].state_key}"]["best_score"] == 1.0
+    assert saved["plugins/Timer"]["time_elapsed"]["fit"] > 0
     scale = trainer.precision.state_dict()["scaler"]["scale"]
 
     second = plugins()

@@ -77,6 +77,44 @@ def _snake(name: str) -> str:
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
 
 
+def _plain_scope(parent: Scope) -> Scope:
+    it = Scope()
+    it._parent = parent
+    it._borrowed = None
+    return it
+
+
+def _labelled(hook: Any, label: str) -> Any:
+    """``hook`` that first marks the iteration scope with the hook's name."""
+
+    async def call(it: Scope) -> None:
+        object.__setattr__(it, "_hook", label)
+        await hook(it)
+
+    return call
+
+
+class _IterationChecker:
+    """The leak check's per-iteration work (only built when the check is on)."""
+
+    __slots__ = ("leak_check", "loop", "suspects")
+
+    def __init__(self, loop: str, leak_check: LeakCheck) -> None:
+        self.loop = loop
+        self.leak_check = leak_check
+        self.suspects: list[Suspect] = []
+
+    def new_scope(self, parent: Scope) -> Scope:
+        return new_scope(parent, True, self.loop)
+
+    def iteration_done(self, it: Scope) -> None:
+        # Verify the previous iteration's values now that the data source has moved on;
+        # this one's are checked next time.
+        found = collect_suspects(it)
+        check_suspects(self.suspects, self.leak_check)
+        self.suspects = found
+
+
 class Loop(Generic[T]):
     """Base class of every loop. Subclasses implement :attr:`done` and :meth:`advance`
     and may override any other hook; they get events, scopes and state for free.
@@ -281,82 +319,31 @@ class Loop(Generic[T]):
                 await deliver(entries, self.make_event(events.run_skipped, None, output=output))
             return output
         self.reset()
+        # The iteration path is chosen here, once per run: with the leak check the hooks
+        # are labelled (so a leak names the hook that set the value) and every scope is
+        # verified; without it nothing per iteration pays for the option.
         leak_check = self.leak_check
         tracked = leak_check is not None
         ctx = new_scope(parent_ctx, tracked, self.name)
         self.run_ctx = ctx
-        suspects: list[Suspect] = []
         ok = False
         try:
             if tracked:
                 object.__setattr__(ctx, "_hook", "on_run_start")
-            total = self.progress.total
-            current = self.progress.current
-            adv_started = events.advance_started
-            adv_completed = events.advance_completed
-            try:
-                await self.on_run_start(ctx, *args, **kwargs)
-                entries = table[events.run_started]
-                if entries:
-                    await deliver(
-                        entries,
-                        self.make_event(events.run_started, ctx, iteration=current.completed),
-                    )
-                while not self.done:
-                    if tracked:
-                        it = new_scope(ctx, True, self.name)
-                    else:
-                        it = Scope()
-                        it._parent = ctx
-                        it._borrowed = None
-                    it_ok = False
-                    try:
-                        total.ready += 1
-                        current.ready += 1
-                        if tracked:
-                            object.__setattr__(it, "_hook", "on_advance_start")
-                        await self.on_advance_start(it)
-                        entries = table[adv_started]
-                        if entries:
-                            await deliver(
-                                entries,
-                                self.make_event(adv_started, it, iteration=current.ready - 1),
-                            )
-                        total.started += 1
-                        current.started += 1
-                        if tracked:
-                            object.__setattr__(it, "_hook", "advance")
-                        await self.advance(it)
-                        total.processed += 1
-                        current.processed += 1
-                        if tracked:
-                            object.__setattr__(it, "_hook", "on_advance_end")
-                        await self.on_advance_end(it)
-                        total.completed += 1
-                        current.completed += 1
-                        entries = table[adv_completed]
-                        if entries:
-                            await deliver(
-                                entries,
-                                self.make_event(adv_completed, it, iteration=current.ready - 1),
-                            )
-                        it_ok = True
-                    except StopLoop:
-                        it_ok = True
-                        break
-                    finally:
-                        if it_ok and tracked:
-                            # Verify the previous iteration's values now that the data
-                            # source has moved on; this one's are checked next time.
-                            found = collect_suspects(it)
-                            check_suspects(suspects, leak_check)
-                            suspects = found
-                        else:
-                            it.__dict__.clear()
-                    if self._restarting:
-                        self.restarting = False
-            except StopLoop:
-                pass
+            await self.on_run_start(ctx, *args, **kwargs)
+            entries = table[events.run_started]
+            if entries:
+                await deliver(
+                    entries,
+                    self.make_event(
+                        events.run_started, ctx, iteration=self.progress.current.completed
+                    ),
+                )
+            if tracked:
+                suspects = await self._iterate_tracked(ctx, leak_check)
+            else:
+                await self._iterate(ctx)
+                suspects = []
             if self._restarting:
                 self.restarting = False
             if tracked:
@@ -367,7 +354,10 @@ class Loop(Generic[T]):
                 await deliver(
                     entries,
                     self.make_event(
-                        events.run_completed, ctx, iteration=current.completed, output=output
+                        events.run_completed,
+                        ctx,
+                        iteration=self.progress.current.completed,
+                        output=output,
                     ),
                 )
             ok = True
@@ -377,6 +367,83 @@ class Loop(Generic[T]):
                 check_suspects(suspects + collect_suspects(ctx), leak_check)
             else:
                 ctx.__dict__.clear()
+
+    async def _iterate(self, ctx: Scope) -> None:
+        """The iterations of a run without the leak check (the hot path)."""
+        await self._iterations(
+            ctx, self.on_advance_start, self.advance, self.on_advance_end, _plain_scope, None
+        )
+
+    async def _iterate_tracked(self, ctx: Scope, leak_check: LeakCheck) -> list[Suspect]:
+        """The iterations of a run with the leak check: each hook labels the scope with
+        its name first, and each iteration's values are verified one iteration later
+        (once the data source has moved on), the last ones by ``run``."""
+        checker = _IterationChecker(self.name, leak_check)
+        await self._iterations(
+            ctx,
+            _labelled(self.on_advance_start, "on_advance_start"),
+            _labelled(self.advance, "advance"),
+            _labelled(self.on_advance_end, "on_advance_end"),
+            checker.new_scope,
+            checker,
+        )
+        return checker.suspects
+
+    async def _iterations(
+        self,
+        ctx: Scope,
+        on_advance_start: Any,
+        advance: Any,
+        on_advance_end: Any,
+        make_scope: Any,
+        checker: _IterationChecker | None,
+    ) -> None:
+        table = self.bus.table  # type: ignore[union-attr]
+        deliver = self.bus.deliver  # type: ignore[union-attr]
+        total = self.progress.total
+        current = self.progress.current
+        adv_started = self.events.advance_started
+        adv_completed = self.events.advance_completed
+        try:
+            while not self.done:
+                it = make_scope(ctx)
+                it_ok = False
+                try:
+                    total.ready += 1
+                    current.ready += 1
+                    await on_advance_start(it)
+                    entries = table[adv_started]
+                    if entries:
+                        await deliver(
+                            entries, self.make_event(adv_started, it, iteration=current.ready - 1)
+                        )
+                    total.started += 1
+                    current.started += 1
+                    await advance(it)
+                    total.processed += 1
+                    current.processed += 1
+                    await on_advance_end(it)
+                    total.completed += 1
+                    current.completed += 1
+                    entries = table[adv_completed]
+                    if entries:
+                        await deliver(
+                            entries,
+                            self.make_event(adv_completed, it, iteration=current.ready - 1),
+                        )
+                    it_ok = True
+                except StopLoop:
+                    it_ok = True
+                    break
+                finally:
+                    if checker is not None and it_ok:
+                        checker.iteration_done(it)
+                    else:
+                        it.__dict__.clear()
+                if self._restarting:
+                    self.restarting = False
+        except StopLoop:
+            pass
 
     # ------------------------------------------------------------ state
     def on_save_checkpoint(self) -> dict[str, Any]:

@@ -13,7 +13,7 @@ import math
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import anyio
 import anyio.to_thread
@@ -52,7 +52,7 @@ from ._scope import Scope
 from ._state import Stateful
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    pass
 
 __all__ = ["EvaluationLoop", "FitLoop", "PredictionLoop", "TrainEpochLoop"]
 
@@ -61,19 +61,28 @@ _UNSET: Any = object()
 _END: Any = object()
 
 
-class Fetcher:
-    """Fetches batches one ahead, lazily, so ``done`` can tell whether one is left.
+class BatchSource:
+    """Hands a loop its batches: one ahead, lazily, so ``done`` can tell whether one is
+    left, and keeps the position of a stateful loader as of the last batch handed out.
 
-    The next batch is fetched when ``done`` asks, i.e. after the previous iteration's
-    events (a checkpoint saved at ``TrainBatchCompleted`` sees the loader positioned
-    right after the batch it just trained on).
+    * :meth:`has_next` (``done``, between iterations) fetches the batch the next
+      iteration trains on, after the previous iteration's events (a checkpoint saved at
+      ``TrainBatchCompleted`` sees the loader right after the batch it trained on).
+    * :meth:`look_ahead` (inside an iteration: is the batch in flight the last one?)
+      fetches too, but first records the loader's position, since the batch it fetches
+      has not been trained on.
+    * :meth:`position` is the loader state a checkpoint saves: the recorded one while
+      a batch fetched ahead is waiting, else the loader's own.
     """
 
-    __slots__ = ("__weakref__", "iterator", "next")
+    __slots__ = ("__weakref__", "_recorded", "iterator", "loader", "next")
 
-    def __init__(self, iterator: Iterator[Any]) -> None:
+    def __init__(self, iterator: Iterator[Any], loader: Any = None) -> None:
         self.iterator = iterator
+        #: The stateful loader whose position is tracked, or None.
+        self.loader = loader
         self.next: Any = _UNSET
+        self._recorded: dict[str, Any] | None = None
 
     def has_next(self) -> bool:
         if self.next is _UNSET:
@@ -82,6 +91,25 @@ class Fetcher:
             except StopIteration:
                 self.next = _END
         return self.next is not _END
+
+    def look_ahead(self) -> bool:
+        """Whether a batch follows the one in flight (fetching it if needed)."""
+        if self.next is _UNSET and self.loader is not None:
+            self._recorded = self.loader.state_dict()
+        return self.has_next()
+
+    def take(self) -> Any:
+        """The next batch (``has_next`` must have returned True)."""
+        batch = self.next
+        self.next = _UNSET
+        self._recorded = None
+        return batch
+
+    def position(self) -> dict[str, Any] | None:
+        """The loader's position as of the last batch handed out (None: untracked)."""
+        if self._recorded is not None:
+            return self._recorded
+        return None if self.loader is None else self.loader.state_dict()
 
 
 def _batch_limit(value: int | float | None, data: Any, option: str) -> float:
@@ -140,6 +168,10 @@ class _DataLoop(Loop[Any]):
     _limit: float = math.inf
     _borrow_batches: bool = False
     _total: int | None = None
+    # This stage's step path (see StepPath), taken when a run starts.
+    _move_to: torch.device | None = None
+    _worker: Any = None
+    _boundary: Any = None
 
     @property
     def total_batches(self) -> int | None:
@@ -148,8 +180,10 @@ class _DataLoop(Loop[Any]):
         no limit applies. Read-only (for progress displays); set when the run starts."""
         return self._total
 
-    def _start_fetching(self, ctx: Scope, data: Any, iterator: Iterator[Any]) -> None:
-        ctx.fetcher = Fetcher(iterator)
+    def _start_fetching(
+        self, ctx: Scope, data: Any, iterator: Iterator[Any], track_position: bool = False
+    ) -> None:
+        ctx.source = BatchSource(iterator, data if track_position else None)
         self._borrow_batches = isinstance(data, Sequence)
         try:
             total = min(float(len(data)), self._limit)
@@ -158,10 +192,8 @@ class _DataLoop(Loop[Any]):
         self._total = None if total == math.inf else int(total)
 
     def _next_batch(self, it: Scope) -> Any:
-        fetcher: Fetcher = self.run_ctx.fetcher
-        batch = fetcher.next
-        fetcher.next = _UNSET
-        device = self._trainer._move_to  # type: ignore[union-attr]
+        batch = self.run_ctx.source.take()
+        device = self._move_to
         if device is not None:
             batch = _to_device(batch, device)
         if self._borrow_batches:
@@ -197,15 +229,37 @@ def _run_boxed(box: list[Any]) -> None:
     box.append(step(ctx.batch, ctx))
 
 
-async def _after_step(trainer: Trainer) -> None:
-    """Flush the step's records and, at most every ``yield_interval``, let other tasks run."""
-    recorder = trainer.recorder
-    if recorder.pending:
-        await recorder.flush()
-    now = perf_counter()
-    if now >= trainer._next_yield:
-        await checkpoint()
-        trainer._next_yield = perf_counter() + trainer.yield_interval
+class StepBoundary:
+    """What runs after every step of a stage: flush the step's records, and at most every
+    ``yield_interval`` seconds let other tasks run. One per stage, owned by the trainer."""
+
+    __slots__ = ("_next_yield", "interval", "recorder")
+
+    def __init__(self, recorder: Any, interval: float) -> None:
+        self.recorder = recorder
+        self.interval = interval
+        self._next_yield = perf_counter() + interval
+
+    async def __call__(self) -> None:
+        recorder = self.recorder
+        if recorder.pending:
+            await recorder.flush()
+        if perf_counter() >= self._next_yield:
+            await checkpoint()
+            self._next_yield = perf_counter() + self.interval
+
+
+class StepPath(NamedTuple):
+    """How a stage runs its steps, chosen once when the stage starts (by the trainer):
+    the device batches move to (None: they stay where the loader put them), the
+    limiter of the worker thread steps run in (None: inline on the event loop), the
+    delivery of in-step events (direct, or hopping from the worker to the loop), and
+    the step boundary."""
+
+    move_to: torch.device | None
+    worker: Any
+    emit: Callable[[Any, Any], Any]
+    boundary: StepBoundary
 
 
 class TrainEpochLoop(_DataLoop):
@@ -218,39 +272,78 @@ class TrainEpochLoop(_DataLoop):
         super().__init__()
         self.val_loop: EvaluationLoop = EvaluationLoop(stage="validate")
         self._warned_skip = False
-        # Checkpoint/resume: the generators' state right before this epoch's iter(data)
-        # (to replay a plain loader's order), whether an epoch is in flight, whether the
-        # saved epoch was, and whether a stateful loader was already repositioned.
+        # Checkpointed: the generators' state right before this epoch's iter(data) (to
+        # replay a plain loader's order), whether an epoch is in flight, and whether the
+        # loaded checkpoint was taken inside one.
         self._epoch_rng: dict[str, Any] | None = None
         self._in_epoch = False
         self._resume_in_epoch = True
-        self._loader_restored = False
-        self._peeked: tuple[int, dict[str, Any]] | None = None
+        # Chosen when the epoch starts (see _choose_step).
+        self._step: Callable[[Any, Scope], Any] = self.training_step
 
     def reset(self) -> None:
         if self._restarting and not self._resume_in_epoch:
             # Saved between epochs: the next epoch starts from its beginning.
             self.restarting = False
-            self._loader_restored = False
         super().reset()
+
+    @property
+    def resumes_mid_epoch(self) -> bool:
+        """Whether the loop was loaded from a checkpoint taken inside an epoch and has not
+        resumed yet."""
+        return self._restarting and self._resume_in_epoch
 
     @property
     def done(self) -> bool:
         trainer = self._trainer
         assert trainer is not None
-        if trainer.should_stop or trainer.global_step >= trainer.max_steps:
+        state = trainer.state
+        if state.stop_requested or state.step >= trainer.max_steps:
             return True
         if self.progress.current.ready >= self._limit:
             return True
-        fetcher: Fetcher = self.run_ctx.fetcher
-        return not fetcher.has_next()
+        return not self.run_ctx.source.has_next()
 
     async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
         trainer = self.trainer
         ctx.borrow("val_data", val_data)
         self._limit = _batch_limit(trainer.limit_train_batches, train_data, "limit_train_batches")
-        self._start_fetching(ctx, train_data, self.resume_iterator(train_data))
+        path = trainer.step_path
+        self._move_to = path.move_to
+        self._worker = path.worker
+        self._boundary = path.boundary
+        self._step = self._choose_step()
+        self._start_fetching(
+            ctx, train_data, self.resume_iterator(train_data), isinstance(train_data, Stateful)
+        )
         self._in_epoch = True
+
+    def _choose_step(self) -> Callable[[Any, Scope], Any]:
+        """The synchronous step for this stage's options: the plain automatic step when
+        nothing is configured that needs the general one."""
+        trainer = self.trainer
+        if type(self).training_step is not TrainEpochLoop.training_step:
+            return self.training_step  # a subclass's own step
+        if not trainer.automatic_optimization:
+            return self.manual_step
+        precision = trainer.precision
+        if (
+            precision.autocast is None
+            and precision.scaler is None
+            and trainer.accumulate_grad_batches == 1
+            and trainer.gradient_clip_val is None
+            and not trainer.steps_schedulers_per_step
+        ):
+            return self.plain_step
+        return self.training_step
+
+    def loader_position(self) -> dict[str, Any] | None:
+        """The position of a stateful training loader as of the last batch fetched for
+        training (a batch fetched only to look ahead does not count); None outside an
+        epoch (the loader's own state is then current)."""
+        ctx = self.run_ctx
+        source = ctx.get("source") if ctx is not None else None
+        return None if source is None else source.position()  # type: ignore[no-any-return]
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
         """An iterator over ``data``, positioned after the batches this epoch already
@@ -262,16 +355,15 @@ class TrainEpochLoop(_DataLoop):
         loader yields the same order) and the consumed batches are skipped. Either way the
         global random generators are then set to the checkpoint's state.
         """
-        trainer = self.trainer
+        state = self.trainer.state
         if not self._restarting:
             self._epoch_rng = capture_epoch_rng(data)
             return iter(data)
-        resume_rng = trainer._resume_rng
-        trainer._resume_rng = None
+        plan = state.resume
+        resume_rng = state.take_resume_rng()
         if resume_rng is None:
             resume_rng = capture_rng()
-        if self._loader_restored:
-            self._loader_restored = False
+        if plan is not None and plan.loader_restored:
             iterator = iter(data)
         else:
             consumed = self.progress.current.completed
@@ -295,34 +387,69 @@ class TrainEpochLoop(_DataLoop):
                     except StopIteration:
                         break
         restore_rng(resume_rng)
+        state.finish_resume()
         return iterator  # type: ignore[no-any-return]
 
     async def on_advance_start(self, ctx: Scope) -> None:
         self._next_batch(ctx)
 
     async def advance(self, ctx: Scope) -> None:
+        worker = self._worker
+        if worker is None:
+            ctx.output = self._step(ctx.batch, ctx)
+        else:
+            ctx.output = await _in_thread(self._step, ctx, worker)
+        await self._boundary()
+
+    def plain_step(self, batch: Any, ctx: Scope) -> Any:
+        """The automatic step without autocast, grad scaling, accumulation, clipping or
+        per-step schedulers: forward, backward, optimizer step."""
         trainer = self._trainer
         assert trainer is not None
-        if trainer._limiter is not None:
-            ctx.output = await _in_thread(self.training_step, ctx, trainer._limiter)
-        else:
-            ctx.output = self.training_step(ctx.batch, ctx)
-        # _after_step, inlined: this runs once per training step.
-        recorder = trainer.recorder
-        if recorder.pending:
-            await recorder.flush()
-        now = perf_counter()
-        if now >= trainer._next_yield:
-            await checkpoint()
-            trainer._next_yield = perf_counter() + trainer.yield_interval
+        output = trainer.module.training_step(batch, ctx)  # type: ignore[union-attr]
+        loss = output if type(output) is _Tensor else _loss_of(output)
+        if loss is None:
+            return output
+        loss.backward()
+        table = trainer.bus.table
+        entries = table[AfterBackward]
+        if entries:
+            self._emit(entries, AfterBackward, ctx)
+        optimizer = trainer.optimizers[0]
+        entries = table[BeforeOptimizerStep]
+        if entries:
+            self._emit(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        trainer.state.step_completed()
+        return output
 
-    def training_step(self, batch: Any, ctx: Scope) -> Any:
-        """The synchronous step: forward, backward, clipping, optimizer and per-step
-        scheduler steps. Runs on the event loop thread or in the worker thread."""
+    def manual_step(self, batch: Any, ctx: Scope) -> Any:
+        """``automatic_optimization = False``: the module's step does backward and
+        optimizer steps itself; each call counts as one step."""
         trainer = self._trainer
         assert trainer is not None
         module = trainer.module
         assert module is not None
+        autocast = trainer.precision.autocast
+        if autocast is None:
+            output = module.training_step(batch, ctx)
+        else:
+            with autocast():
+                output = module.training_step(batch, ctx)
+        trainer.state.step_completed()
+        return output
+
+    def training_step(self, batch: Any, ctx: Scope) -> Any:
+        """The general synchronous step: forward (under autocast), backward (scaled),
+        accumulation, clipping, optimizer and per-step scheduler steps. Runs on the event
+        loop thread or in the worker thread."""
+        trainer = self._trainer
+        assert trainer is not None
+        module = trainer.module
+        assert module is not None
+        if not trainer.automatic_optimization:
+            return self.manual_step(batch, ctx)
         precision = trainer.precision
         autocast = precision.autocast
         if autocast is None:
@@ -330,9 +457,6 @@ class TrainEpochLoop(_DataLoop):
         else:
             with autocast():
                 output = module.training_step(batch, ctx)
-        if not trainer._automatic:
-            trainer.global_step += 1
-            return output
         loss = output if type(output) is _Tensor else _loss_of(output)
         if loss is None:
             return output
@@ -346,7 +470,7 @@ class TrainEpochLoop(_DataLoop):
         table = trainer.bus.table
         entries = table[AfterBackward]
         if entries:
-            trainer._emit_sync(entries, self.make_event(AfterBackward, ctx, batch_idx=ctx.batch_idx))
+            self._emit(entries, AfterBackward, ctx)
         if accumulate > 1 and not self._at_accumulation_boundary():
             return output
         optimizer = trainer.optimizers[0]
@@ -360,21 +484,21 @@ class TrainEpochLoop(_DataLoop):
                 torch.nn.utils.clip_grad_value_(params, clip)
         entries = table[BeforeOptimizerStep]
         if entries:
-            trainer._emit_sync(
-                entries,
-                self.make_event(
-                    BeforeOptimizerStep, ctx, batch_idx=ctx.batch_idx, optimizer=optimizer
-                ),
-            )
+            self._emit(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
         if precision.scaler is None:
             optimizer.step()
         else:
             precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
-        trainer.global_step += 1
-        if trainer._step_schedulers:
-            trainer._step_lr_schedulers("step")
+        trainer.state.step_completed()
+        if trainer.steps_schedulers_per_step:
+            trainer.step_lr_schedulers("step")
         return output
+
+    def _emit(self, entries: Any, event_type: Any, ctx: Scope, **fields: Any) -> None:
+        """Deliver an in-step event (from the worker thread too) to its handlers."""
+        event = self.make_event(event_type, ctx, batch_idx=ctx.batch_idx, **fields)
+        self.trainer.step_path.emit(entries, event)
 
     def _at_accumulation_boundary(self) -> bool:
         trainer = self._trainer
@@ -383,22 +507,7 @@ class TrainEpochLoop(_DataLoop):
         if n % trainer.accumulate_grad_batches == 0 or n >= self._limit:
             return True
         # The last batch of the epoch closes the window too: look one batch ahead.
-        fetcher: Fetcher = self.run_ctx.fetcher
-        data = trainer._train_data
-        if fetcher.next is _UNSET and isinstance(data, Stateful):
-            # A checkpoint taken before this batch completes must not count the batch
-            # fetched ahead: keep the loader's position from before the fetch.
-            self._peeked = (n, data.state_dict())
-        return not fetcher.has_next()
-
-    def loader_state(self, data: Any) -> dict[str, Any]:
-        """The position of a stateful training loader as of the last batch fetched for
-        training (a batch fetched only to look ahead does not count)."""
-        peeked = self._peeked
-        if peeked is not None and self._in_epoch and peeked[0] == self.progress.current.ready:
-            return peeked[1]
-        self._peeked = None
-        return data.state_dict()  # type: ignore[no-any-return]
+        return not self.run_ctx.source.look_ahead()
 
     async def on_advance_end(self, ctx: Scope) -> None:
         trainer = self._trainer
@@ -435,17 +544,14 @@ class TrainEpochLoop(_DataLoop):
 
     def on_save_checkpoint(self) -> dict[str, Any]:
         return {
-            "global_step": self.trainer.global_step,
             # Loaded but not resumed yet: still the loaded position.
             "in_epoch": self._resume_in_epoch if self._restarting else self._in_epoch,
             "epoch_rng": self._epoch_rng,
         }
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
-        self.trainer.global_step = int(state["global_step"])
         self._resume_in_epoch = bool(state.get("in_epoch", True))
         self._epoch_rng = state.get("epoch_rng")
-        self._loader_restored = False
 
 
 class FitLoop(Loop[None]):
@@ -462,10 +568,11 @@ class FitLoop(Loop[None]):
     def done(self) -> bool:
         trainer = self._trainer
         assert trainer is not None
+        state = trainer.state
         return (
-            trainer.should_stop
+            state.stop_requested
             or self.progress.total.completed >= trainer.max_epochs
-            or trainer.global_step >= trainer.max_steps
+            or state.step >= trainer.max_steps
         )
 
     async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
@@ -473,18 +580,19 @@ class FitLoop(Loop[None]):
         ctx.borrow("val_data", val_data)
 
     async def on_advance_start(self, ctx: Scope) -> None:
-        trainer = self.trainer
-        trainer.current_epoch = self.progress.total.ready - 1
-        if self._restarting and not self.epoch_loop._resume_in_epoch:
+        state = self.trainer.state
+        state.epoch_started(self.progress.total.ready - 1)
+        if self._restarting and not self.epoch_loop.resumes_mid_epoch:
             # Resuming between epochs: set the generators as they were when saved (the
-            # train loop does this itself when it resumes mid-epoch).
-            resume_rng, trainer._resume_rng = trainer._resume_rng, None
+            # epoch loop does this itself when it resumes mid-epoch).
+            resume_rng = state.take_resume_rng()
             if resume_rng is not None:
                 restore_rng(resume_rng)
+            state.finish_resume()
         sampler = getattr(ctx.train_data, "sampler", None)
         set_epoch = getattr(sampler, "set_epoch", None)
         if callable(set_epoch):
-            set_epoch(trainer.current_epoch)
+            set_epoch(state.epoch)
 
     async def advance(self, ctx: Scope) -> None:
         await self.epoch_loop.run(ctx.train_data, ctx.val_data, parent_ctx=ctx)
@@ -493,7 +601,7 @@ class FitLoop(Loop[None]):
         trainer = self.trainer
         if trainer.recorder.pending:
             await trainer.recorder.flush()
-        trainer._step_lr_schedulers("epoch")
+        trainer.step_lr_schedulers("epoch")
 
     async def on_run_end(self, ctx: Scope) -> None:
         trainer = self.trainer
@@ -506,12 +614,6 @@ class FitLoop(Loop[None]):
             fields["stopped"] = trainer.should_stop
             fields["reason"] = trainer.stop_reason
         return super().make_event(event_type, ctx, **fields)
-
-    def on_save_checkpoint(self) -> dict[str, Any]:
-        return {"current_epoch": self.trainer.current_epoch}
-
-    def on_load_checkpoint(self, state: dict[str, Any]) -> None:
-        self.trainer.current_epoch = int(state["current_epoch"])
 
 
 _EVAL_EVENTS = {
@@ -549,10 +651,10 @@ class EvaluationLoop(_DataLoop):
         trainer = self._trainer
         # A stop request ends a validate/test/predict stage; validation inside fit runs
         # to its end (fit stops after it).
-        if trainer.should_stop and trainer.stage == self.stage:  # type: ignore[union-attr]
+        state = trainer.state  # type: ignore[union-attr]
+        if state.stop_requested and state.stage == self.stage:
             return True
-        fetcher: Fetcher = self.run_ctx.fetcher
-        return not fetcher.has_next()
+        return not self.run_ctx.source.has_next()
 
     def reset(self) -> None:
         # An evaluation pass always starts from its beginning, also after a resume.
@@ -573,21 +675,27 @@ class EvaluationLoop(_DataLoop):
         trainer = self.trainer
         option = f"limit_{'val' if self.stage == 'validate' else self.stage}_batches"
         self._limit = _batch_limit(getattr(trainer, option), data, option)
-        self._step = self._step_function()
+        self._prepare_steps()
         self._start_fetching(ctx, data, iter(data))
+
+    def _prepare_steps(self) -> None:
+        path = self.trainer.step_path
+        self._step = self._step_function()
+        self._move_to = path.move_to
+        self._worker = path.worker
+        self._boundary = path.boundary
 
     async def on_advance_start(self, ctx: Scope) -> None:
         self._next_batch(ctx)
 
     async def advance(self, ctx: Scope) -> None:
-        trainer = self._trainer
-        assert trainer is not None
-        if trainer._limiter is not None:
-            output = await _in_thread(self.evaluation_step, ctx, trainer._limiter)
-        else:
+        worker = self._worker
+        if worker is None:
             output = self.evaluation_step(ctx.batch, ctx)
+        else:
+            output = await _in_thread(self.evaluation_step, ctx, worker)
         self.keep_output(ctx, output)
-        await _after_step(trainer)
+        await self._boundary()
 
     def keep_output(self, ctx: Scope, output: Any) -> None:
         ctx.output = output
@@ -626,7 +734,7 @@ class PredictionLoop(EvaluationLoop):
     async def on_run_start(self, ctx: Scope, data: Any) -> None:
         trainer = self.trainer
         self._limit = _batch_limit(trainer.limit_predict_batches, data, "limit_predict_batches")
-        self._step = self._step_function()
+        self._prepare_steps()
         ctx.predictions = []
         self._start_fetching(ctx, data, iter(data))
 

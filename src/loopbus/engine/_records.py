@@ -69,26 +69,181 @@ def _normalize_destinations(destinations: Any) -> tuple[str, ...]:
     return result
 
 
+#: The integers every consumer can carry: msgpack (the stream) encodes ints from -2**63
+#: to 2**64 - 1 and nothing beyond; the loggers agree on that range.
+_INT_MIN = -(2**63)
+_INT_MAX = 2**64 - 1
+#: The longest name allowed, in characters: the longest name a stream client can
+#: subscribe to exactly (``Subscribe.names`` entries are at most 256 characters), and far
+#: below what a CSV reader accepts in a header cell (131072).
+_MAX_NAME_LENGTH = 256
+#: Names already validated (so that each distinct name is checked once). Cleared when
+#: it grows this large, so names made up per step cannot grow it without bound.
+_VALID_NAMES: set[str] = set()
+_VALID_NAMES_LIMIT = 1 << 16
+_STRIDED = torch.strided
+#: Tensor dtypes whose ``.item()`` is a Python bool, int (within the 64-bit range) or
+#: float. Not: complex, bit-packed and sub-byte dtypes (no ``.item()``).
+_TENSOR_DTYPES: frozenset[torch.dtype] = frozenset(
+    dtype
+    for dtype in (
+        getattr(torch, dtype_name, None)
+        for dtype_name in (
+            "bool",
+            "uint8",
+            "uint16",
+            "uint32",
+            "uint64",
+            "int8",
+            "int16",
+            "int32",
+            "int64",
+            "float16",
+            "bfloat16",
+            "float32",
+            "float64",
+            "float8_e4m3fn",
+            "float8_e4m3fnuz",
+            "float8_e5m2",
+            "float8_e5m2fnuz",
+            "float8_e8m0fnu",
+            "qint8",
+            "quint8",
+            "qint32",
+        )
+    )
+    if isinstance(dtype, torch.dtype)
+)
+_NAME_RULES = (
+    f"a name is a non-empty str of at most {_MAX_NAME_LENGTH} characters, valid Unicode "
+    "(no lone surrogates), without control characters (U+0000-U+001F, U+007F-U+009F) or "
+    "line separators (U+2028, U+2029)"
+)
+
+
+def _shown(name: str) -> str:
+    """``repr(name)``, cut short for very long names."""
+    if len(name) <= 80:
+        return repr(name)
+    return f"{name[:60]!r}... ({len(name)} characters)"
+
+
+def _check_name(name: Any) -> None:
+    """Raise unless ``name`` is a name every consumer can carry; remember it if it is.
+
+    Lone surrogates cannot be encoded as UTF-8 (the stream, the JSON lines and CSV files,
+    TensorBoard all need it); control characters and line separators break the one-line
+    displays (the progress bar, ``loopbus watch``) and the CSV header, and could smuggle
+    terminal escape sequences.
+    """
+    if type(name) is not str or not name:
+        raise TypeError(f"put() name must be a non-empty str such as 'train/loss', got {name!r}.")
+    if len(name) > _MAX_NAME_LENGTH:
+        raise ValueError(
+            f"put() name {_shown(name)} is {len(name)} characters long; names may have at "
+            f"most {_MAX_NAME_LENGTH} characters (the longest a stream client can subscribe "
+            "to). Use a shorter name."
+        )
+    if not (name.isascii() and name.isprintable()):
+        for index, char in enumerate(name):
+            code = ord(char)
+            if 0xD800 <= code <= 0xDFFF:
+                raise ValueError(
+                    f"put() name {_shown(name)} is not valid Unicode text: it has the lone "
+                    f"surrogate {char!r} at index {index}, which cannot be encoded as UTF-8 "
+                    "(as the loggers and the stream must). This usually comes from bytes "
+                    "decoded with errors='surrogateescape'; decode them with "
+                    "errors='replace' or fix the name. Rule: " + _NAME_RULES + "."
+                )
+            if code < 0x20 or 0x7F <= code <= 0x9F or code == 0x2028 or code == 0x2029:
+                raise ValueError(
+                    f"put() name {_shown(name)} has the control character {char!r} at index "
+                    f"{index}; names are shown on one line (progress bar, CSV header, "
+                    "loopbus watch), so control characters and line breaks are not allowed. "
+                    "Replace it, for example with ' ' or '_'. Rule: " + _NAME_RULES + "."
+                )
+    if len(_VALID_NAMES) >= _VALID_NAMES_LIMIT:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(name)
+
+
+def _int_out_of_range(name: str, value: int) -> ValueError:
+    return ValueError(
+        f"put({_shown(name)}, ...) got the int {value!r}, outside the 64-bit range "
+        "[-2**63, 2**64 - 1] that every consumer (the stream's msgpack, the loggers) can "
+        "carry. Put a number in that range, or float(value) if an approximate value will do."
+    )
+
+
+def _check_int(name: str, value: int) -> int:
+    if not _INT_MIN <= value <= _INT_MAX:
+        raise _int_out_of_range(name, value)
+    return value
+
+
+def _check_tensor(name: str, value: torch.Tensor) -> None:
+    """Raise unless ``value`` is a one-element tensor that can be read as a Python number."""
+    if value.ndim and value.numel() != 1:
+        raise ValueError(
+            f"put({_shown(name)}, ...) needs a single number, got a tensor of shape "
+            f"{tuple(value.shape)}. Reduce it first (for example .mean()), or put each "
+            "element under its own name."
+        )
+    dtype = value.dtype
+    if dtype.is_complex:
+        raise TypeError(
+            f"put({_shown(name)}, ...) got a complex tensor ({dtype}); put a real number, "
+            "for example its .abs() or .real."
+        )
+    if dtype not in _TENSOR_DTYPES:
+        raise TypeError(
+            f"put({_shown(name)}, ...) got a tensor of dtype {dtype}, which cannot be read "
+            "as a Python number; put a bool, integer or floating-point tensor (for example "
+            "value.float())."
+        )
+    if value.is_meta:
+        raise ValueError(
+            f"put({_shown(name)}, ...) got a tensor on the meta device, which holds no "
+            "value; put a tensor with data (on the CPU or an accelerator)."
+        )
+    layout = value.layout
+    if layout is not torch.strided and layout is not torch.sparse_coo:
+        raise TypeError(
+            f"put({_shown(name)}, ...) got a tensor with layout {layout}, which cannot be "
+            "read as a Python number; put value.to_dense()."
+        )
+
+
 def _coerce(name: str, value: Any) -> float | int | bool:
-    if isinstance(value, (bool, int, float)):
-        return value
+    """``value`` as an exact ``bool``, ``int`` (in the 64-bit range) or ``float``, or
+    raise saying why it cannot be put."""
     if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
         value = value.item()  # numpy scalars and 0-d arrays
-        if isinstance(value, (bool, int, float)):
-            return value
-    if isinstance(value, numbers.Integral):
-        return int(value)
-    if isinstance(value, numbers.Real):
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):  # int subclasses (IntEnum, ...) as plain ints
+        return _check_int(name, int(value))
+    if isinstance(value, float):  # float subclasses (numpy.float64, ...) as plain floats
         return float(value)
+    if isinstance(value, numbers.Integral):
+        return _check_int(name, int(value))
+    if isinstance(value, numbers.Real):
+        try:
+            return float(value)
+        except OverflowError:
+            raise ValueError(
+                f"put({_shown(name)}, ...) got {value!r}, which is too large for a float "
+                "(the loggers and the stream carry 64-bit floats). Put a smaller number."
+            ) from None
     if isinstance(value, (str, bytes)):
         raise TypeError(
-            f"put({name!r}, ...) got text {value!r}; put takes numbers (int, float, bool) "
-            "or one-element tensors. To publish text, define and publish a custom event."
+            f"put({_shown(name)}, ...) got text {value!r}; put takes numbers (int, float, "
+            "bool) or one-element tensors. To publish text, define and publish a custom event."
         )
     raise TypeError(
-        f"put({name!r}, ...) got a value of type {type(value).__name__}: {value!r}. put takes "
-        "numbers (int, float, bool) or one-element tensors; for a torchmetrics Metric, put "
-        "metric.compute()."
+        f"put({_shown(name)}, ...) got a value of type {type(value).__name__}: {value!r}. put "
+        "takes numbers (int, float, bool) or one-element tensors; for a torchmetrics Metric, "
+        "put metric.compute()."
     )
 
 
@@ -105,24 +260,31 @@ class PutMixin:
         ``value`` is a Python number or a one-element tensor (detached here; it is read
         on the host later, off the step's critical path). Nothing is aggregated: use
         torchmetrics for running means and cross-rank reduction.
+
+        What every consumer (loggers, the stream, the progress bar) can carry is checked
+        here, and anything else raises here rather than in a consumer later: ``name`` is
+        a non-empty str of at most 256 characters, valid Unicode (no lone surrogates),
+        without control characters or line separators; an int is within
+        ``[-2**63, 2**64 - 1]``; a tensor has one element and a bool, integer or
+        floating-point dtype. NaN and infinite floats are fine.
         """
-        if type(name) is not str or not name:
-            raise TypeError(
-                f"put() name must be a non-empty str such as 'train/loss', got {name!r}."
-            )
+        if type(name) is not str or name not in _VALID_NAMES:
+            _check_name(name)
         cls = type(value)
         if cls is _Tensor or isinstance(value, _Tensor):
-            if value.ndim and value.numel() != 1:
-                raise ValueError(
-                    f"put({name!r}, ...) needs a single number, got a tensor of shape "
-                    f"{tuple(value.shape)}. Reduce it first (for example .mean()), or put "
-                    "each element under its own name."
-                )
-            if value.dtype.is_complex:
-                raise TypeError(f"put({name!r}, ...) got a complex tensor; put a real number.")
+            # Compressed sparse and mkldnn layouts cannot be 0-d: a 0-d tensor skips that.
+            if (
+                (value.ndim and (value.numel() != 1 or value.layout is not _STRIDED))
+                or value.dtype not in _TENSOR_DTYPES
+                or value.is_meta
+            ):
+                _check_tensor(name, value)
             if value.requires_grad:
                 value = value.detach()
-        elif cls is not float and cls is not int and cls is not bool:
+        elif cls is int:
+            if not _INT_MIN <= value <= _INT_MAX:
+                raise _int_out_of_range(name, value)
+        elif cls is not float and cls is not bool:
             value = _coerce(name, value)
         if destinations is not None:
             destinations = _normalize_destinations(destinations)
@@ -137,11 +299,19 @@ class PutMixin:
         recorder.pending.append((name, value, destinations, self._loopbus_source))
 
     def put_dict(self, values: Mapping[str, Any], destinations: Any = None) -> None:
-        """``put`` every item of ``values``."""
+        """``put`` every item of ``values``: all of them, or (when one is refused) none."""
         if not isinstance(values, Mapping):
             raise TypeError(f"put_dict() needs a mapping of name -> value, got {values!r}.")
-        for name, value in values.items():
-            self.put(name, value, destinations)
+        recorder = self._loopbus_recorder
+        pending = recorder.pending if recorder is not None else None
+        mark = len(pending) if pending is not None else 0
+        try:
+            for name, value in values.items():
+                self.put(name, value, destinations)
+        except BaseException:
+            if pending is not None:
+                del pending[mark:]  # the items put before the refused one
+            raise
 
 
 def bind_recorder(obj: object, recorder: Recorder | None, source: str) -> None:
@@ -160,6 +330,45 @@ class Recorder:
         self.bus = bus
         self.pending: list[Pending] = []
         self.latest: dict[str, PutRecord | tuple[Any, ...]] = {}
+
+    def reset(self) -> None:
+        """Start a stage: nothing pending, no latest records."""
+        self.pending.clear()
+        self.latest.clear()
+
+    def discard_pending(self) -> None:
+        """Drop what was put but not flushed (a cancelled or failed stage)."""
+        self.pending.clear()
+
+    # The latest records are part of a checkpoint (a resumed run's monitors see them).
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            name: {
+                "value": record.value,
+                "step": record.step,
+                "epoch": record.epoch,
+                "time": record.time,
+                "source": record.source,
+                "destinations": list(record.destinations),
+            }
+            for name, record in self.latest_records().items()
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        latest = self.latest
+        for name, r in state.items():
+            try:
+                latest[name] = PutRecord(
+                    name=name,
+                    value=r["value"],
+                    step=int(r["step"]),
+                    epoch=int(r["epoch"]),
+                    time=float(r["time"]),
+                    source=str(r["source"]),
+                    destinations=tuple(r["destinations"]),
+                )
+            except (KeyError, TypeError, ValueError):
+                continue  # a malformed entry: that name has no latest record
 
     async def flush(self) -> None:
         """Convert and deliver the pending records, in the order they were put."""

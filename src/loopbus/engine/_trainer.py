@@ -9,7 +9,6 @@ import warnings
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from time import perf_counter
 from typing import Any, Literal
 
 import anyio
@@ -17,23 +16,33 @@ import anyio.from_thread
 import anyio.to_thread
 import torch
 
-from .._exceptions import MisconfigurationError
+from .._exceptions import CheckpointError, MisconfigurationError
 from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
 from ._checkpoint import (
     CheckpointMismatch,
+    GradsPart,
+    LoaderPart,
+    LoopPart,
+    ModulePart,
+    OptimizerPart,
+    PrecisionPart,
+    RngPart,
+    SchedulerPart,
+    collect_state,
     load_checkpoint,
-    load_trainer_state,
+    load_state,
     resolve_last,
-    trainer_state_dict,
     write_checkpoint,
 )
 from ._loop import Loop
-from ._loops import EvaluationLoop, FitLoop, PredictionLoop
+from ._loops import EvaluationLoop, FitLoop, PredictionLoop, StepBoundary, StepPath
 from ._module import Module
 from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
 from ._records import Recorder, bind_recorder
+from ._runstate import RunState
 from ._scope import LeakCheck
+from ._state import Stateful
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
 
@@ -344,27 +353,20 @@ class Trainer:
         self.module: Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self.lr_scheduler_configs: list[SchedulerConfig] = []
-        #: Optimizer steps completed (read-only for users).
-        self.global_step = 0
-        #: The current (or last) epoch, 0-based (read-only for users).
-        self.current_epoch = 0
-        #: Set (or call :meth:`request_stop`) to end the running stage at the next step
-        #: boundary (validation inside ``fit`` finishes its pass first).
-        self.should_stop = False
-        self.stop_reason: str | None = None
-        #: The running stage ("fit", "validate", "test", "predict"), or None.
-        self.stage: str | None = None
+        #: The run's state (step, epoch, stage, stop request, resume plan): read it here
+        #: or through the properties below; the trainer and its loops advance it.
+        self.state = RunState()
+        self._registered: dict[str, Stateful] = {}
+        self._parts: dict[str, Any] | None = None
+        # Steps at which the LR schedulers may step before the optimizer has in this
+        # process (right after a resume), which torch would otherwise warn about.
+        self._resumed_at_step: int | None = None
         self._automatic = True
         self._step_schedulers = False
         self._configured_for: Module | None = None
-        self._limiter: anyio.CapacityLimiter | None = None
-        self._emit_sync: Callable[[Any, Any], Any] = self.bus.deliver_sync
-        self._move_to: torch.device | None = None
-        self._next_yield = 0.0
-        # The training data of the current (or last) fit, for its loader's state, and the
-        # random state a resumed fit applies where it resumes.
+        self._step_path: StepPath | None = None
+        # The training data of the current (or last) fit, for its loader's state.
         self._train_data: Any = None
-        self._resume_rng: dict[str, Any] | None = None
 
     def __repr__(self) -> str:
         return f"<Trainer stage={self.stage!r} step={self.global_step} epoch={self.current_epoch}>"
@@ -380,15 +382,40 @@ class Trainer:
         }
 
     @property
+    def global_step(self) -> int:
+        """Optimizer steps completed (read-only; ``trainer.state.step``)."""
+        return self.state.step
+
+    @property
+    def current_epoch(self) -> int:
+        """The current (or last) epoch, 0-based (read-only; ``trainer.state.epoch``)."""
+        return self.state.epoch
+
+    @property
+    def stage(self) -> str | None:
+        """The running stage ("fit", "validate", "test", "predict"), or None."""
+        return self.state.stage
+
+    @property
+    def should_stop(self) -> bool:
+        """Whether the running stage was asked to stop (see :meth:`request_stop`)."""
+        return self.state.stop_requested
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the running (or last) stage was asked to stop, if it was."""
+        return self.state.stop_reason
+
+    @property
     def latest(self) -> dict[str, PutRecord]:
         """The last record of each name put during the current (or last) stage."""
         return self.recorder.latest_records()
 
     def request_stop(self, reason: str | None = None) -> None:
-        """Ask the running stage to stop at the next step boundary, without an exception.
-        Safe to call from any task and from other threads."""
-        self.stop_reason = reason if reason is not None else "stop requested"
-        self.should_stop = True
+        """Ask the running stage to stop at the next step boundary, without an exception
+        (validation inside ``fit`` finishes its pass first). Safe to call from any task
+        and from other threads."""
+        self.state.request_stop(reason)
 
     def subscribe(self, event_type: Any, handler: Any, **options: Any) -> Subscription:
         """Shortcut for ``trainer.bus.subscribe``."""
@@ -422,22 +449,17 @@ class Trainer:
         self._check_module(module, "fit", "training_step")
         if val_data is not None:
             self._check_module(module, "fit with val_data", "validation_step")
-        self._train_data = train_data
-        try:
-            async with self._stage("fit", module):
-                if ckpt_path is not None:
-                    await self._resume(ckpt_path, ckpt_strict)
-                await self.fit_loop.run(train_data, val_data)
-        finally:
-            self._resume_rng = None
-            self.fit_loop.epoch_loop._loader_restored = False
+        async with self._stage("fit", module, train_data=train_data):
+            if ckpt_path is not None:
+                await self._resume(ckpt_path, ckpt_strict)
+            await self.fit_loop.run(train_data, val_data)
 
     async def _resume(self, ckpt_path: str | os.PathLike[str], strict: bool) -> None:
-        path = resolve_last(self) if ckpt_path == "last" else ckpt_path
+        path = resolve_last(self.plugins) if ckpt_path == "last" else ckpt_path
         if path is None:
             return
         state = await anyio.to_thread.run_sync(load_checkpoint, path)
-        mismatch = load_trainer_state(self, state, strict=strict, source=str(path))
+        mismatch = self._load(state, strict=strict, source=str(path))
         if mismatch:
             warnings.warn(
                 f"resumed from {path} with ckpt_strict=False; what did not match kept its "
@@ -447,22 +469,101 @@ class Trainer:
             )
 
     # ------------------------------------------------------------ checkpoints
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: a
+        data module, an EMA copy of the weights, a metric) with every checkpoint of this
+        trainer, under the key ``"user/<name>"``. Register before the stage whose
+        checkpoints should hold it starts; a resumed run must register the same names."""
+        if not isinstance(name, str) or not name or "/" in name:
+            raise MisconfigurationError(
+                f"register_stateful needs a non-empty name without '/', got {name!r}."
+            )
+        if not isinstance(obj, Stateful):
+            raise MisconfigurationError(
+                f"register_stateful({name!r}, ...) needs an object with state_dict() and "
+                f"load_state_dict(state), got {type(obj).__name__}."
+            )
+        if name in self._registered and self._registered[name] is not obj:
+            raise MisconfigurationError(
+                f"another object is already registered as {name!r}; choose another name."
+            )
+        if self.state.stage is not None:
+            raise RuntimeError(
+                f"register_stateful({name!r}, ...) was called while {self.state.stage!r} "
+                "runs; register objects before the stage starts."
+            )
+        self._registered[name] = obj
+
+    def stateful_parts(self) -> dict[str, Stateful]:
+        """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
+        the run state, the generators, the module, each optimizer and scheduler, the
+        precision, the loop tree, every stateful plugin, the training loader when it is
+        stateful, gradients mid-accumulation, the latest records and every registered
+        object. Built when a stage starts; a new dict each call."""
+        if self._parts is not None:
+            return dict(self._parts)
+        return self._build_parts()
+
+    def _build_parts(self) -> dict[str, Any]:
+        module = self.module
+        if module is None:
+            raise CheckpointError(
+                "the trainer has no module yet, so there is no run state to save or load; "
+                "a checkpoint can be taken once fit (or another stage) has started, and is "
+                "loaded with trainer.fit(module, data, ckpt_path=...)."
+            )
+        parts: dict[str, Any] = {"run": self.state, "rng": RngPart(), "module": ModulePart(module)}
+        for index, opt in enumerate(self.optimizers):
+            parts[f"optimizers/{index}"] = OptimizerPart(opt)
+        for index, config in enumerate(self.lr_scheduler_configs):
+            parts[f"lr_schedulers/{index}"] = SchedulerPart(config.scheduler)
+        parts["precision"] = PrecisionPart(self.precision)
+        for name, loop in self.loops.items():
+            parts[f"loops/{name}"] = LoopPart(loop)
+        for plugin in self.plugins:
+            if type(plugin).state_dict is Plugin.state_dict:
+                continue  # keeps no state
+            key = f"plugins/{plugin.state_key}"
+            if key in parts:
+                # Two plugins with one key (two instances of a class): number them in
+                # the order they were given, which a resumed run repeats.
+                n = 2
+                while f"{key}#{n}" in parts:
+                    n += 1
+                key = f"{key}#{n}"
+            parts[key] = plugin
+        data = self._train_data
+        if isinstance(data, Stateful):
+            parts["data/train"] = LoaderPart(data, self.fit_loop.epoch_loop.loader_position)
+        parts["grads"] = GradsPart(module)
+        parts["records"] = self.recorder
+        for name, obj in self._registered.items():
+            parts[f"user/{name}"] = obj
+        return parts
+
     def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
-        """The run's state as a checkpoint dict of plain tensors and Python primitives:
-        module, optimizers, schedulers, precision (grad scaler), plugins, loops and their
-        progress, the training loader's position when it is stateful, random generators.
-        With ``to_host`` the tensors are copies in host memory (safe to write while
-        training goes on); otherwise the live tensors."""
-        return trainer_state_dict(self, to_host=to_host)
+        """The run's state as a checkpoint dict of plain tensors and Python primitives,
+        one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
+        copies in host memory (safe to write while training goes on); otherwise the live
+        tensors."""
+        return collect_state(self, self.stateful_parts(), to_host=to_host)
 
     def load_state_dict(
         self, state: dict[str, Any], strict: bool = True
     ) -> CheckpointMismatch:
         """Load a checkpoint dict into this run (module and optimizers must be set up:
-        resume through ``fit(..., ckpt_path=...)``). With ``strict`` any component that
-        is missing, unexpected or incompatible raises :class:`CheckpointError`; without,
+        resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
+        missing, unexpected or incompatible raises :class:`CheckpointError`; without,
         what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
-        return load_trainer_state(self, state, strict=strict)
+        return self._load(state, strict=strict)
+
+    def _load(
+        self, state: dict[str, Any], *, strict: bool, source: str | None = None
+    ) -> CheckpointMismatch:
+        mismatch, plan = load_state(self.stateful_parts(), state, strict=strict, source=source)
+        self.state.plan_resume(plan)
+        self._resumed_at_step = plan.step
+        return mismatch
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
@@ -518,17 +619,17 @@ class Trainer:
             )
 
     @asynccontextmanager
-    async def _stage(self, stage: str, module: Module) -> AsyncIterator[None]:
-        if self.stage is not None:
-            raise RuntimeError(
-                f"this Trainer is already running {self.stage!r}; a Trainer runs one stage at "
-                "a time. To train concurrently, create one Trainer per run."
-            )
-        self.stage = stage
+    async def _stage(
+        self, stage: str, module: Module, *, train_data: Any = None
+    ) -> AsyncIterator[None]:
+        self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         subscriptions: list[Subscription] = []
         set_up: list[Plugin] = []
         try:
+            if stage == "fit":
+                self._train_data = train_data
             self._prepare(stage, module)
+            self._parts = self._build_parts()
             for plugin in self.plugins:
                 bind_recorder(plugin, self.recorder, type(plugin).__name__)
                 plugin.setup(self, stage)
@@ -567,7 +668,10 @@ class Trainer:
                 bind_recorder(plugin, None, "")
             bind_recorder(module, None, "")
             object.__setattr__(module, "_loopbus_trainer", None)
-            self.stage = None
+            self._parts = None
+            self._step_path = None
+            self._resumed_at_step = None
+            self.state.end_stage()
 
     def _classify(self, exc: BaseException) -> tuple[str, BaseException | None]:
         if isinstance(exc, anyio.get_cancelled_exc_class()):
@@ -593,7 +697,7 @@ class Trainer:
         if reason in ("completed", "stopped"):
             await attempt(self.recorder.flush)
         else:
-            self.recorder.pending.clear()
+            self.recorder.discard_pending()
         await attempt(
             lambda: self.bus.publish(
                 Teardown(
@@ -622,16 +726,10 @@ class Trainer:
         self.module = module
         object.__setattr__(module, "_loopbus_trainer", self)
         bind_recorder(module, self.recorder, type(module).__name__)
-        self.recorder.pending.clear()
-        self.recorder.latest.clear()
+        self.recorder.reset()
         device = self.device
         module.to(device)
-        self._move_to = None if device.type == "cpu" else device
         self.precision.setup(device)
-        # Every stage starts without a stop request (a stopped fit must not mark a later
-        # validate as "stopped").
-        self.should_stop = False
-        self.stop_reason = None
         if stage == "fit":
             if self._configured_for is not module:
                 opts, scheds = _parse_optimizers(module.configure_optimizers(), module)
@@ -646,17 +744,55 @@ class Trainer:
                 )
             self._step_schedulers = any(c.interval == "step" for c in self.lr_scheduler_configs)
             module.train()
+        # The step path of this stage, chosen once (the loops take it when they start).
         if self.executor == "thread":
-            self._limiter = anyio.CapacityLimiter(1)
-            self._emit_sync = self._emit_from_worker
+            worker: anyio.CapacityLimiter | None = anyio.CapacityLimiter(1)
+            emit: Callable[[Any, Any], Any] = self._emit_from_worker
         else:
-            self._limiter = None
-            self._emit_sync = self.bus.deliver_sync
-        self._next_yield = perf_counter() + self.yield_interval
+            worker, emit = None, self.bus.deliver_sync
+        self._step_path = StepPath(
+            move_to=None if device.type == "cpu" else device,
+            worker=worker,
+            emit=emit,
+            boundary=StepBoundary(self.recorder, self.yield_interval),
+        )
 
     def _emit_from_worker(self, entries: Any, event: Any) -> None:
         """Deliver an in-step event from the worker thread on the event loop's thread."""
         anyio.from_thread.run_sync(self.bus.deliver_sync, entries, event)
+
+    @property
+    def step_path(self) -> StepPath:
+        """How the running stage runs its steps (chosen when it started)."""
+        path = self._step_path
+        if path is None:
+            raise RuntimeError("the trainer is not running a stage, so it has no step path.")
+        return path
+
+    @property
+    def automatic_optimization(self) -> bool:
+        """Whether the trainer runs backward and optimizer steps (as of the last fit)."""
+        return self._automatic
+
+    @property
+    def steps_schedulers_per_step(self) -> bool:
+        """Whether an LR scheduler is configured with ``interval="step"``."""
+        return self._step_schedulers
+
+    def step_lr_schedulers(self, interval: str) -> None:
+        """Step the LR schedulers configured with ``interval`` (``"step"`` or
+        ``"epoch"``) that are due; the loops call it at those boundaries."""
+        if self._resumed_at_step is not None and self._resumed_at_step == self.global_step:
+            # Resumed, and no optimizer step in this process yet: torch cannot know that
+            # the optimizer stepped before the checkpoint and would warn that the order
+            # is wrong. It is not.
+            with warnings.catch_warnings():
+                warnings.filterwarnings(
+                    "ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before"
+                )
+                self._step_lr_schedulers(interval)
+            return
+        self._step_lr_schedulers(interval)
 
     def _step_lr_schedulers(self, interval: str) -> None:
         for config in self.lr_scheduler_configs:

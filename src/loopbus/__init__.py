@@ -6,7 +6,8 @@ Dependency rule (a test enforces it):  events  <-  engine  <-  plugins
   * ``loopbus.stream`` (the metric stream's protocol and client) imports events only;
   * ``loopbus.plugins`` import only public names (``loopbus``, ``loopbus.events``,
     ``loopbus.stream``).
-This module only re-exports.
+This module only re-exports, and makes what it exports carry the public name
+(``loopbus.MisconfigurationError`` in a traceback, not the private module it lives in).
 """
 
 from __future__ import annotations
@@ -21,6 +22,10 @@ from ._exceptions import ScopeLeakError as ScopeLeakError
 from ._exceptions import StopLoop as StopLoop
 from ._exceptions import StreamError as StreamError
 from ._exceptions import SubscriptionError as SubscriptionError
+from ._exceptions import fixup_module_metadata as _fixup_module_metadata
+from ._validate import check_choice as check_choice
+from ._validate import check_int as check_int
+from ._validate import check_number as check_number
 from .engine import CheckpointMismatch as CheckpointMismatch
 from .engine import EvaluationLoop as EvaluationLoop
 from .engine import FitLoop as FitLoop
@@ -86,6 +91,9 @@ __all__ = [
     "TrainEpochLoop",
     "Trainer",
     "__version__",
+    "check_choice",
+    "check_int",
+    "check_number",
     "connect",
     "events",
     "latest_checkpoint",
@@ -105,3 +113,8 @@ __all__ = [
 # Last: the standard plugins are written against the names above, like user code, and
 # importing them registers the mixed precisions and the default progress bar.
 from . import plugins as plugins
+
+# Public names for what is exported (see fixup_module_metadata). The plugins may import
+# only public names, so their package's exports are renamed here too.
+_fixup_module_metadata(__name__, globals())
+_fixup_module_metadata(plugins.__name__, vars(plugins))

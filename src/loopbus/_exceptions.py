@@ -1,9 +1,16 @@
 """Every exception loopbus raises on purpose, in one place.
 
 This module imports nothing from loopbus, torch or anyio, so every layer may use it.
+It also holds :func:`fixup_module_metadata`, with which the public packages make their
+exports (these exceptions first) carry public names: a traceback shows
+``loopbus.MisconfigurationError``, not ``loopbus._exceptions.MisconfigurationError``.
 """
 
 from __future__ import annotations
+
+import inspect
+import types
+from collections.abc import Mapping
 
 __all__ = [
     "CheckpointError",
@@ -18,12 +25,8 @@ __all__ = [
 
 
 class LoopbusError(Exception):
-    """Base class of the errors loopbus raises on purpose."""
-
-
-class SubscriptionError(LoopbusError, TypeError):
-    """Raised when :meth:`EventBus.subscribe` gets an event type, a handler or a filter
-    it cannot use. The message says what was wrong and how to call it instead."""
+    """Raised (as one of its subclasses) when loopbus fails on purpose: catch it to
+    handle every error loopbus raises itself."""
 
 
 class HandlerError(LoopbusError):
@@ -44,8 +47,17 @@ class ScopeLeakError(LoopbusError):
 
 
 class MisconfigurationError(LoopbusError, ValueError):
-    """Raised when a Trainer, Module or Loop is set up with options that cannot work
-    together; the message names the option and how to fix it."""
+    """Raised when an option is bad: a Trainer, Module, Loop, plugin, bus subscription or
+    stream client is given a value it cannot use, or options that cannot work together.
+    The message names the option, the value and how to fix it. Being a ``ValueError``,
+    it is caught by code that handles bad arguments."""
+
+
+class SubscriptionError(MisconfigurationError, TypeError):
+    """Raised when :meth:`EventBus.subscribe` (or :func:`on`) gets an event type, a
+    handler or a filter it cannot use. The message says what was wrong and how to call
+    it instead. It is a :class:`MisconfigurationError` like every bad option, and a
+    ``TypeError`` too, since most of these are objects of the wrong kind."""
 
 
 class CheckpointError(LoopbusError):
@@ -62,5 +74,47 @@ class StreamError(LoopbusError, ConnectionError):
 
 
 class StopLoop(Exception):
-    """Raise from a loop hook to end the loop's ``run`` early, the way ``StopIteration``
-    ends Lightning's loops (``StopIteration`` itself cannot cross an ``async def``)."""
+    """Raised by a loop hook (your code, not loopbus) to end the loop's ``run`` early,
+    the way ``StopIteration`` ends Lightning's loops (``StopIteration`` itself cannot
+    cross an ``async def``)."""
+
+
+def fixup_module_metadata(module_name: str, namespace: Mapping[str, object]) -> None:
+    """Make the classes and functions that the public module ``module_name`` exports
+    (the names in ``namespace["__all__"]``, ``namespace`` being its globals) name that
+    module as theirs, so that tracebacks, reprs and documentation show
+    ``loopbus.MisconfigurationError`` rather than the private module it is defined in.
+    Names and qualified names are unchanged.
+
+    Only objects from loopbus's private modules (a dotted part starting with ``_``) are
+    renamed, so a name that ``loopbus.events`` exports and ``loopbus`` re-exports stays
+    ``loopbus.events.EventBus`` whichever facade runs last. Methods and nested classes of
+    a renamed class follow it. A class with annotations of its own keeps its module:
+    the tools that evaluate annotations (msgspec, ``typing.get_type_hints``) look their
+    names up in ``sys.modules[cls.__module__]``, where the public module lacks them.
+    """
+    seen: set[int] = set()
+
+    def fix(obj: object) -> None:
+        if id(obj) in seen:
+            return
+        seen.add(id(obj))
+        module = getattr(obj, "__module__", None)
+        if not isinstance(module, str) or not module.startswith("loopbus."):
+            return
+        if not any(part.startswith("_") for part in module.split(".")):
+            return
+        if isinstance(obj, type):
+            if inspect.get_annotations(obj):
+                return
+            obj.__module__ = module_name
+            for attribute in list(vars(obj).values()):
+                fix(attribute)
+        elif isinstance(obj, types.FunctionType):
+            obj.__module__ = module_name
+
+    exported = namespace.get("__all__")
+    names = exported if isinstance(exported, (list, tuple)) else list(namespace)
+    for name in names:
+        if not name.startswith("_") and name in namespace:
+            fix(namespace[name])

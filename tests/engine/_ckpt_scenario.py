@@ -79,12 +79,18 @@ def make_data(loader: str, n_train: int = N_TRAIN, batch: int = BATCH) -> tuple[
     val = DataLoader(dataset(N_VAL, 1), batch_size=16)
     if loader == "plain":
         return DataLoader(train_set, batch_size=batch, shuffle=True), val
-    if loader == "stateful":
+    if loader in ("stateful", "stateful-generator"):
         from torchdata.stateful_dataloader import StatefulDataLoader
 
+        # "stateful-generator": the loader shuffles with a torch.Generator of its own.
+        generator = (
+            torch.Generator().manual_seed(SEED) if loader == "stateful-generator" else None
+        )
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", STATEFUL_WARNING)
-            return StatefulDataLoader(train_set, batch_size=batch, shuffle=True), val
+            return StatefulDataLoader(
+                train_set, batch_size=batch, shuffle=True, generator=generator
+            ), val
     raise ValueError(f"unknown loader kind {loader!r}")
 
 
@@ -222,7 +228,9 @@ torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.1)
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--loader", choices=["plain", "stateful"], default="plain")
+    parser.add_argument(
+        "--loader", choices=["plain", "stateful", "stateful-generator"], default="plain"
+    )
     parser.add_argument("--kill", default="", help="step:N, val:N or epoch:N")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--background", action="store_true")

@@ -290,7 +290,7 @@ async def test_every_checkpoint_loads_with_weights_only(tmp_path: Path, precisio
     assert len(written) >= 4
     for path in written:
         state = torch.load(path, weights_only=True)
-        assert state["loopbus"]["format_version"] == 1
+        assert state["loopbus"]["format_version"] == 2
         assert state["precision"]["name"] == precision
     if precision == "16-mixed":
         assert "scaler" in state["precision"]["state_dict"]

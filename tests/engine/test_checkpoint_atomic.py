@@ -134,4 +134,4 @@ async def test_marker_records_size_and_checksum(tmp_path: Path) -> None:
     assert marker["size"] == len(data)
     assert marker["crc32"] == zlib.crc32(data)
     assert marker["global_step"] == 2
-    assert marker["format_version"] == 1
+    assert marker["format_version"] == 2

@@ -24,7 +24,7 @@ import torch
 
 import loopbus
 
-from ._ckpt_scenario import BATCH, EPOCHS, N_TRAIN, VAL_EVERY, run_scenario
+from ._ckpt_scenario import BATCH, EPOCHS, EVERY_N_STEPS, N_TRAIN, VAL_EVERY, run_scenario
 
 STEPS = EPOCHS * (N_TRAIN // BATCH)
 SEED = int(os.environ.get("LOOPBUS_KILL_SEED", time.time_ns() % 1_000_000))
@@ -58,6 +58,13 @@ def _case_list() -> list[Case]:
         ),
         # After the batch whose validation just ran and whose deferred save was written.
         Case("stateful-after-validation", "stateful", f"step:{2 * VAL_EVERY}"),
+        # A loader with a generator of its own, killed in the first epoch: the resumed
+        # run crosses the epoch boundaries, whose shuffling depends on that generator.
+        Case(
+            "stateful-generator-epoch-boundary",
+            "stateful-generator",
+            f"step:{_rng.randrange(EVERY_N_STEPS + 1, per_epoch - 1)}",
+        ),
     ]
 
 
@@ -80,7 +87,9 @@ def kill_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     base = tmp_path_factory.mktemp("kill")
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["tests.engine._ckpt_scenario"])
-    refs = {kind: base / f"ref-{kind}.pt" for kind in ("plain", "stateful")}
+    refs = {
+        kind: base / f"ref-{kind}.pt" for kind in ("plain", "stateful", "stateful-generator")
+    }
     jobs = [
         {"dirpath": str(base / f"ref-{kind}-ckpt"), "out": str(out), "loader": kind}
         for kind, out in refs.items()

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from loopbus import HandlerError, Plugin, PutRecord, Trainer, on
+from loopbus import HandlerError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.events import FitCompleted, FitStarted, TrainBatchCompleted, ValidationCompleted
 from loopbus.plugins import CSVLogger, JSONLLogger, Logger, TensorBoardLogger, read_csv, read_jsonl
 from tests.helpers import TinyModule, make_loader
@@ -418,3 +418,31 @@ async def test_tensorboard_logger_writes_scalars_by_step(tmp_path: Path) -> None
     expected = [(r.step, r.value) for r in captured.records if r.name == "train/loss"]
     assert [s for s, _ in scalars] == [s for s, _ in expected] == [1, 2, 3, 4, 5]
     assert [v for _, v in scalars] == pytest.approx([v for _, v in expected], rel=1e-6)
+
+
+async def test_csv_names_that_collide_after_renaming_get_columns_of_their_own(
+    tmp_path: Path,
+) -> None:
+    """'step' is renamed 'step (put)' (the fixed column is taken): a record that is
+    itself named 'step (put)' gets another column instead of crashing the logger."""
+    class Clash(Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(1, 1)
+
+        def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+            self.put("step", 1.0)
+            self.put("step (put)", 2.0)
+            return self.w(batch).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    logger = CSVLogger(tmp_path)
+    trainer = Trainer(max_steps=3, plugins=[logger], device="cpu")
+    await trainer.fit(Clash(), [torch.ones(2, 1)] * 3)
+    text = (tmp_path / "metrics.csv").read_text()
+    header = text.splitlines()[0]
+    assert "step (put)" in header
+    assert "step (put) (2)" in header
+    assert len(text.splitlines()) == 4

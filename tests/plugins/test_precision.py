@@ -47,7 +47,7 @@ def test_names_are_registered() -> None:
     assert Trainer(precision="bf16-mixed", device="cpu").precision.name == "bf16-mixed"
     with pytest.raises(ValueError, match=r"unknown precision 'fp8'.*'16-mixed'.*'bf16-mixed'"):
         Trainer(precision="fp8")
-    with pytest.raises(ValueError, match=r"must be one of \['16-mixed', 'bf16-mixed'\]"):
+    with pytest.raises(ValueError, match=r"precision=\.\.\.\) must be '16-mixed' or 'bf16-mixed', got '16-true'"):
         MixedPrecision("16-true")  # type: ignore[arg-type]
 
 

@@ -224,11 +224,11 @@ def test_parse_address() -> None:
 def test_server_options_are_validated() -> None:
     with pytest.raises(MisconfigurationError, match="somewhere to listen"):
         StreamServer(host=None)
-    with pytest.raises(MisconfigurationError, match="port must be an int"):
+    with pytest.raises(MisconfigurationError, match=r"port=\.\.\.\) must be an int from 0 to 65535"):
         StreamServer(port=-1)
-    with pytest.raises(MisconfigurationError, match="client_buffer must be an int >= 1"):
+    with pytest.raises(MisconfigurationError, match=r"client_buffer=\.\.\.\) must be an int >= 1"):
         StreamServer(client_buffer=0)
-    with pytest.raises(MisconfigurationError, match="linger must be a number"):
+    with pytest.raises(MisconfigurationError, match=r"linger=\.\.\.\) must be a number of seconds >= 0"):
         StreamServer(linger=-1)
     assert StreamServer.from_address("unix:///tmp/a.sock").path == "/tmp/a.sock"
     assert StreamServer.from_address("tcp://127.0.0.1:5").port == 5

@@ -23,6 +23,8 @@ from ._progress import Progress as Progress
 from ._records import PutMixin as PutMixin
 from ._records import register_destination as register_destination
 from ._run import run as run
+from ._runstate import ResumePlan as ResumePlan
+from ._runstate import RunState as RunState
 from ._scope import Scope as Scope
 from ._seed import seed_everything as seed_everything
 from ._state import Stateful as Stateful
@@ -43,6 +45,8 @@ __all__ = [
     "PredictionLoop",
     "Progress",
     "PutMixin",
+    "ResumePlan",
+    "RunState",
     "SchedulerConfig",
     "Scope",
     "Stateful",

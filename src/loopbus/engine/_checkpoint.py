@@ -17,7 +17,8 @@ reads::
       "precision":        {"name": "32", "state_dict": {...}},
       "loops/fit":        {"progress": ..., "state": ..., "loops": {...}}, ...
       "plugins/<key>":    plugin.state_dict(), ...
-      "data/train":       loader.state_dict(),      # only when the loader is stateful
+      "data/train":       {"position": loader.state_dict(),  # only when the loader is
+                           "generators": [...]},              # stateful
       "rng":              {"python": ..., "torch": ..., "numpy": ..., "cuda": [...]},
       "grads":            {parameter name: gradient},  # empty unless mid-accumulation
       "records":          {name: {"value": ..., "step": ..., ...}},
@@ -56,7 +57,13 @@ from ._checkpoint_io import (
     to_plain,
     write_checkpoint,
 )
-from ._rng import capture_rng, restore_rng, rng_preserved
+from ._rng import (
+    capture_rng,
+    loader_generator_states,
+    restore_loader_generators,
+    restore_rng,
+    rng_preserved,
+)
 from ._runstate import ResumePlan
 
 if TYPE_CHECKING:
@@ -322,8 +329,9 @@ class LoopPart:
 
 
 class LoaderPart:
-    """A stateful training loader. Saved: the position of the last batch trained on
-    (``position()``, from the batch source), never a batch fetched ahead."""
+    """A stateful training loader: its position as of the last batch trained on
+    (``position()``, from the batch source; never a batch fetched ahead) and the
+    states of the ``torch.Generator`` objects it shuffles with."""
 
     def __init__(self, loader: Any, position: Any) -> None:
         self.loader = loader
@@ -331,15 +339,27 @@ class LoaderPart:
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position()
-        return self.loader.state_dict() if position is None else position  # type: ignore[no-any-return]
+        if position is None:
+            position = self.loader.state_dict()
+        # Taken after the position: taking that may build the iterator, which draws.
+        return {"position": position, "generators": loader_generator_states(self.loader)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+        self.loader.load_state_dict(state["position"])
         # Loaders such as StatefulDataLoader build the restored iterator lazily, and
         # building one draws from torch's generator: do it now, without moving the
-        # generators, so the epoch's iter(loader) draws exactly what the original did.
+        # global generators, so the epoch's iter(loader) draws exactly what the
+        # original did.
         with rng_preserved():
             self.loader.state_dict()
+        # The position alone leaves the loader's own generator one draw behind the
+        # interrupted run (see restore_loader_generators): set it as it was.
+        restore_loader_generators(self.loader, state.get("generators"))
+
+    def explain_mismatch(self, saved: Any) -> list[Problem]:
+        if not isinstance(saved, Mapping) or not isinstance(saved.get("position"), Mapping):
+            return [Problem("mismatched", "the checkpoint's entry is not a loader position")]
+        return []
 
 
 class RngPart:

@@ -36,7 +36,15 @@ from ..events import (
     RunStarted,
 )
 from ._progress import Progress
-from ._scope import LeakCheck, Scope, Suspect, check_suspects, collect_suspects, new_scope
+from ._scope import (
+    LeakCheck,
+    Scope,
+    Suspect,
+    check_suspects,
+    collect_suspects,
+    new_scope,
+    plain_scope,
+)
 
 if TYPE_CHECKING:
     from ._trainer import Trainer
@@ -75,13 +83,6 @@ def _default_leak_check() -> LeakCheck:
 def _snake(name: str) -> str:
     name = name[:-4] if name.endswith("Loop") and len(name) > 4 else name
     return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _plain_scope(parent: Scope) -> Scope:
-    it = Scope()
-    it._parent = parent
-    it._borrowed = None
-    return it
 
 
 def _labelled(hook: Any, label: str) -> Any:
@@ -371,7 +372,7 @@ class Loop(Generic[T]):
     async def _iterate(self, ctx: Scope) -> None:
         """The iterations of a run without the leak check (the hot path)."""
         await self._iterations(
-            ctx, self.on_advance_start, self.advance, self.on_advance_end, _plain_scope, None
+            ctx, self.on_advance_start, self.advance, self.on_advance_end, plain_scope, None
         )
 
     async def _iterate_tracked(self, ctx: Scope, leak_check: LeakCheck) -> list[Suspect]:

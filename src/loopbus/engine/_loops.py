@@ -343,7 +343,7 @@ class TrainEpochLoop(_DataLoop):
         epoch (the loader's own state is then current)."""
         ctx = self.run_ctx
         source = ctx.get("source") if ctx is not None else None
-        return None if source is None else source.position()  # type: ignore[no-any-return]
+        return None if source is None else source.position()
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
         """An iterator over ``data``, positioned after the batches this epoch already
@@ -410,7 +410,7 @@ class TrainEpochLoop(_DataLoop):
         loss = output if type(output) is _Tensor else _loss_of(output)
         if loss is None:
             return output
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]
         table = trainer.bus.table
         entries = table[AfterBackward]
         if entries:

@@ -376,9 +376,9 @@ class Recorder:
         if not pending:
             return
         self.pending = []
-        trainer = self.trainer
-        step = trainer.global_step
-        epoch = trainer.current_epoch
+        state = self.trainer.state
+        step = state.step
+        epoch = state.epoch
         now = 0.0
         route = self.bus.route
         deliver = self.bus.deliver

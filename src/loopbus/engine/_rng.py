@@ -15,8 +15,10 @@ import torch
 __all__ = [
     "capture_epoch_rng",
     "capture_rng",
+    "loader_generator_states",
     "loader_generators",
     "restore_epoch_rng",
+    "restore_loader_generators",
     "restore_rng",
     "rng_preserved",
 ]
@@ -96,21 +98,43 @@ def capture_epoch_rng(data: Any) -> dict[str, Any]:
     """What a plain loader's order depends on, taken right before ``iter(data)``."""
     return {
         "rng": capture_rng(),
-        "generators": [g.get_state() for g in loader_generators(data)],
+        "generators": loader_generator_states(data),
     }
 
 
 def restore_epoch_rng(snapshot: dict[str, Any], data: Any) -> None:
     restore_rng(snapshot["rng"])
+    _set_generator_states(data, snapshot.get("generators", []), "the resumed epoch")
+
+
+def loader_generator_states(data: Any) -> list[torch.Tensor]:
+    """The current states of the generators a loader draws its order from."""
+    return [g.get_state() for g in loader_generators(data)]
+
+
+def restore_loader_generators(data: Any, states: list[torch.Tensor] | None) -> None:
+    """Set a stateful loader's generators to :func:`loader_generator_states` as taken
+    with its position; call after ``load_state_dict`` and building the restored iterator.
+
+    Restoring the position alone does not: torchdata's ``StatefulDataLoader`` saves the
+    generator's state from when the epoch's sampler iterator was made, and on restore
+    sets it back and draws the permutation again. Without workers that iterator is made
+    before the loader draws its base seed from the same generator, so the restored
+    generator is that draw behind the interrupted run, and the next epoch is shuffled
+    differently. ``None`` (a checkpoint without the states) leaves them as they are."""
+    if states is not None:
+        _set_generator_states(data, states, "the epochs after the resumed one")
+
+
+def _set_generator_states(data: Any, saved: list[torch.Tensor], what: str) -> None:
     generators = loader_generators(data)
-    saved = snapshot.get("generators", [])
     if len(saved) != len(generators):
         warnings.warn(
             f"the data loader draws its order from {len(generators)} torch.Generator(s), but "
-            f"the checkpoint recorded {len(saved)}: the shuffling order of the resumed epoch "
+            f"the checkpoint recorded {len(saved)}: the shuffling order of {what} "
             "may differ from the interrupted run. Build the loader the same way as then.",
             UserWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return
     for generator, state in zip(generators, saved, strict=True):

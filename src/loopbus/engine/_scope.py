@@ -151,6 +151,14 @@ class Scope:
         self.__dict__[name] = value
 
 
+def plain_scope(parent: Scope | None) -> Scope:
+    """An untracked scope inside ``parent`` (the hot path: no leak check)."""
+    scope = Scope()
+    scope._parent = parent
+    scope._borrowed = None
+    return scope
+
+
 def new_scope(parent: Scope | None, tracked: bool, loop: str = "") -> Scope:
     scope: Scope = TrackedScope() if tracked else Scope()
     scope._parent = parent

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from .._exceptions import fixup_module_metadata as _fixup_module_metadata
 from ._bus import DESTINATIONS as DESTINATIONS
 from ._bus import EventBus as EventBus
 from ._bus import Subscription as Subscription
@@ -77,3 +78,5 @@ __all__ = [
     "ValidationStarted",
     "on",
 ]
+
+_fixup_module_metadata(__name__, globals())

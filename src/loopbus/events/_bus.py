@@ -22,6 +22,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from .._exceptions import HandlerError, StopLoop, SubscriptionError
+from .._validate import check_choice, check_int
 from ._types import Event, LoopEvent, PutRecord
 
 __all__ = ["DESTINATIONS", "EventBus", "Subscription", "describe_handler", "on"]
@@ -29,6 +30,9 @@ __all__ = ["DESTINATIONS", "EventBus", "Subscription", "describe_handler", "on"]
 #: The destinations a put record can be routed to, and the roles a record subscriber
 #: can declare. Plugins may use further roles of their own.
 DESTINATIONS: tuple[str, ...] = ("callbacks", "loggers", "progress_bar", "external")
+
+_MODES = {"inline": "awaited where it is published", "queued": "handed to a task of its own"}
+_OVERFLOWS = {"block": "wait for the subscriber", "drop": "drop and count"}
 
 Handler = Callable[[Any], Any]
 Entry = tuple[Callable[[Any], Any], bool, "Subscription"]
@@ -150,13 +154,7 @@ def _check_handler(handler: object, event_type: type[Event]) -> bool:
 
 
 def _check_count(option: str, value: object, minimum: int) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise SubscriptionError(
-            f"argument {option} should be an integer >= {minimum}, got {value!r}."
-        )
-    return value
+    return check_int(option, value, minimum=minimum, allow_none=True, error=SubscriptionError)
 
 
 class Subscription:
@@ -393,30 +391,24 @@ class EventBus:
         """
         event_type = _check_event_type(event_type)
         is_async = _check_handler(handler, event_type)
-        if isinstance(priority, bool) or not isinstance(priority, int):
-            raise SubscriptionError(f"priority should be an int, got {priority!r}.")
-        if mode not in ("inline", "queued"):
-            raise SubscriptionError(f"mode should be 'inline' or 'queued', got {mode!r}.")
-        if overflow not in ("block", "drop"):
-            raise SubscriptionError(
-                f"overflow should be 'block' (wait for the subscriber) or 'drop' "
-                f"(drop and count), got {overflow!r}."
-            )
+        check_int("priority", priority, minimum=None, error=SubscriptionError)
+        check_choice("mode", mode, _MODES, error=SubscriptionError)
+        check_choice("overflow", overflow, _OVERFLOWS, error=SubscriptionError)
         if mode == "queued":
-            _check_count("buffer", buffer, 1)
+            check_int("buffer", buffer, error=SubscriptionError)
         if loop is not None:
             if not isinstance(loop, str):
-                raise SubscriptionError(f"loop should be a loop name (str), got {loop!r}.")
+                raise SubscriptionError(f"loop must be a loop name (str), got {loop!r}.")
             if not issubclass(event_type, LoopEvent):
                 raise SubscriptionError(
                     f"loop={loop!r} filters loop events, but {event_type.__name__} is not "
                     "a LoopEvent; drop the loop argument."
                 )
         if when is not None and not callable(when):
-            raise SubscriptionError(f"when should be a callable taking the event, got {when!r}.")
+            raise SubscriptionError(f"when must be a callable taking the event, got {when!r}.")
         if not isinstance(destination, str) or not destination:
             raise SubscriptionError(
-                f"destination should be a non-empty role name such as {DESTINATIONS!r}, "
+                f"destination must be a non-empty role name such as {DESTINATIONS!r}, "
                 f"got {destination!r}."
             )
         if event_type.inside_step:

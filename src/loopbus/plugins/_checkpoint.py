@@ -21,6 +21,8 @@ from loopbus import (
     CheckpointError,
     MisconfigurationError,
     Plugin,
+    check_choice,
+    check_int,
     latest_checkpoint,
     on,
     remove_checkpoint,
@@ -44,14 +46,9 @@ if TYPE_CHECKING:
 __all__ = ["Checkpoint"]
 
 
-def _check_every(name: str, value: Any) -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise MisconfigurationError(
-            f"Checkpoint({name}=...) must be an int >= 1 or None, got {value!r}."
-        )
-    return value
+_MODES = {"min": "lower is better", "max": "higher is better"}
+_OFF = "None turns it off"
+_ALL = "None keeps them all"
 
 
 def _is_global_zero() -> bool:
@@ -113,23 +110,28 @@ class Checkpoint(Plugin):
                 f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
             )
         self.dirpath = Path(os.fspath(dirpath))
-        self.every_n_steps = _check_every("every_n_steps", every_n_steps)
-        self.every_n_epochs = _check_every("every_n_epochs", every_n_epochs)
+        self.every_n_steps = check_int(
+            "every_n_steps", every_n_steps, allow_none=True, owner="Checkpoint", hint=_OFF
+        )
+        self.every_n_epochs = check_int(
+            "every_n_epochs", every_n_epochs, allow_none=True, owner="Checkpoint", hint=_OFF
+        )
         if monitor is not None and (not isinstance(monitor, str) or not monitor):
             raise MisconfigurationError(
                 f"Checkpoint(monitor=...) must be the name of a put record such as 'val/acc', "
                 f"got {monitor!r}."
             )
-        if mode not in ("min", "max"):
-            raise MisconfigurationError(
-                f"Checkpoint(mode=...) must be 'min' (lower is better) or 'max', got {mode!r}."
-            )
+        check_choice("mode", mode, _MODES, owner="Checkpoint")
         if monitor is None and self.every_n_steps is None and self.every_n_epochs is None:
             self.every_n_epochs = 1
         self.monitor = monitor
         self.monitor_mode: Literal["min", "max"] = mode
-        self.keep_last = _check_every("keep_last", keep_last)
-        self.keep_best = _check_every("keep_best", keep_best)
+        self.keep_last = check_int(
+            "keep_last", keep_last, allow_none=True, owner="Checkpoint", hint=_ALL
+        )
+        self.keep_best = check_int(
+            "keep_best", keep_best, allow_none=True, owner="Checkpoint", hint=_ALL
+        )
         try:
             example = filename.format(epoch=0, step=0)
         except (KeyError, IndexError, ValueError, AttributeError) as exc:

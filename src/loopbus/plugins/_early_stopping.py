@@ -5,13 +5,25 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any, Literal
 
-from loopbus import MisconfigurationError, Plugin, PutRecord, on
+from loopbus import (
+    MisconfigurationError,
+    Plugin,
+    PutRecord,
+    check_choice,
+    check_int,
+    check_number,
+    on,
+)
 from loopbus.events import EpochCompleted, FitCompleted, ValidationCompleted
 
 if TYPE_CHECKING:
     from loopbus import Trainer
 
 __all__ = ["EarlyStopping"]
+
+_MODES = {"min": "lower is better", "max": "higher is better"}
+_PATIENCE = "it counts checks in a row without improvement (0: stop at the first)"
+_MIN_DELTA = "a change must exceed it to count as an improvement"
 
 
 class EarlyStopping(Plugin):
@@ -58,30 +70,20 @@ class EarlyStopping(Plugin):
         strict: bool = True,
     ) -> None:
         if not isinstance(monitor, str) or not monitor:
-            raise ValueError(
-                f"EarlyStopping(monitor=...) is the name of a put record such as 'val/loss', "
-                f"got {monitor!r}."
+            raise MisconfigurationError(
+                f"EarlyStopping(monitor=...) must be the name of a put record such as "
+                f"'val/loss', got {monitor!r}."
             )
-        if mode not in ("min", "max"):
-            raise ValueError(
-                f"EarlyStopping(mode=...) must be 'min' (lower is better) or 'max', got {mode!r}."
-            )
-        if isinstance(patience, bool) or not isinstance(patience, int) or patience < 0:
-            raise ValueError(f"EarlyStopping(patience=...) must be an int >= 0, got {patience!r}.")
-        if (
-            isinstance(min_delta, bool)
-            or not isinstance(min_delta, (int, float))
-            or not min_delta >= 0
-        ):
-            raise ValueError(
-                f"EarlyStopping(min_delta=...) must be a number >= 0 (the improvement that "
-                f"counts), got {min_delta!r}."
-            )
+        check_choice("mode", mode, _MODES, owner="EarlyStopping")
         self.monitor = monitor
         #: ``"min"`` or ``"max"`` (``mode`` on a plugin is its delivery mode).
         self.monitor_mode = mode
-        self.patience = patience
-        self.min_delta = float(min_delta)
+        self.patience = check_int(
+            "patience", patience, minimum=0, owner="EarlyStopping", hint=_PATIENCE
+        )
+        self.min_delta = check_number(
+            "min_delta", min_delta, minimum=0, owner="EarlyStopping", hint=_MIN_DELTA
+        )
         self.check_finite = check_finite
         self.stopping_threshold = stopping_threshold
         self.divergence_threshold = divergence_threshold

@@ -31,7 +31,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from loopbus import Plugin, PutRecord, on
+from loopbus import Plugin, PutRecord, check_choice, check_int, check_number, on
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -41,6 +41,9 @@ if TYPE_CHECKING:
 __all__ = ["CSVLogger", "JSONLLogger", "Logger", "decode_records", "read_csv", "read_jsonl"]
 
 Value = float | int | bool
+
+_OVERFLOWS = {"block": "the step waits for the logger", "drop": "drop and count"}
+_FILE_MODES = {"w": "start a new file", "a": "append to an existing one, as when resuming"}
 
 
 class Logger(Plugin):
@@ -74,24 +77,11 @@ class Logger(Plugin):
         overflow: Literal["block", "drop"] = "block",
     ) -> None:
         name = type(self).__name__
-        if (
-            isinstance(flush_interval, bool)
-            or not isinstance(flush_interval, (int, float))
-            or not flush_interval >= 0
-        ):
-            raise ValueError(
-                f"{name}(flush_interval=...) must be a number of seconds >= 0, got "
-                f"{flush_interval!r}."
-            )
-        if isinstance(buffer, bool) or not isinstance(buffer, int) or buffer < 1:
-            raise ValueError(f"{name}(buffer=...) must be an int >= 1, got {buffer!r}.")
-        if overflow not in ("block", "drop"):
-            raise ValueError(
-                f"{name}(overflow=...) must be 'block' (the step waits for the logger) or "
-                f"'drop' (drop and count), got {overflow!r}."
-            )
-        self.flush_interval = float(flush_interval)
-        self.batch_size = buffer
+        self.flush_interval = check_number(
+            "flush_interval", flush_interval, minimum=0, owner=name, what="a number of seconds"
+        )
+        self.batch_size = check_int("buffer", buffer, owner=name)
+        check_choice("overflow", overflow, _OVERFLOWS, owner=name)
         self.overflow_policy: Literal["block", "drop"] = overflow
         self._pending: deque[PutRecord] = deque()
         self._writer_idle = False
@@ -270,14 +260,6 @@ def _complete_text(path: str | os.PathLike[str]) -> bytes:
     return data[: data.rfind(b"\n") + 1]
 
 
-def _check_mode(owner: str, mode: str) -> None:
-    if mode not in ("w", "a"):
-        raise ValueError(
-            f"{owner}(mode=...) must be 'w' (start a new file) or 'a' (append to an existing "
-            f"one, for example when resuming), got {mode!r}."
-        )
-
-
 # ---------------------------------------------------------------- CSV
 _FIXED = ("step", "epoch", "time")
 
@@ -322,7 +304,7 @@ class CSVLogger(Logger):
         overflow: Literal["block", "drop"] = "block",
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        _check_mode("CSVLogger", mode)
+        check_choice("mode", mode, _FILE_MODES, owner="CSVLogger")
         self.path = Path(save_dir) / filename
         self.file_mode = mode
         self._opened = False
@@ -360,6 +342,13 @@ class CSVLogger(Logger):
         column = name.replace("\r", " ").replace("\n", " ")
         if column in _FIXED:
             column = f"{column} (put)"
+        # A record named like a renamed fixed column ("step" and "step (put)") or like
+        # another name after the newline replacement must not share its column.
+        taken = set(self._column_of.values()) | set(new)
+        base, n = column, 2
+        while column in taken:
+            column = f"{base} ({n})"
+            n += 1
         self._column_of[name] = column
         new.append(column)
         return column
@@ -501,7 +490,7 @@ class JSONLLogger(Logger):
         overflow: Literal["block", "drop"] = "block",
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        _check_mode("JSONLLogger", mode)
+        check_choice("mode", mode, _FILE_MODES, owner="JSONLLogger")
         self.path = Path(save_dir) / filename
         self.file_mode = mode
         self._opened = False

@@ -8,13 +8,15 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from loopbus import Plugin, on
+from loopbus import Plugin, check_choice, on
 from loopbus.events import TrainBatchStarted, TrainEpochStarted
 
 if TYPE_CHECKING:
     from loopbus import Trainer
 
 __all__ = ["LearningRateMonitor"]
+
+_INTERVALS = {"step": "every training batch", "epoch": "once per epoch"}
 
 
 class LearningRateMonitor(Plugin):
@@ -40,11 +42,7 @@ class LearningRateMonitor(Plugin):
         log_momentum: bool = False,
         destinations: str | Iterable[str] = ("loggers",),
     ) -> None:
-        if logging_interval not in ("step", "epoch"):
-            raise ValueError(
-                f"LearningRateMonitor(logging_interval=...) must be 'step' or 'epoch', got "
-                f"{logging_interval!r}."
-            )
+        check_choice("logging_interval", logging_interval, _INTERVALS, owner="LearningRateMonitor")
         self.logging_interval = logging_interval
         self.log_momentum = log_momentum
         self.destinations = (

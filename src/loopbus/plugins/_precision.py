@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 import torch
 
-from loopbus import MisconfigurationError, Precision
+from loopbus import MisconfigurationError, Precision, check_choice
 
 __all__ = ["MixedPrecision"]
 
@@ -41,11 +41,7 @@ class MixedPrecision(Precision):
         init_scale: float = 2.0**16,
         growth_interval: int = 2000,
     ) -> None:
-        if precision not in _DTYPES:
-            raise ValueError(
-                f"MixedPrecision(precision=...) must be one of {sorted(_DTYPES)}, got "
-                f"{precision!r}."
-            )
+        check_choice("precision", precision, sorted(_DTYPES), owner="MixedPrecision")
         self.name = precision
         self.dtype = _DTYPES[precision]
         self.device_type: str | None = None

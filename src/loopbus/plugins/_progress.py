@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 
-from loopbus import Loop, Plugin, on
+from loopbus import Loop, MisconfigurationError, Plugin, check_number, on
 from loopbus.events import EpochCompleted, FitCompleted, RunCompleted, RunStarted, Teardown
 
 if TYPE_CHECKING:
@@ -112,18 +112,19 @@ class ProgressBar(Plugin):
         file: IO[str] | None = None,
         console: Console | None = None,
     ) -> None:
-        if (
-            isinstance(refresh_rate, bool)
-            or not isinstance(refresh_rate, (int, float))
-            or not 0 < refresh_rate <= 60
-        ):
-            raise ValueError(
-                f"ProgressBar(refresh_rate=...) is redraws per second, a number in (0, 60], "
-                f"got {refresh_rate!r}."
-            )
+        self.refresh_rate = check_number(
+            "refresh_rate",
+            refresh_rate,
+            exclusive_minimum=0,
+            maximum=60,
+            owner="ProgressBar",
+            what="a number of redraws per second",
+        )
         if file is not None and console is not None:
-            raise ValueError("ProgressBar takes file= or console=, not both.")
-        self.refresh_rate = float(refresh_rate)
+            raise MisconfigurationError(
+                "ProgressBar takes file= or console=, not both; configure the console to "
+                "write to the file instead: console=Console(file=...)."
+            )
         self._file = file
         self._console = console
         self._trainer: Trainer | None = None

@@ -37,7 +37,7 @@ import msgspec
 from anyio.abc import SocketAttribute
 
 import loopbus
-from loopbus import MisconfigurationError, PutRecord, StreamError
+from loopbus import MisconfigurationError, PutRecord, StreamError, check_int, check_number
 from loopbus.events import EpochCompleted, Teardown
 from loopbus.stream import (
     MAX_CLIENT_FRAME,
@@ -67,6 +67,8 @@ __all__ = ["ServerStarted", "StreamServer"]
 
 logger = logging.getLogger("loopbus.stream")
 
+_OWNER = "StreamServer"
+_FREE_PORT = "0 picks a free port"
 _GONE = (anyio.EndOfStream, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError)
 _RECEIVE_SIZE = 65536
 _CACHE_LIMIT = 4096
@@ -156,17 +158,13 @@ class StreamServer(loopbus.Plugin):
             )
         if host is not None and (not isinstance(host, str) or not host.strip()):
             raise MisconfigurationError(
-                f"StreamServer host must be a host name or IP address such as '127.0.0.1', "
-                f"got {host!r}; use host=None to serve only a Unix socket."
+                f"StreamServer(host=...) must be a host name or IP address such as "
+                f"'127.0.0.1', got {host!r}; use host=None to serve only a Unix socket."
             )
-        if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
-            raise MisconfigurationError(
-                f"StreamServer port must be an int from 0 to 65535 (0 picks a free port), "
-                f"got {port!r}."
-            )
+        check_int("port", port, minimum=0, maximum=65535, owner=_OWNER, hint=_FREE_PORT)
         if token is not None and (not isinstance(token, str) or not token):
             raise MisconfigurationError(
-                f"StreamServer token must be a non-empty str or None, got {token!r}."
+                f"StreamServer(token=...) must be a non-empty str or None, got {token!r}."
             )
         if host is not None and not is_loopback(host) and token is None:
             raise MisconfigurationError(
@@ -175,31 +173,21 @@ class StreamServer(loopbus.Plugin):
                 "it to loopbus.connect(..., token=...) or `loopbus watch --token`), or bind "
                 "to a loopback address such as host='127.0.0.1'."
             )
-        for option, value, minimum in (
-            ("client_buffer", client_buffer, 1),
-            ("max_clients", max_clients, 1),
-            ("max_frame", max_frame, 64),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-                raise MisconfigurationError(
-                    f"StreamServer {option} must be an int >= {minimum}, got {value!r}."
-                )
-        if send_buffer is not None and (
-            isinstance(send_buffer, bool) or not isinstance(send_buffer, int) or send_buffer < 1024
-        ):
-            raise MisconfigurationError(
-                f"StreamServer send_buffer must be a number of bytes >= 1024 or None, got "
-                f"{send_buffer!r}."
-            )
-        for option, seconds in (
-            ("flush_interval", flush_interval),
-            ("linger", linger),
-            ("handshake_timeout", handshake_timeout),
-        ):
-            if isinstance(seconds, bool) or not isinstance(seconds, (int, float)) or seconds < 0:
-                raise MisconfigurationError(
-                    f"StreamServer {option} must be a number of seconds >= 0, got {seconds!r}."
-                )
+        check_int("client_buffer", client_buffer, owner=_OWNER, hint="it counts records")
+        check_int("max_clients", max_clients, owner=_OWNER)
+        check_int("max_frame", max_frame, minimum=64, owner=_OWNER, hint="it counts bytes")
+        check_int(
+            "send_buffer",
+            send_buffer,
+            minimum=1024,
+            allow_none=True,
+            owner=_OWNER,
+            hint="it counts bytes, and None keeps the system's default",
+        )
+        seconds = "a number of seconds"
+        check_number("flush_interval", flush_interval, minimum=0, owner=_OWNER, what=seconds)
+        check_number("linger", linger, minimum=0, owner=_OWNER, what=seconds)
+        check_number("handshake_timeout", handshake_timeout, minimum=0, owner=_OWNER, what=seconds)
         self.host = host.strip() if host is not None else None
         self.port = port
         self.path = os.fspath(path) if path is not None else None

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 
-from loopbus import Plugin, on
+from loopbus import MisconfigurationError, Plugin, check_choice, on
 from loopbus.events import EpochCompleted
 
 if TYPE_CHECKING:
@@ -21,6 +21,7 @@ if TYPE_CHECKING:
 __all__ = ["Timer"]
 
 _STAGES = ("fit", "validate", "test", "predict")
+_INTERVALS = {"step": "stop at the next step boundary", "epoch": "stop at the end of the epoch"}
 _DDHHMMSS = re.compile(r"^(\d+):(\d{1,2}):(\d{1,2}):(\d{1,2})$")
 
 
@@ -34,14 +35,14 @@ def _parse_duration(duration: Any) -> float | None:
         try:
             seconds = timedelta(**duration).total_seconds()
         except TypeError as exc:
-            raise ValueError(
+            raise MisconfigurationError(
                 f"Timer(duration={duration!r}): a dict takes timedelta's keys (days, hours, "
                 f"minutes, seconds, ...): {exc}."
             ) from None
     elif isinstance(duration, str):
         match = _DDHHMMSS.match(duration.strip())
         if match is None:
-            raise ValueError(
+            raise MisconfigurationError(
                 f"Timer(duration={duration!r}): a string must be 'DD:HH:MM:SS', for example "
                 "'00:12:00:00' for twelve hours."
             )
@@ -50,12 +51,14 @@ def _parse_duration(duration: Any) -> float | None:
     elif isinstance(duration, (int, float)) and not isinstance(duration, bool):
         seconds = float(duration)
     else:
-        raise ValueError(
+        raise MisconfigurationError(
             f"Timer(duration={duration!r}) must be seconds, a timedelta, a dict such as "
             "{'hours': 12}, or 'DD:HH:MM:SS'."
         )
     if not seconds > 0 or not math.isfinite(seconds):
-        raise ValueError(f"Timer(duration={duration!r}) must be a positive, finite duration.")
+        raise MisconfigurationError(
+            f"Timer(duration={duration!r}) must be a positive, finite duration."
+        )
     return seconds
 
 
@@ -80,8 +83,7 @@ class Timer(Plugin):
         *,
         interval: Literal["step", "epoch"] = "step",
     ) -> None:
-        if interval not in ("step", "epoch"):
-            raise ValueError(f"Timer(interval=...) must be 'step' or 'epoch', got {interval!r}.")
+        check_choice("interval", interval, _INTERVALS, owner="Timer")
         self.duration = _parse_duration(duration)
         self.interval = interval
         self._elapsed: dict[str, float] = dict.fromkeys(_STAGES, 0.0)

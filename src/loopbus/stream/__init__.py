@@ -6,6 +6,7 @@ the protocol. Imports events, never the engine or torch-dependent code.
 
 from __future__ import annotations
 
+from .._exceptions import fixup_module_metadata as _fixup_module_metadata
 from ..events._wire import BYE_CODES as BYE_CODES
 from ..events._wire import HEADER_SIZE as HEADER_SIZE
 from ..events._wire import MAX_CLIENT_FRAME as MAX_CLIENT_FRAME
@@ -67,3 +68,5 @@ __all__ = [
     "parse_address",
     "record_fields",
 ]
+
+_fixup_module_metadata(__name__, globals())

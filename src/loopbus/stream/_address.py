@@ -8,6 +8,8 @@ from typing import Literal
 import anyio
 from anyio.abc import SocketStream
 
+from .._exceptions import MisconfigurationError
+
 __all__ = ["Address", "is_loopback", "parse_address"]
 
 _HELP = (
@@ -59,7 +61,7 @@ class Address:
 
 def _port(text: str, original: str) -> int:
     if not text.isdigit() or not 0 <= int(text) <= 65535:
-        raise ValueError(
+        raise MisconfigurationError(
             f"stream address {original!r} has port {text!r}; a port is a number from 0 to "
             f"65535 ({_HELP})."
         )
@@ -73,23 +75,26 @@ def parse_address(address: str | Address) -> Address:
     if isinstance(address, Address):
         return address
     if not isinstance(address, str) or not address.strip():
-        raise ValueError(f"a stream address must be a non-empty str ({_HELP}), got {address!r}.")
+        raise MisconfigurationError(
+            f"a stream address must be a non-empty str ({_HELP}), got {address!r}."
+        )
     text = address.strip()
     if text.startswith("unix:"):
         path = text[len("unix:") :]
         if path.startswith("//"):
             path = path[2:]
         if not path:
-            raise ValueError(f"stream address {address!r} names no socket path; {_HELP}.")
+            raise MisconfigurationError(
+                f"stream address {address!r} names no socket path; {_HELP}."
+            )
         return Address("unix", path=path)
     if text.startswith(("/", "./", "../")):
         return Address("unix", path=text)
     if "://" in text:
         scheme, _, rest = text.partition("://")
         if scheme != "tcp":
-            raise ValueError(
-                f"{address!r} is not a stream address: scheme {scheme!r} is not served; "
-                f"{_HELP}."
+            raise MisconfigurationError(
+                f"{address!r} is not a stream address: scheme {scheme!r} is not served; {_HELP}."
             )
         text = rest.rstrip("/")
     if text.isdigit():
@@ -97,11 +102,11 @@ def parse_address(address: str | Address) -> Address:
     if text.startswith("["):
         host, sep, port = text[1:].partition("]:")
         if not sep:
-            raise ValueError(f"cannot read {address!r} as a stream address; {_HELP}.")
+            raise MisconfigurationError(f"cannot read {address!r} as a stream address; {_HELP}.")
     else:
         host, sep, port = text.rpartition(":")
         if not sep or ":" in host:
-            raise ValueError(f"cannot read {address!r} as a stream address; {_HELP}.")
+            raise MisconfigurationError(f"cannot read {address!r} as a stream address; {_HELP}.")
     return Address("tcp", host=host or "127.0.0.1", port=_port(port, address))
 
 

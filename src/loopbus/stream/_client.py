@@ -24,7 +24,8 @@ import anyio
 import msgspec
 from anyio.abc import SocketStream
 
-from .._exceptions import StreamError
+from .._exceptions import MisconfigurationError, StreamError
+from .._validate import check_number
 from ..events._types import PutRecord
 from ..events._wire import (
     MAX_SERVER_FRAME,
@@ -64,12 +65,12 @@ def _patterns(value: Iterable[str] | str | None, what: str, default: list[str]) 
     items = [value] if isinstance(value, str) else list(value)
     for item in items:
         if not isinstance(item, str) or not item or len(item) > 256:
-            raise ValueError(
+            raise MisconfigurationError(
                 f"{what} must be a list of non-empty str of at most 256 characters, got "
                 f"{value!r}."
             )
     if len(items) > 64:
-        raise ValueError(f"{what} takes at most 64 entries, got {len(items)}.")
+        raise MisconfigurationError(f"{what} takes at most 64 entries, got {len(items)}.")
     return items
 
 
@@ -141,14 +142,16 @@ class Stream:
         self.topics = _patterns(topics, "topics", ["records"])
         unknown = sorted(set(self.topics) - set(TOPICS))
         if unknown:
-            raise ValueError(f"unknown topic(s) {unknown}; the topics are {list(TOPICS)}.")
+            raise MisconfigurationError(
+                f"unknown topic(s) {unknown}; the topics are {list(TOPICS)}."
+            )
         if token is not None and (not isinstance(token, str) or not token):
-            raise ValueError(f"token must be a non-empty str or None, got {token!r}.")
-        if not isinstance(timeout, (int, float)) or timeout <= 0:
-            raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}.")
+            raise MisconfigurationError(f"token must be a non-empty str or None, got {token!r}.")
         self.token = token
         self.yield_gaps = bool(yield_gaps)
-        self.timeout = float(timeout)
+        self.timeout = check_number(
+            "timeout", timeout, exclusive_minimum=0, what="a number of seconds"
+        )
         self.welcome: Welcome | None = None
         self.subscribed: Subscribed | None = None
         self.bye: Bye | None = None

@@ -1,9 +1,18 @@
 """Engine overhead against a hand-written PyTorch loop doing the same work.
 
-Work: a tiny MLP (32 -> 32 -> 10), batch 32, a plain DataLoader over in-memory tensors,
-one torch thread, SGD. loopbus additionally does ``put("loss", loss)`` every step and has
-one inline and one queued PutRecord subscriber. Runs alternate (hand-written, loopbus)
-in one process; the figure is the median of the per-pair ratios.
+Work: a tiny MLP (32 -> 32 -> 10), batch 32, one torch thread, SGD, either from a plain
+DataLoader over in-memory tensors or from a list of pre-built batches. loopbus also does
+``put("loss", loss)`` every step. Cases:
+
+* ``core``: put every step, no plugins, no subscribers (the issue's target case), with
+  the DataLoader and with pre-built batches; Ignite's ``Engine`` on the same work (its
+  process function returns ``loss.item()``, as an Ignite user's does) is timed in the
+  same alternation, for reference.
+* ``subscribers``: the same with one inline and one queued PutRecord subscriber.
+* ``plugins``: progress bar and CSV logger.
+
+Runs alternate (hand-written first, then the others in a rotating order) in one
+process; each figure is the median of the per-round ratios to the hand-written loop.
 
 It also prints the deterministic figure from DESIGN.md's performance budget: Python-level
 calls per step (``call`` + ``c_call`` profile events) that loopbus adds over the
@@ -135,6 +144,36 @@ def with_loopbus(
     return module
 
 
+# ---------------------------------------------------------------- Ignite (reference)
+def with_ignite(data: Any, steps: int) -> torch.nn.Module:
+    from ignite.engine import Engine
+
+    net = make_net()
+    opt = torch.optim.SGD(net.parameters(), lr=0.01)
+    net.train()
+
+    def process(engine: Any, batch: Any) -> float:
+        x, y = batch
+        loss = F.cross_entropy(net(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    engine = Engine(process)
+    epoch_length = len(data)
+    engine.run(data, max_epochs=math.ceil(steps / epoch_length), epoch_length=epoch_length)
+    return net
+
+
+def ignite_available() -> bool:
+    try:
+        import ignite.engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 # ---------------------------------------------------------------- measurement
 def timed(fn: Callable[[], Any]) -> float:
     start = time.perf_counter()
@@ -208,33 +247,42 @@ def ratio_case(
     steps: int,
     repeats: int,
     plugins: PluginFactory | None = None,
+    subscribers: bool = False,
+    ignite: bool = False,
 ) -> dict[str, float]:
-    hand_times: list[float] = []
-    lb_times: list[float] = []
-    ratios: list[float] = []
+    """Median per-round ratios to the hand-written loop; Ignite (optional) in the same
+    rounds. Each round runs the hand-written loop, then the others in rotating order."""
+    others: dict[str, Callable[[], Any]] = {
+        "loopbus": lambda: with_loopbus(
+            loader, steps, backend, subscribers=subscribers, plugins=plugins
+        )
+    }
+    if ignite:
+        others["ignite"] = lambda: with_ignite(loader, steps)
     # one warm-up of each
     hand_written(loader, min(steps, 200))
-    with_loopbus(loader, min(steps, 200), backend, plugins=plugins)
+    with_loopbus(loader, min(steps, 200), backend, subscribers=subscribers, plugins=plugins)
+    if ignite:
+        with_ignite(loader, min(steps, 200))
+    hand_times: list[float] = []
+    times: dict[str, list[float]] = {k: [] for k in others}
+    ratios: dict[str, list[float]] = {k: [] for k in others}
+    names = list(others)
     for i in range(repeats):
-        if i % 2 == 0:
-            h = timed(lambda: hand_written(loader, steps))
-            lb = timed(lambda: with_loopbus(loader, steps, backend, plugins=plugins))
-        else:
-            lb = timed(lambda: with_loopbus(loader, steps, backend, plugins=plugins))
-            h = timed(lambda: hand_written(loader, steps))
+        h = timed(lambda: hand_written(loader, steps))
         hand_times.append(h)
-        lb_times.append(lb)
-        ratios.append(lb / h)
-    result = {
-        "hand_s": statistics.median(hand_times),
-        "loopbus_s": statistics.median(lb_times),
-        "ratio": statistics.median(ratios),
-    }
-    print(
-        f"{name:<34} {backend:<8} hand {result['hand_s'] * 1e3:8.1f} ms   "
-        f"loopbus {result['loopbus_s'] * 1e3:8.1f} ms   median ratio {result['ratio']:.3f}x",
-        flush=True,
-    )
+        order = names[i % len(names) :] + names[: i % len(names)]
+        for key in order:
+            t = timed(others[key])
+            times[key].append(t)
+            ratios[key].append(t / h)
+    result = {"hand_s": statistics.median(hand_times)}
+    line = f"{name:<40} {backend:<8} hand {result['hand_s'] * 1e3:8.1f} ms"
+    for key in names:
+        result[f"{key}_s"] = statistics.median(times[key])
+        result[f"{key}_ratio"] = statistics.median(ratios[key])
+        line += f"   {key} {result[f'{key}_s'] * 1e3:8.1f} ms = {result[f'{key}_ratio']:.3f}x"
+    print(line, flush=True)
     return result
 
 
@@ -244,10 +292,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
     parser.add_argument("--skip-calls", action="store_true", help="skip the call count")
-    parser.add_argument("--cases", nargs="+", default=["core", "plugins"])
+    parser.add_argument(
+        "--cases", nargs="+", default=["core", "subscribers", "plugins"],
+        choices=["core", "subscribers", "plugins"],
+    )
+    parser.add_argument("--no-ignite", action="store_true", help="skip the Ignite reference")
     args = parser.parse_args(argv)
 
     loader = make_loader()
+    prebuilt = list(make_loader())
+    ignite = not args.no_ignite and ignite_available()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} torch thread, "
         f"{args.steps} steps, {args.repeats} alternating repeats, python {sys.version.split()[0]}"
@@ -265,23 +319,32 @@ def main(argv: list[str] | None = None) -> None:
             subs = extra_calls_per_step(backend, subscribers=True)
             print(
                 f"extra Python calls per step ({backend}): {bare:.1f} with put and no plugins "
-                f"(budget 60); {subs:.1f} with one inline and one queued subscriber; "
+                f"(budget 30); {subs:.1f} with one inline and one queued subscriber; "
                 f"+{checkpoint_calls(backend):.1f} per yield to the event loop "
                 "(at most one per yield_interval)",
                 flush=True,
             )
     for backend in args.backends:
         if "core" in args.cases:
-            ratio_case("put + inline + queued subscriber", backend, loader, args.steps, args.repeats)
+            for label, data in (("DataLoader", loader), ("pre-built batches", prebuilt)):
+                ratio_case(
+                    f"put, no plugins, {label}", backend, data, args.steps, args.repeats,
+                    ignite=ignite,
+                )
+        if "subscribers" in args.cases:
+            ratio_case(
+                "put + inline + queued subscriber", backend, loader, args.steps, args.repeats,
+                subscribers=True,
+            )
         if "plugins" in args.cases:
             factory = plugins_factory()
             if factory is not None:
                 for label, make in factory:
                     if not args.skip_calls and "non-tty" in label:
-                        calls = extra_calls_per_step(backend, subscribers=True, plugins=make)
+                        calls = extra_calls_per_step(backend, subscribers=False, plugins=make)
                         print(
-                            f"extra Python calls per step ({backend}) with the same subscribers "
-                            f"and {label}: {calls:.1f}",
+                            f"extra Python calls per step ({backend}) with put and "
+                            f"{label}: {calls:.1f}",
                             flush=True,
                         )
                     ratio_case(label, backend, loader, args.steps, args.repeats, plugins=make)

@@ -17,6 +17,7 @@ import anyio.to_thread
 import torch
 
 from .._exceptions import CheckpointError, MisconfigurationError
+from .._validate import check_int
 from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
 from ._checkpoint import (
     CheckpointMismatch,
@@ -166,14 +167,6 @@ def _resolve_device(device: str | torch.device | None) -> torch.device:
     return resolved
 
 
-def _check_count(name: str, value: Any, minimum: int, allow_none: bool = True) -> Any:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise MisconfigurationError(f"{name} must be an int >= {minimum}, got {value!r}.")
-    return value
-
-
 def _check_limit(name: str, value: Any) -> Any:
     if value is None:
         return None
@@ -274,23 +267,21 @@ class Trainer:
         yield_interval: float = 0.005,
         drain_timeout: float = 10.0,
     ) -> None:
-        _check_count("max_epochs", max_epochs, 0)
-        _check_count("max_steps", max_steps, 0)
+        check_int("max_epochs", max_epochs, minimum=0, allow_none=True)
+        check_int("max_steps", max_steps, minimum=0, allow_none=True)
         if max_epochs is None and max_steps is None:
             max_epochs = 1000
         self.max_epochs: float = math.inf if max_epochs is None else max_epochs
         self.max_steps: float = math.inf if max_steps is None else max_steps
-        self.val_check_interval = _check_count("val_check_interval", val_check_interval, 1)
-        self.check_val_every_n_epoch = _check_count(
-            "check_val_every_n_epoch", check_val_every_n_epoch, 1, allow_none=False
+        self.val_check_interval = check_int(
+            "val_check_interval", val_check_interval, allow_none=True
         )
+        self.check_val_every_n_epoch = check_int("check_val_every_n_epoch", check_val_every_n_epoch)
         self.limit_train_batches = _check_limit("limit_train_batches", limit_train_batches)
         self.limit_val_batches = _check_limit("limit_val_batches", limit_val_batches)
         self.limit_test_batches = _check_limit("limit_test_batches", limit_test_batches)
         self.limit_predict_batches = _check_limit("limit_predict_batches", limit_predict_batches)
-        self.accumulate_grad_batches = _check_count(
-            "accumulate_grad_batches", accumulate_grad_batches, 1, allow_none=False
-        )
+        self.accumulate_grad_batches = check_int("accumulate_grad_batches", accumulate_grad_batches)
         if gradient_clip_val is not None and (
             isinstance(gradient_clip_val, bool)
             or not isinstance(gradient_clip_val, (int, float))

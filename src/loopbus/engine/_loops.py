@@ -10,6 +10,8 @@ Per-step work here is on the hot path: no allocation or call that is not needed.
 from __future__ import annotations
 
 import math
+import queue
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from time import perf_counter
@@ -75,7 +77,7 @@ class BatchSource:
       a batch fetched ahead is waiting, else the loader's own.
     """
 
-    __slots__ = ("__weakref__", "_recorded", "iterator", "loader", "next")
+    __slots__ = ("__weakref__", "_pending", "_recorded", "iterator", "loader", "next")
 
     def __init__(self, iterator: Iterator[Any], loader: Any = None) -> None:
         self.iterator = iterator
@@ -83,6 +85,10 @@ class BatchSource:
         self.loader = loader
         self.next: Any = _UNSET
         self._recorded: dict[str, Any] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    def close(self) -> None:
+        """Release what the source holds (nothing to stop for an inline source)."""
 
     def has_next(self) -> bool:
         if self.next is _UNSET:
@@ -110,6 +116,100 @@ class BatchSource:
         if self._recorded is not None:
             return self._recorded
         return None if self.loader is None else self.loader.state_dict()
+
+
+class ThreadedBatchSource(BatchSource):
+    """A :class:`BatchSource` whose batches are fetched by a worker thread, up to
+    ``depth`` ahead, while the steps run (``Trainer(prefetch=N)`` on CPU): loading that
+    releases the GIL (file I/O, decoding in C, torch ops) overlaps with the step.
+
+    The worker records a stateful loader's position right after fetching each batch,
+    so :meth:`position` is that of the last batch handed out, never of one fetched
+    ahead. Close it (the loops do, however the run ends) to stop the worker.
+    """
+
+    __slots__ = ("_closed", "_error", "_queue", "_thread")
+
+    def __init__(self, iterator: Iterator[Any], loader: Any = None, depth: int = 1) -> None:
+        super().__init__(iterator, loader)
+        self._queue: queue.Queue[tuple[Any, Any]] = queue.Queue(maxsize=depth)
+        self._closed = threading.Event()
+        self._error: BaseException | None = None
+        # The position before any batch, and the first batch, are taken here on the
+        # calling thread: a shuffled loader draws its order from the global generators
+        # at its first fetch, which must not race with the step's draws.
+        if loader is not None:
+            self._recorded = loader.state_dict()
+        try:
+            first = next(iterator)
+        except StopIteration:
+            first = _END
+        self._queue.put((first, None if loader is None else loader.state_dict()))
+        del first
+        self._thread = threading.Thread(
+            target=self._fetch, name="loopbus-prefetch", daemon=True
+        )
+        if self._queue.queue[0][0] is not _END:
+            self._thread.start()
+
+    def _fetch(self) -> None:
+        put = self._queue.put
+        closed = self._closed
+        try:
+            for batch in self.iterator:
+                item = (batch, None if self.loader is None else self.loader.state_dict())
+                while not closed.is_set():
+                    try:
+                        put(item, timeout=0.05)
+                        break
+                    except queue.Full:
+                        continue
+                else:
+                    return
+                del batch, item
+        except BaseException as exc:  # handed to the consumer, raised there
+            self._error = exc
+        while not closed.is_set():
+            try:
+                put((_END, None), timeout=0.05)
+                return
+            except queue.Full:
+                continue
+
+    def has_next(self) -> bool:
+        if self.next is _UNSET:
+            batch, position = self._queue.get()
+            if batch is _END and self._error is not None:
+                error, self._error = self._error, None
+                raise error
+            self.next = batch
+            self._pending = position
+        return self.next is not _END
+
+    def look_ahead(self) -> bool:
+        return self.has_next()
+
+    def take(self) -> Any:
+        batch = self.next
+        self.next = _UNSET
+        self._recorded = self._pending
+        self._pending = None
+        return batch
+
+    def position(self) -> dict[str, Any] | None:
+        return self._recorded
+
+    def close(self) -> None:
+        """Stop the worker and wait for it (it finishes the fetch in progress)."""
+        self._closed.set()
+        while True:
+            try:
+                self._queue.get_nowait()
+            except queue.Empty:
+                break
+        if self._thread.is_alive():
+            self._thread.join()
+        self.next = _END
 
 
 def _batch_limit(value: int | float | None, data: Any, option: str) -> float:
@@ -172,6 +272,7 @@ class _DataLoop(Loop[Any]):
     _move_to: torch.device | None = None
     _worker: Any = None
     _boundary: Any = None
+    _source: BatchSource | None = None
 
     @property
     def total_batches(self) -> int | None:
@@ -183,13 +284,30 @@ class _DataLoop(Loop[Any]):
     def _start_fetching(
         self, ctx: Scope, data: Any, iterator: Iterator[Any], track_position: bool = False
     ) -> None:
-        ctx.source = BatchSource(iterator, data if track_position else None)
+        loader = data if track_position else None
+        depth = self.trainer.step_path.prefetch
+        source: BatchSource
+        if depth:
+            source = ThreadedBatchSource(iterator, loader, depth)
+        else:
+            source = BatchSource(iterator, loader)
+        # Owned by the loop until the run ends (closed then, however it ends).
+        self._source = source
+        ctx.borrow("source", source)
         self._borrow_batches = isinstance(data, Sequence)
         try:
             total = min(float(len(data)), self._limit)
         except TypeError:  # an iterable without len()
             total = self._limit
         self._total = None if total == math.inf else int(total)
+
+    async def run(self, *args: Any, parent_ctx: Scope | None = None, **kwargs: Any) -> Any:
+        try:
+            return await super().run(*args, parent_ctx=parent_ctx, **kwargs)
+        finally:
+            source, self._source = self._source, None
+            if source is not None:
+                source.close()
 
     def _next_batch(self, it: Scope) -> Any:
         batch = self.run_ctx.source.take()
@@ -253,13 +371,14 @@ class StepPath(NamedTuple):
     """How a stage runs its steps, chosen once when the stage starts (by the trainer):
     the device batches move to (None: they stay where the loader put them), the
     limiter of the worker thread steps run in (None: inline on the event loop), the
-    delivery of in-step events (direct, or hopping from the worker to the loop), and
-    the step boundary."""
+    delivery of in-step events (direct, or hopping from the worker to the loop), the step
+    boundary, and how many batches a worker thread fetches ahead (0: fetched inline)."""
 
     move_to: torch.device | None
     worker: Any
     emit: Callable[[Any, Any], Any]
     boundary: StepBoundary
+    prefetch: int = 0
 
 
 class TrainEpochLoop(_DataLoop):
@@ -464,7 +583,7 @@ class TrainEpochLoop(_DataLoop):
         if accumulate > 1:
             loss = loss / accumulate
         if precision.scaler is None:
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
         else:
             precision.backward(loss)
         table = trainer.bus.table

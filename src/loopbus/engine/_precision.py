@@ -13,6 +13,8 @@ from typing import Any
 
 import torch
 
+from .._exceptions import MisconfigurationError
+
 __all__ = ["Precision", "register_precision", "resolve_precision"]
 
 
@@ -63,7 +65,7 @@ def resolve_precision(value: str | int | Precision | None) -> Precision:
     key = str(value)
     factory = _REGISTRY.get(key)
     if factory is None:
-        raise ValueError(
+        raise MisconfigurationError(
             f"unknown precision {value!r}; choose one of {sorted(_REGISTRY)} or pass a "
             "loopbus Precision instance. (Mixed precision names are registered when "
             "loopbus.plugins is imported, which `import loopbus` does.)"

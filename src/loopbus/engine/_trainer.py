@@ -243,6 +243,12 @@ class Trainer:
     * ``yield_interval``: the longest time (s) steps run before yielding to other tasks.
     * ``drain_timeout``: how long (s) a cancelled or failed stage waits for queued
       subscribers to finish (a normal end always waits for all of them).
+    * ``prefetch``: 0 (default) fetches each batch when the loop needs it; N >= 1 has a
+      worker thread fetch up to N batches ahead while the steps run, which overlaps
+      loading that releases the GIL (file I/O, decoding in C, torch ops) with compute.
+      Random draws in the loading code then share torch's global generator with the
+      step from another thread: give the dataset its own ``torch.Generator`` to keep
+      runs reproducible. Checkpoints save the position of the last batch trained on.
     """
 
     def __init__(
@@ -266,6 +272,7 @@ class Trainer:
         leak_check: LeakCheck | Literal["env"] = "env",
         yield_interval: float = 0.005,
         drain_timeout: float = 10.0,
+        prefetch: int = 0,
     ) -> None:
         check_int("max_epochs", max_epochs, minimum=0, allow_none=True)
         check_int("max_steps", max_steps, minimum=0, allow_none=True)
@@ -318,6 +325,12 @@ class Trainer:
                 f"yield_interval must be a number of seconds >= 0, got {yield_interval!r}."
             )
         self.yield_interval = float(yield_interval)
+        self.prefetch = check_int(
+            "prefetch",
+            prefetch,
+            minimum=0,
+            hint="0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
+        )
         self.drain_timeout = float(drain_timeout)
 
         if plugins is None:
@@ -746,6 +759,7 @@ class Trainer:
             worker=worker,
             emit=emit,
             boundary=StepBoundary(self.recorder, self.yield_interval),
+            prefetch=self.prefetch,
         )
 
     def _emit_from_worker(self, entries: Any, event: Any) -> None:

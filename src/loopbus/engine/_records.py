@@ -320,6 +320,27 @@ def bind_recorder(obj: object, recorder: Recorder | None, source: str) -> None:
     object.__setattr__(obj, "_loopbus_source", source)
 
 
+def _resolve(values: list[Any]) -> list[Any]:
+    """``values`` with every tensor read as a Python number: one host read per dtype
+    (the tensors of a dtype stacked into one) instead of one ``.item()`` per record."""
+    tensors: dict[Any, list[int]] = {}
+    for index, value in enumerate(values):
+        if type(value) is _Tensor or isinstance(value, _Tensor):
+            tensors.setdefault((value.dtype, value.device, value.layout), []).append(index)
+    if not tensors:
+        return values
+    out = list(values)
+    for (_, _, layout), indices in tensors.items():
+        if len(indices) == 1 or layout is not _STRIDED:
+            for i in indices:
+                out[i] = values[i].item()
+            continue
+        numbers = torch.stack([values[i].reshape(()) for i in indices]).tolist()
+        for i, number in zip(indices, numbers, strict=True):
+            out[i] = number
+    return out
+
+
 class Recorder:
     """The trainer's pending put records and the latest value of each name."""
 
@@ -383,13 +404,15 @@ class Recorder:
         route = self.bus.route
         deliver = self.bus.deliver
         latest = self.latest
-        for name, value, destinations, source in pending:
-            entries = route(destinations)
+        routed = [(item, route(item[2])) for item in pending]
+        values = _resolve([item[1] for item, entries in routed if entries])
+        index = 0
+        for (name, value, destinations, source), entries in routed:
             if not entries:
                 latest[name] = (name, value, step, epoch, source, destinations)
                 continue
-            if type(value) is _Tensor or isinstance(value, _Tensor):
-                value = value.item()
+            value = values[index]
+            index += 1
             if not now:
                 now = time.time()
             record = PutRecord(

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import math
 import threading
 from typing import Any
 
@@ -365,8 +366,8 @@ def test_plugin_handlers_cannot_shadow_lifecycle_hooks() -> None:
 
 
 def test_bad_trainer_options() -> None:
-    with pytest.raises(MisconfigurationError, match=r"max_epochs must be an int >= 0, got -1"):
-        Trainer(max_epochs=-1)
+    with pytest.raises(MisconfigurationError, match=r"max_epochs must be an int >= 0, got -3"):
+        Trainer(max_epochs=-3)
     with pytest.raises(MisconfigurationError, match=r"executor must be 'inline'.*got 'process'"):
         Trainer(executor="process")  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match=r"limit_val_batches must be a number of batches"):
@@ -425,3 +426,43 @@ def test_trainer_module_and_plugins_are_garbage_collected_after_fit() -> None:
     del trainer, module, recorder, sub
     gc.collect()
     assert [r() for r in refs] == [None, None, None, None]
+
+
+def test_auto_device_takes_the_local_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from loopbus.engine._trainer import _resolve_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    assert _resolve_device("auto") == torch.device("cuda", 3)
+    monkeypatch.setenv("LOCAL_RANK", "5")
+    assert _resolve_device("auto") == torch.device("cuda", 1)
+    monkeypatch.delenv("LOCAL_RANK")
+    assert _resolve_device("auto") == torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _resolve_device("auto") == torch.device("cpu")
+
+
+def test_misspelt_and_lightning_options_are_explained() -> None:
+    with pytest.raises(TypeError, match=r"'max_epoch': did you mean `max_epochs`\?"):
+        Trainer(max_epoch=3)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'callbacks': loopbus calls these `plugins`"):
+        Trainer(callbacks=[])  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'accelerator': choose the device with `device`"):
+        Trainer(accelerator="gpu")  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match=r"'colour' is not an option\. Its options are \["):
+        Trainer(colour="red")  # type: ignore[call-arg]
+
+
+def test_minus_one_means_no_limit() -> None:
+    trainer = Trainer(max_epochs=-1, max_steps=50)
+    assert trainer.max_epochs == math.inf
+    assert trainer.max_steps == 50
+    trainer = Trainer(max_steps=-1, max_epochs=2)
+    assert trainer.max_steps == math.inf
+    assert trainer.max_epochs == 2
+    trainer = Trainer(max_epochs=-1)
+    assert trainer.max_epochs == trainer.max_steps == math.inf
+    with pytest.raises(ValueError, match=r"max_epochs must be an int >= 0, got -2"):
+        Trainer(max_epochs=-2)

@@ -153,7 +153,14 @@ def _parse_optimizers(value: Any, module: Module) -> tuple[list[Any], list[Sched
 
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if not torch.cuda.is_available():
+            return torch.device("cpu")
+        # Under torchrun (or any launcher that sets LOCAL_RANK) each process takes the
+        # GPU of its local rank.
+        local_rank = os.environ.get("LOCAL_RANK")
+        if local_rank is not None and local_rank.isdigit():
+            return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
+        return torch.device("cuda")
     try:
         resolved = torch.device(device)
     except (RuntimeError, TypeError) as exc:
@@ -217,6 +224,37 @@ def _collapse(group: BaseExceptionGroup[Any]) -> BaseException | None:
     return None
 
 
+# Lightning's names for what loopbus calls otherwise, with the way to say it here.
+_RENAMED = {
+    "callbacks": "loopbus calls these `plugins`: Trainer(plugins=[...])",
+    "logger": "loggers are plugins: Trainer(plugins=[CSVLogger(...), ...])",
+    "accelerator": "choose the device with `device` ('auto', 'cpu', 'cuda', 'cuda:N')",
+    "devices": "choose the device with `device`; several GPUs run under torchrun",
+    "gpus": "choose the device with `device` ('cuda' or 'cuda:N')",
+    "enable_progress_bar": "the progress bar is a plugin: pass plugins=[] to turn it off",
+    "default_root_dir": "give each plugin that writes files its directory",
+}
+
+
+def _unknown_options(unknown: dict[str, Any]) -> TypeError:
+    import difflib
+    import inspect
+
+    known = [p for p in inspect.signature(Trainer.__init__).parameters if p not in ("self", "unknown")]
+    lines = []
+    for name in unknown:
+        if name in _RENAMED:
+            lines.append(f"{name!r}: {_RENAMED[name]}")
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        lines.append(
+            f"{name!r}: did you mean `{close[0]}`?" if close else f"{name!r} is not an option"
+        )
+    return TypeError(
+        "Trainer() got unknown option(s): " + "; ".join(lines) + f". Its options are {known}."
+    )
+
+
 class Trainer:
     """Runs a :class:`Module` through ``fit``, ``validate``, ``test`` and ``predict``.
 
@@ -226,7 +264,8 @@ class Trainer:
     Options (all keyword-only):
 
     * ``max_epochs`` / ``max_steps``: stop after this many epochs / optimizer steps
-      (default 1000 epochs when neither is given).
+      (default 1000 epochs when neither is given; ``-1`` means no limit, as in
+      Lightning).
     * ``val_check_interval``: validate every N training batches; None (default) validates
       once at the end of every ``check_val_every_n_epoch``-th epoch.
     * ``limit_{train,val,test,predict}_batches``: an int (batches) or a float (fraction).
@@ -236,7 +275,8 @@ class Trainer:
       bar), ``[]`` means none.
     * ``executor``: ``"inline"`` runs steps on the event loop thread (lowest overhead);
       ``"thread"`` runs them in a worker thread so the host application stays responsive.
-    * ``device``: ``"auto"`` (CUDA if available), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
+    * ``device``: ``"auto"`` (CUDA if available: ``cuda:LOCAL_RANK`` when the launcher
+      sets ``LOCAL_RANK``, as torchrun does), ``"cpu"``, ``"cuda"``, ``"cuda:N"``.
     * ``precision``: ``"32"`` (default) or a registered name such as ``"bf16-mixed"``.
     * ``leak_check``: ``"raise"``/``"warn"`` verify that scopes free what they held;
       the default reads the ``LOOPBUS_LEAK_CHECK`` environment variable (off if unset).
@@ -273,10 +313,19 @@ class Trainer:
         yield_interval: float = 0.005,
         drain_timeout: float = 10.0,
         prefetch: int = 0,
+        **unknown: Any,
     ) -> None:
+        if unknown:
+            raise _unknown_options(unknown)
+        # -1 is Lightning's "no limit" (None here); asked for, it replaces the default.
+        unlimited = False
+        if max_epochs == -1 and type(max_epochs) is int:
+            max_epochs, unlimited = None, True
+        if max_steps == -1 and type(max_steps) is int:
+            max_steps, unlimited = None, True
         check_int("max_epochs", max_epochs, minimum=0, allow_none=True)
         check_int("max_steps", max_steps, minimum=0, allow_none=True)
-        if max_epochs is None and max_steps is None:
+        if max_epochs is None and max_steps is None and not unlimited:
             max_epochs = 1000
         self.max_epochs: float = math.inf if max_epochs is None else max_epochs
         self.max_steps: float = math.inf if max_steps is None else max_steps

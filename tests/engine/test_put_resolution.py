@@ -55,9 +55,11 @@ async def test_every_record_arrives_once_in_order_with_its_step() -> None:
             assert {r.step for r in chunk} == {k + 1}, chunk
             assert {r.epoch for r in chunk} == {k // 5}
             values = {r.name: r.value for r in chunk}
-            assert values["f32"] == k + 0.5 and type(values["f32"]) is float
+            assert values["f32"] == k + 0.5
+            assert type(values["f32"]) is float
             assert values["f64"] == k + 0.25
-            assert values["i64"] == k and type(values["i64"]) is int
+            assert values["i64"] == k
+            assert type(values["i64"]) is int
             assert values["flag"] is (k % 2 == 0)
             assert values["bf16"] == float(k)
             assert values["plain"] == k * 10

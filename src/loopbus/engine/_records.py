@@ -323,6 +323,11 @@ def bind_recorder(obj: object, recorder: Recorder | None, source: str) -> None:
 def _resolve(values: list[Any]) -> list[Any]:
     """``values`` with every tensor read as a Python number: one host read per dtype
     (the tensors of a dtype stacked into one) instead of one ``.item()`` per record."""
+    if len(values) == 1:  # the common case: one record per step
+        value = values[0]
+        if type(value) is _Tensor or isinstance(value, _Tensor):
+            return [value.item()]
+        return values
     tensors: dict[Any, list[int]] = {}
     for index, value in enumerate(values):
         if type(value) is _Tensor or isinstance(value, _Tensor):
@@ -404,15 +409,18 @@ class Recorder:
         route = self.bus.route
         deliver = self.bus.deliver
         latest = self.latest
-        routed = [(item, route(item[2])) for item in pending]
-        values = _resolve([item[1] for item, entries in routed if entries])
-        index = 0
-        for (name, value, destinations, source), entries in routed:
-            if not entries:
+        routed: list[tuple[Pending, Any]] = []
+        for item in pending:
+            entries = route(item[2])
+            if entries:
+                routed.append((item, entries))
+            else:  # nobody listens: kept unread until someone asks (latest_records)
+                name, value, destinations, source = item
                 latest[name] = (name, value, step, epoch, source, destinations)
-                continue
-            value = values[index]
-            index += 1
+        if not routed:
+            return
+        values = _resolve([item[1] for item, _ in routed])
+        for ((name, _, destinations, source), entries), value in zip(routed, values, strict=True):
             if not now:
                 now = time.time()
             record = PutRecord(

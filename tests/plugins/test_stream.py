@@ -11,14 +11,24 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+import torch
 
 import loopbus
 from loopbus import MisconfigurationError, PutRecord, StreamError
 from loopbus.events import TrainBatchCompleted, ValidationStarted
 from loopbus.plugins import JSONLLogger, StreamServer, read_jsonl
-from loopbus.stream import EpochEnded, Gap, StageEnded, parse_address
+from loopbus.stream import (
+    Bye,
+    EpochEnded,
+    Gap,
+    RawBatch,
+    StageEnded,
+    Subscribed,
+    Welcome,
+    parse_address,
+)
 from tests.helpers import TinyModule, make_loader
-from tests.plugins.stream_helpers import ChattyModule, Gate, serving
+from tests.plugins.stream_helpers import HELLO_SUBSCRIBE, ChattyModule, Gate, serving
 
 
 async def test_client_receives_exactly_the_records_in_order(tmp_path: Path) -> None:
@@ -269,3 +279,48 @@ async def test_thread_executor_and_a_new_server_for_each_stage() -> None:
     assert [type(r).__name__ for r in records] == ["PutRecord"] * 4 + ["StageEnded"]
     assert stream.bye is not None
     assert stream.bye.reason == "the validate stage ended"
+
+
+async def test_numbers_on_the_wire_as_documented() -> None:
+    """docs/protocol.md: floats are float 64 (integral ones included, whatever the
+    tensor's dtype), ints the smallest integer format (uint 64 up to 2**64 - 1)."""
+
+    class Numbers(TinyModule):
+        def training_step(self, batch: Any, ctx: Any) -> Any:
+            self.put("f", 2.0)
+            self.put("h", torch.tensor(2.0, dtype=torch.float16))
+            self.put("i", 2)
+            self.put("u", 2**64 - 1)
+            self.put("n", -(2**63))
+            self.put("b", True)
+            return super().training_step(batch, ctx)
+
+    async with serving(Numbers(), max_steps=1, train=make_loader(16)) as run:
+        stream = await parse_address(run.address).connect()
+        reader = loopbus.stream.FrameReader(loopbus.stream.MAX_SERVER_FRAME)
+        decode = msgspec.msgpack.Decoder(Welcome | Subscribed | RawBatch | Bye).decode
+        values: dict[str, bytes] = {}
+        async with stream:
+            await stream.send(HELLO_SUBSCRIBE)
+            await run.wait_for_subscribers(1)
+            run.gate.go.set()
+            bye = None
+            with anyio.fail_after(30):
+                while bye is None:
+                    for data in reader.feed(await stream.receive()):
+                        message = decode(data)
+                        if isinstance(message, Bye):
+                            bye = message
+                        elif isinstance(message, RawBatch):
+                            for raw in message.items:
+                                # ["R", name, value, ...]: 97 a1 52 a1 <name> <value> ...
+                                item = bytes(raw)
+                                values[msgspec.msgpack.decode(item)[1]] = item[5:]
+    assert bye is not None
+    assert bye.code == "end"
+    assert values["f"].startswith(bytes.fromhex("cb 40 00 00 00 00 00 00 00"))
+    assert values["h"].startswith(bytes.fromhex("cb 40 00 00 00 00 00 00 00"))
+    assert values["i"].startswith(bytes.fromhex("02"))
+    assert values["u"].startswith(bytes.fromhex("cf ff ff ff ff ff ff ff ff"))
+    assert values["n"].startswith(bytes.fromhex("d3 80 00 00 00 00 00 00 00"))
+    assert values["b"].startswith(bytes.fromhex("c3"))

@@ -79,8 +79,12 @@ async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
                     "malformed",
                     "can't decode byte 0x80",
                 ),
-                (frame(encode([1, 2, 3])), "malformed", "a msgpack map with a 'type' key"),
-                (frame(encode({"kind": "Hello"})), "unexpected", "unknown message type None"),
+                (
+                    frame(encode([1, 2, 3])),
+                    "malformed",
+                    "a msgpack map with a string 'type' key, got array",
+                ),
+                (frame(encode({"kind": "Hello"})), "malformed", "got a map without 'type'"),
                 (
                     encode_frames(Gap(seq=0, count=1)),
                     "unexpected",
@@ -186,3 +190,111 @@ async def test_raw_handshake_matches_the_documented_protocol() -> None:
         time=run.captured[0].time,
         source="TinyModule",
     )
+
+
+# One test per rule of docs/protocol.md on which error a client gets. Each sends raw
+# bytes on a fresh connection and reads everything the server answers.
+
+
+async def _answers(payload: bytes) -> list[Any]:
+    async with serving(TinyModule(), train=make_loader(32)) as run:
+        messages = await exchange(run.address, payload)
+        run.gate.go.set()
+    assert run.server.errors == 0
+    return messages
+
+
+async def test_a_map_without_type_is_malformed() -> None:
+    bye = _bye(await _answers(frame(msgspec.msgpack.encode({"version": 1}))))
+    assert (bye.code, bye.reason) == (
+        "malformed",
+        "a message must be a msgpack map with a string 'type' key, got a map without 'type'.",
+    )
+
+
+@pytest.mark.parametrize("kind", [1, None, True, 1.5, b"Hello", ["Hello"], {"a": 1}])
+async def test_a_map_with_a_type_that_is_not_a_string_is_malformed(kind: Any) -> None:
+    payload = frame(msgspec.msgpack.encode({"type": kind, "version": 1}))
+    bye = _bye(await _answers(payload))
+    assert bye.code == "malformed", bye
+    assert "a msgpack map with a string 'type' key, got a map whose 'type' is" in bye.reason
+
+
+async def test_an_unknown_type_name_is_unexpected() -> None:
+    bye = _bye(await _answers(frame(msgspec.msgpack.encode({"type": "Hola", "version": 1}))))
+    assert (bye.code, bye.reason[:29]) == ("unexpected", "unknown message type 'Hola'; ")
+
+
+@pytest.mark.parametrize("version", [-1, 0, 2, 2**63 - 1, -(2**63), 2**64 - 1])
+async def test_a_hello_with_another_integer_version_is_version(version: int) -> None:
+    messages = await _answers(frame(msgspec.msgpack.encode({"type": "Hello", "version": version})))
+    assert len(messages) == 1
+    bye = _bye(messages)
+    assert bye.code == "version", bye
+    assert f"asked for version {version}." in bye.reason
+
+
+async def test_a_hello_with_another_version_is_version_whatever_its_other_keys() -> None:
+    """A later protocol version may change the other keys: the version is judged first."""
+    hello = {"type": "Hello", "version": 2, "token": {"scheme": "new"}, "client": ["x"]}
+    bye = _bye(await _answers(frame(msgspec.msgpack.encode(hello))))
+    assert bye.code == "version", bye
+
+
+@pytest.mark.parametrize("version", ["1", 1.0, None, True, [1]])
+async def test_a_hello_whose_version_is_not_an_integer_is_malformed(version: Any) -> None:
+    payload = frame(msgspec.msgpack.encode({"type": "Hello", "version": version}))
+    bye = _bye(await _answers(payload))
+    assert bye.code == "malformed", bye
+    assert "invalid Hello message" in bye.reason
+
+
+async def test_a_hello_without_version_is_malformed() -> None:
+    bye = _bye(await _answers(frame(msgspec.msgpack.encode({"type": "Hello"}))))
+    assert (bye.code, bye.reason) == (
+        "malformed",
+        "invalid Hello message: Object missing required field `version`",
+    )
+
+
+_TRAILERS = {
+    "garbage": frame(b"\xc1"),
+    "a map without type": frame(msgspec.msgpack.encode({"version": 1})),
+    "an unknown type": encode_frames(Gap(seq=0, count=1)),
+    "a length prefix above max_frame": b"\xff\xff\xff\xff",
+    "a truncated frame": b"\x00\x00\x00\x10\x82",
+    "a valid Subscribe": encode_frames(Subscribe()),
+}
+
+
+@pytest.mark.parametrize("trailer", list(_TRAILERS), ids=list(_TRAILERS))
+async def test_a_bad_hello_is_judged_alone_whatever_follows_in_the_same_read(
+    trailer: str,
+) -> None:
+    """Only the first frame is judged; the bytes after it, sent in the same write, are
+    ignored once the server answered with an error."""
+    for hello, code in [
+        (encode_frames(Hello(version=99)), "version"),
+        (frame(msgspec.msgpack.encode({"type": "Hello", "version": "1"})), "malformed"),
+        (encode_frames(Subscribe()), "unexpected"),
+    ]:
+        messages = await _answers(hello + _TRAILERS[trailer])
+        assert len(messages) == 1, messages
+        assert _bye(messages).code == code, (trailer, messages)
+
+
+@pytest.mark.parametrize(
+    ("trailer", "code"),
+    [
+        ("garbage", "malformed"),
+        ("a map without type", "malformed"),
+        ("an unknown type", "unexpected"),
+        ("a length prefix above max_frame", "too_large"),
+    ],
+)
+async def test_a_good_hello_is_welcomed_before_what_follows_in_the_same_read_is_judged(
+    trailer: str, code: str
+) -> None:
+    messages = await _answers(HELLO + _TRAILERS[trailer])
+    assert [type(m).__name__ for m in messages] == ["Welcome", "Bye"], messages
+    assert _bye(messages).code == code

@@ -67,7 +67,6 @@ BYE_CODES: Final = (
 _Str = Annotated[str, msgspec.Meta(max_length=256)]
 _Patterns = Annotated[list[_Str], msgspec.Meta(max_length=64)]
 _Topics = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=8)]
-_Count = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class _Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
@@ -78,9 +77,11 @@ class _Message(msgspec.Struct, frozen=True, kw_only=True, tag=True):
 
 
 class Hello(_Message, frozen=True, kw_only=True):
-    """The first frame a client sends. ``token`` is required when the server has one."""
+    """The first frame a client sends. ``token`` is required when the server has one.
+    Any integer ``version`` decodes (a server answers one it does not speak with
+    ``Bye(code="version")``, not as a malformed message)."""
 
-    version: _Count
+    version: int
     token: Annotated[str, msgspec.Meta(max_length=1024)] | None = None
     client: _Str = ""
 
@@ -213,37 +214,52 @@ def append_frame(encoder: msgspec.msgpack.Encoder, message: object, buffer: byte
 
 
 class FrameReader:
-    """Split a byte stream into frame payloads. ``feed`` raises :class:`StreamError` at
-    the first length prefix above ``limit``, before reading the payload."""
+    """Split a byte stream into frame payloads, refusing (:class:`StreamError`) a length
+    prefix above ``limit`` before reading its payload.
 
-    __slots__ = ("_buffer", "limit")
+    Either ``feed`` bytes and get every frame they complete (it raises at the first
+    prefix above the limit), or ``push`` bytes and take the frames one at a time with
+    ``next_frame``, which raises only when it reaches such a prefix: the frames before
+    it can be judged first (how a server answers a client's frames in order)."""
+
+    __slots__ = ("_buffer", "_pos", "limit")
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self._buffer = bytearray()
+        self._pos = 0
 
     @property
     def pending(self) -> int:
-        """Bytes received that do not yet form a whole frame."""
-        return len(self._buffer)
+        """Bytes received that were not yet returned as (part of) a frame."""
+        return len(self._buffer) - self._pos
+
+    def push(self, data: bytes) -> None:
+        """Append received bytes (see :meth:`next_frame`)."""
+        if self._pos:
+            del self._buffer[: self._pos]
+            self._pos = 0
+        self._buffer += data
+
+    def next_frame(self) -> bytes | None:
+        """The next whole frame's payload, or None until more bytes are pushed."""
+        buffer, pos = self._buffer, self._pos
+        if len(buffer) - pos < HEADER_SIZE:
+            return None
+        size = int.from_bytes(buffer[pos : pos + HEADER_SIZE], "big")
+        if size > self.limit:
+            raise StreamError(
+                f"a frame announces {size} bytes, more than the limit of {self.limit} bytes."
+            )
+        stop = pos + HEADER_SIZE + size
+        if stop > len(buffer):
+            return None
+        self._pos = stop
+        return bytes(buffer[pos + HEADER_SIZE : stop])
 
     def feed(self, data: bytes) -> list[bytes]:
-        buffer = self._buffer
-        buffer += data
+        self.push(data)
         frames: list[bytes] = []
-        pos, end = 0, len(buffer)
-        limit = self.limit
-        while end - pos >= HEADER_SIZE:
-            size = int.from_bytes(buffer[pos : pos + HEADER_SIZE], "big")
-            if size > limit:
-                raise StreamError(
-                    f"a frame announces {size} bytes, more than the limit of {limit} bytes."
-                )
-            stop = pos + HEADER_SIZE + size
-            if stop > end:
-                break
-            frames.append(bytes(buffer[pos + HEADER_SIZE : stop]))
-            pos = stop
-        if pos:
-            del buffer[:pos]
+        while (frame := self.next_frame()) is not None:
+            frames.append(frame)
         return frames

@@ -110,12 +110,15 @@ class StreamServer(loopbus.Plugin):
     * ``token``: a shared secret clients must present (compared in constant time).
       Required to bind beyond loopback. It authenticates, it does not encrypt: across
       untrusted networks, tunnel the port (``ssh -L``) instead.
-    * ``client_buffer``: records queued per client; when a client falls this far behind,
-      its oldest records are dropped and it receives a gap notice.
+    * ``client_buffer``: records queued per client (sent to clients as
+      ``Welcome.buffer``); when a client falls this far behind, its oldest records are
+      dropped and it receives a gap notice. Under the inline executor the queue must
+      also hold what the run puts between two yields to the event loop.
     * ``send_buffer``: bytes the operating system may buffer per client (``SO_SNDBUF``);
       None keeps its default, which grows to megabytes for a client that stops reading.
       Smaller means a stalled client holds less stale data and learns of its gap sooner.
-    * ``max_clients``: connections beyond this are turned away (``busy``).
+    * ``max_clients``: clients served at once; a ``Hello`` beyond this is turned away
+      (``busy``), however many arrive together.
     * ``max_frame``: the largest frame (bytes) a client may send.
     * ``flush_interval``: after a send, a client's writer pauses until the next tick of
       this period (s) so that records put meanwhile go out together: at most one send
@@ -522,8 +525,12 @@ class StreamServer(loopbus.Plugin):
                 raise Rejected("auth", "this server requires a token; none was given.")
             if not hmac.compare_digest(hello.token.encode(), self._token):
                 raise Rejected("auth", "wrong token.")
-        if self.connected >= self.max_clients:
+        if len(self._clients) >= self.max_clients:
             raise Rejected("busy", f"the server already has {self.max_clients} clients.")
+        # Take the slot before the first await: counting the client only once its welcome
+        # is sent would let every handshake waiting in that send pass the check above.
+        self._clients.add(client)
+        self.connected = len(self._clients)
         trainer = self._trainer
         welcome = Welcome(
             version=PROTOCOL_VERSION,
@@ -537,8 +544,6 @@ class StreamServer(loopbus.Plugin):
             topics=list(TOPICS),
         )
         await self._send_now(client, welcome)
-        self._clients.add(client)
-        self.connected = len(self._clients)
         self.accepted += 1
         async with anyio.create_task_group() as tg:
             client.scope = tg.cancel_scope
@@ -553,20 +558,22 @@ class StreamServer(loopbus.Plugin):
             # Otherwise the writer is sending our bye; it ends the connection after that.
 
     async def _receive(self, client: Connection) -> Any:
-        """The next message from ``client``; None when it is gone."""
-        inbox = client.inbox
-        while not inbox:
+        """The next message from ``client``; None when it is gone. Frames are judged one
+        at a time, in order: an error in a frame is raised (as :class:`Rejected`) only
+        once every message before it was handled, however the bytes arrived."""
+        reader = client.reader
+        while True:
+            try:
+                frame = reader.next_frame()
+            except StreamError as exc:
+                raise Rejected("too_large", str(exc)) from None
+            if frame is not None:
+                return decode_client_message(self._decode, frame)
             try:
                 data = await client.stream.receive(_RECEIVE_SIZE)
             except _GONE:
                 return None
-            try:
-                frames = client.reader.feed(data)
-            except StreamError as exc:
-                raise Rejected("too_large", str(exc)) from None
-            for frame in frames:
-                inbox.append(decode_client_message(self._decode, frame))
-        return inbox.popleft()
+            reader.push(data)
 
     async def _read(self, client: Connection) -> None:
         """Handle the client's messages until it closes its side. After a protocol

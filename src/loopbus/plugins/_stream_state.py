@@ -14,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from loopbus.stream import MAX_SERVER_FRAME, FrameReader, Gap, RawBatch, Subscribed, append_frame
+from loopbus.stream import (
+    MAX_SERVER_FRAME,
+    PROTOCOL_VERSION,
+    FrameReader,
+    Gap,
+    Hello,
+    RawBatch,
+    Subscribed,
+    append_frame,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import SocketStream
@@ -57,7 +66,6 @@ class Connection:
         "dropped",
         "flush",
         "high",
-        "inbox",
         "input_closed",
         "match",
         "next_seq",
@@ -76,8 +84,9 @@ class Connection:
     def __init__(self, stream: SocketStream, buffer: int, max_frame: int, peer: str) -> None:
         self.stream = stream
         self.peer = peer
+        #: What the client sent that was not yet handled (the server reads it one
+        #: frame at a time).
         self.reader = FrameReader(max_frame)
-        self.inbox: deque[Any] = deque()
         #: Encoded items waiting for the writer; the oldest fall off when it is full.
         self.queue: deque[msgspec.Raw] = deque(maxlen=buffer)
         #: Sequence number the next queued item gets / the writer sends next.
@@ -181,9 +190,28 @@ def matcher(patterns: list[str]) -> Callable[[str], Any]:
     return re.compile(regex).match
 
 
+def _msgpack_kind(value: Any) -> str:
+    """How ``value`` (decoded msgpack) is called in the protocol's words."""
+    if value is None:
+        return "nil"
+    names = {bool: "bool", int: "int", float: "float", str: "str", bytes: "bin"}
+    names |= {list: "array", tuple: "array", dict: "map"}
+    return names.get(type(value), type(value).__name__)
+
+
 def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
-    """Decode one client frame, or raise :class:`Rejected` saying what is wrong
-    with it. Untrusted input: any failure to decode is the frame's fault."""
+    """Decode one client frame, or raise :class:`Rejected` saying what is wrong with it
+    (the ``Bye`` codes of ``docs/protocol.md``). Untrusted input: any failure to decode
+    is the frame's fault.
+
+    * not MessagePack, not a map, no ``"type"`` key or a ``"type"`` that is not a str:
+      ``malformed`` (not a message of the protocol at all);
+    * a ``"type"`` that is no client message's name: ``unexpected``;
+    * a ``Hello`` whose ``version`` is an integer: decoded by its version alone when the
+      rest is invalid, so that a Hello of another protocol version gets ``version``
+      whatever its other keys hold;
+    * any other invalid key or value of a client message: ``malformed``.
+    """
     try:
         return decode(frame)
     except msgspec.ValidationError as exc:
@@ -195,12 +223,25 @@ def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
     except Exception as exc:
         raise Rejected("malformed", f"malformed frame: {exc}") from None
     if not isinstance(raw, dict):
-        got = "nil" if raw is None else type(raw).__name__
+        got = _msgpack_kind(raw)
         raise Rejected(
-            "malformed", f"a message must be a msgpack map with a 'type' key, got {got}."
+            "malformed", f"a message must be a msgpack map with a string 'type' key, got {got}."
         )
-    kind = raw.get("type")
-    if isinstance(kind, str) and kind in CLIENT_TYPES:
+    if "type" not in raw or not isinstance(raw["type"], str):
+        got = (
+            f"a map whose 'type' is {_msgpack_kind(raw['type'])}"
+            if "type" in raw
+            else "a map without 'type'"
+        )
+        raise Rejected(
+            "malformed", f"a message must be a msgpack map with a string 'type' key, got {got}."
+        )
+    kind = raw["type"]
+    if kind == "Hello":
+        version = raw.get("version")
+        if type(version) is int and version != PROTOCOL_VERSION:
+            return Hello(version=version)
+    if kind in CLIENT_TYPES:
         raise Rejected("malformed", f"invalid {kind} message: {invalid}")
     raise Rejected(
         "unexpected",

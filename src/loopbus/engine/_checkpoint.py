@@ -363,13 +363,37 @@ class LoaderPart:
 
 
 class RngPart:
-    """The global random generators (Python, NumPy, torch CPU and CUDA)."""
+    """The global random generators (Python, NumPy, torch CPU and CUDA).
+
+    Given a distributed strategy, the state holds every rank's generators (gathered
+    when saving, so saving is then collective) under ``"ranks"``, and each rank loads
+    its own; a single-process state is the generators themselves."""
+
+    def __init__(self, strategy: Any = None) -> None:
+        self.strategy = strategy
 
     def state_dict(self) -> dict[str, Any]:
-        return capture_rng()
+        strategy = self.strategy
+        if strategy is None or not strategy.distributed:
+            return capture_rng()
+        return {"ranks": strategy.all_gather_object(to_plain(capture_rng(), copy=True))}
+
+    def own(self, state: dict[str, Any]) -> dict[str, Any]:
+        """This rank's generators in a saved state (of either form)."""
+        ranks = state.get("ranks")
+        if ranks is None:
+            return state
+        strategy = self.strategy
+        rank = 0 if strategy is None else strategy.global_rank
+        if rank >= len(ranks):
+            raise CheckpointError(
+                f"the checkpoint holds the generators of {len(ranks)} ranks; this is rank "
+                f"{rank}: resume with the world size the checkpoint was taken with."
+            )
+        return ranks[rank]  # type: ignore[no-any-return]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        restore_rng(state)
+        restore_rng(self.own(state))
 
 
 class GradsPart:
@@ -552,11 +576,16 @@ def load_state(
     plan = ResumePlan(
         step=int(run["step"]) if isinstance(run, Mapping) else int(header.get("global_step", 0)),
         epoch=int(run["epoch"]) if isinstance(run, Mapping) else int(header.get("epoch", 0)),
-        rng=rng if isinstance(rng, dict) else None,
+        rng=_own_rng(parts.get("rng"), rng) if isinstance(rng, dict) else None,
         loader_restored="data/train" in parts and "data/train" not in skip,
         source=where,
     )
     return result, plan
+
+
+def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:
+    own = getattr(part, "own", None)
+    return own(state) if callable(own) else state
 
 
 def resolve_last(plugins: Iterable[Any]) -> Path | None:

@@ -372,13 +372,17 @@ class StepPath(NamedTuple):
     the device batches move to (None: they stay where the loader put them), the
     limiter of the worker thread steps run in (None: inline on the event loop), the
     delivery of in-step events (direct, or hopping from the worker to the loop), the step
-    boundary, and how many batches a worker thread fetches ahead (0: fetched inline)."""
+    boundary, how many batches a worker thread fetches ahead (0: fetched inline), what
+    the training step's forward calls (None: the module's ``training_step``; under DDP
+    the wrapper) and the distributed strategy (None in a single process)."""
 
     move_to: torch.device | None
     worker: Any
     emit: Callable[[Any, Any], Any]
     boundary: StepBoundary
     prefetch: int = 0
+    forward: Callable[[Any, Any], Any] | None = None
+    strategy: Any = None
 
 
 class TrainEpochLoop(_DataLoop):
@@ -399,6 +403,10 @@ class TrainEpochLoop(_DataLoop):
         self._resume_in_epoch = True
         # Chosen when the epoch starts (see _choose_step).
         self._step: Callable[[Any, Scope], Any] = self.training_step
+        # What the steps call for the forward (the module's training_step, or DDP's
+        # wrapper of it) and the distributed strategy (None in a single process).
+        self._forward: Callable[[Any, Scope], Any] | None = None
+        self._strategy: Any = None
 
     def reset(self) -> None:
         if self._restarting and not self._resume_in_epoch:
@@ -417,6 +425,11 @@ class TrainEpochLoop(_DataLoop):
         trainer = self._trainer
         assert trainer is not None
         state = trainer.state
+        strategy = self._strategy
+        if strategy is not None:
+            # Under DDP, one all-reduce per batch boundary (after the batch's events):
+            # a stop asked on any rank stops every rank here.
+            strategy.sync_stop(state)
         if state.stop_requested or state.step >= trainer.max_steps:
             return True
         if self.progress.current.ready >= self._limit:
@@ -431,6 +444,8 @@ class TrainEpochLoop(_DataLoop):
         self._move_to = path.move_to
         self._worker = path.worker
         self._boundary = path.boundary
+        self._forward = path.forward
+        self._strategy = path.strategy
         self._step = self._choose_step()
         self._start_fetching(
             ctx, train_data, self.resume_iterator(train_data), isinstance(train_data, Stateful)
@@ -525,7 +540,11 @@ class TrainEpochLoop(_DataLoop):
         per-step schedulers: forward, backward, optimizer step."""
         trainer = self._trainer
         assert trainer is not None
-        output = trainer.module.training_step(batch, ctx)  # type: ignore[union-attr]
+        forward = self._forward
+        if forward is None:
+            output = trainer.module.training_step(batch, ctx)  # type: ignore[union-attr]
+        else:
+            output = forward(batch, ctx)
         loss = output if type(output) is _Tensor else _loss_of(output)
         if loss is None:
             return output
@@ -551,11 +570,12 @@ class TrainEpochLoop(_DataLoop):
         module = trainer.module
         assert module is not None
         autocast = trainer.precision.autocast
+        forward = self._forward or module.training_step
         if autocast is None:
-            output = module.training_step(batch, ctx)
+            output = forward(batch, ctx)
         else:
             with autocast():
-                output = module.training_step(batch, ctx)
+                output = forward(batch, ctx)
         trainer.state.step_completed()
         return output
 
@@ -565,33 +585,22 @@ class TrainEpochLoop(_DataLoop):
         loop thread or in the worker thread."""
         trainer = self._trainer
         assert trainer is not None
-        module = trainer.module
-        assert module is not None
         if not trainer.automatic_optimization:
             return self.manual_step(batch, ctx)
         precision = trainer.precision
-        autocast = precision.autocast
-        if autocast is None:
-            output = module.training_step(batch, ctx)
-        else:
-            with autocast():
-                output = module.training_step(batch, ctx)
-        loss = output if type(output) is _Tensor else _loss_of(output)
-        if loss is None:
-            return output
         accumulate = trainer.accumulate_grad_batches
-        if accumulate > 1:
-            loss = loss / accumulate
-        if precision.scaler is None:
-            loss.backward()  # type: ignore[no-untyped-call]
-        else:
-            precision.backward(loss)
-        table = trainer.bus.table
-        entries = table[AfterBackward]
-        if entries:
-            self._emit(entries, AfterBackward, ctx)
-        if accumulate > 1 and not self._at_accumulation_boundary():
+        strategy = self._strategy
+        if strategy is not None and accumulate > 1 and not self._at_accumulation_boundary():
+            # A non-final micro-batch under DDP: accumulate locally, sync on the last.
+            with strategy.no_sync():
+                output, _ = self._forward_backward(batch, ctx, accumulate)
             return output
+        output, has_loss = self._forward_backward(batch, ctx, accumulate)
+        if not has_loss:
+            return output
+        if accumulate > 1 and strategy is None and not self._at_accumulation_boundary():
+            return output
+        table = trainer.bus.table
         optimizer = trainer.optimizers[0]
         clip = trainer.gradient_clip_val
         if clip is not None:
@@ -613,6 +622,35 @@ class TrainEpochLoop(_DataLoop):
         if trainer.steps_schedulers_per_step:
             trainer.step_lr_schedulers("step")
         return output
+
+    def _forward_backward(self, batch: Any, ctx: Scope, accumulate: int) -> tuple[Any, bool]:
+        """Forward (under autocast) and backward (scaled) of one batch: the step's output
+        and whether it returned a loss (None skips the backward)."""
+        trainer = self._trainer
+        assert trainer is not None
+        module = trainer.module
+        assert module is not None
+        precision = trainer.precision
+        autocast = precision.autocast
+        forward = self._forward or module.training_step
+        if autocast is None:
+            output = forward(batch, ctx)
+        else:
+            with autocast():
+                output = forward(batch, ctx)
+        loss = output if type(output) is _Tensor else _loss_of(output)
+        if loss is None:
+            return output, False
+        if accumulate > 1:
+            loss = loss / accumulate
+        if precision.scaler is None:
+            loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            precision.backward(loss)
+        entries = trainer.bus.table[AfterBackward]
+        if entries:
+            self._emit(entries, AfterBackward, ctx)
+        return output, True
 
     def _emit(self, entries: Any, event_type: Any, ctx: Scope, **fields: Any) -> None:
         """Deliver an in-step event (from the worker thread too) to its handlers."""
@@ -688,6 +726,11 @@ class FitLoop(Loop[None]):
         trainer = self._trainer
         assert trainer is not None
         state = trainer.state
+        strategy = trainer.step_path.strategy
+        if strategy is not None:
+            # Checked once per epoch on every rank: agree on a stop asked for since the
+            # last step (by epoch-end handlers) before any rank starts another epoch.
+            strategy.sync_stop(state)
         return (
             state.stop_requested
             or self.progress.total.completed >= trainer.max_epochs
@@ -708,10 +751,15 @@ class FitLoop(Loop[None]):
             if resume_rng is not None:
                 restore_rng(resume_rng)
             state.finish_resume()
-        sampler = getattr(ctx.train_data, "sampler", None)
-        set_epoch = getattr(sampler, "set_epoch", None)
-        if callable(set_epoch):
-            set_epoch(state.epoch)
+        data = ctx.train_data
+        for sampler in (
+            getattr(data, "sampler", None),
+            getattr(getattr(data, "batch_sampler", None), "sampler", None),
+        ):
+            set_epoch = getattr(sampler, "set_epoch", None)
+            if callable(set_epoch):
+                set_epoch(state.epoch)
+                break
 
     async def advance(self, ctx: Scope) -> None:
         await self.epoch_loop.run(ctx.train_data, ctx.val_data, parent_ctx=ctx)

@@ -25,7 +25,10 @@ class Plugin(PutMixin):
     handlers play (``"callbacks"``, ``"loggers"``, ``"progress_bar"``, ``"external"``);
     ``mode``, ``buffer`` and ``overflow`` are the default delivery for its handlers
     (``@on(..., mode=...)`` overrides them); ``priority`` orders inline handlers (higher
-    first). A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
+    first). ``ranks`` says on which processes of a distributed (DDP) run it acts:
+    ``"all"`` (the default) or ``"zero"`` (rank 0 only: the built-in loggers, progress bar
+    and stream server); on the other ranks the trainer neither sets it up nor subscribes
+    it (its state is still part of every checkpoint). A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
     be checkpointed (under :attr:`state_key`).
     """
 
@@ -34,6 +37,7 @@ class Plugin(PutMixin):
     buffer: ClassVar[int] = 1024
     overflow: ClassVar[Literal["block", "drop"]] = "block"
     priority: ClassVar[int] = 0
+    ranks: ClassVar[Literal["all", "zero"]] = "all"
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

@@ -44,7 +44,16 @@ class RunState:
     ``state_dict`` (step and epoch) is part of every checkpoint.
     """
 
-    __slots__ = ("_epoch", "_resume", "_stage", "_step", "_stop_reason", "_stop_requested")
+    __slots__ = (
+        "_collective",
+        "_epoch",
+        "_pending_stop",
+        "_resume",
+        "_stage",
+        "_step",
+        "_stop_reason",
+        "_stop_requested",
+    )
 
     # Getters in C (attrgetter), so reading the state costs no Python call on the hot path.
     step: int = property(attrgetter("_step"), doc="Optimizer steps completed.")  # type: ignore[assignment]
@@ -70,6 +79,9 @@ class RunState:
         self._stop_requested = False
         self._stop_reason: str | None = None
         self._resume: ResumePlan | None = None
+        # Under DDP a stop request waits here until the ranks agree (see confirm_stop).
+        self._collective = False
+        self._pending_stop: str | None = None
 
     def __repr__(self) -> str:
         return (
@@ -91,10 +103,13 @@ class RunState:
         self._stop_requested = False
         self._stop_reason = None
         self._resume = None
+        self._pending_stop = None
 
     def end_stage(self) -> None:
         self._stage = None
         self._resume = None
+        self._collective = False
+        self._pending_stop = None
 
     # ------------------------------------------------------------ progress
     def step_completed(self) -> None:
@@ -107,9 +122,33 @@ class RunState:
     # ------------------------------------------------------------ stopping
     def request_stop(self, reason: str | None = None) -> None:
         """Ask the running stage to stop at the next step boundary. Safe from any task
-        or thread."""
-        self._stop_reason = reason if reason is not None else "stop requested"
+        or thread. In a collective stage (DDP) the request is pending until the ranks
+        exchange their requests at the next step boundary (see :meth:`confirm_stop`)."""
+        reason = reason if reason is not None else "stop requested"
+        if self._collective:
+            if self._pending_stop is None:
+                self._pending_stop = reason
+            return
+        self._stop_reason = reason
         self._stop_requested = True
+
+    def make_stop_collective(self) -> None:
+        """For the running stage, hold stop requests as pending until
+        :meth:`confirm_stop` (every rank must stop at the same step boundary)."""
+        self._collective = True
+
+    @property
+    def pending_stop(self) -> str | None:
+        """The reason of a stop requested in this process but not yet agreed on."""
+        return self._pending_stop
+
+    def confirm_stop(self, reason: str) -> None:
+        """The ranks agreed to stop (one of them asked): stop at this boundary."""
+        if self._stop_requested:
+            return
+        self._stop_reason = reason
+        self._stop_requested = True
+        self._pending_stop = None
 
     # ------------------------------------------------------------ resuming
     def plan_resume(self, plan: ResumePlan) -> None:

@@ -17,7 +17,7 @@ import anyio.to_thread
 import torch
 
 from .._exceptions import CheckpointError, MisconfigurationError
-from .._validate import check_int
+from .._validate import check_choice, check_int, check_number
 from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
 from ._checkpoint import (
     CheckpointMismatch,
@@ -44,6 +44,7 @@ from ._records import Recorder, bind_recorder
 from ._runstate import RunState
 from ._scope import LeakCheck
 from ._state import Stateful
+from ._strategy import Strategy, StrategyName, resolve_strategy
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
 
@@ -289,6 +290,13 @@ class Trainer:
       Random draws in the loading code then share torch's global generator with the
       step from another thread: give the dataset its own ``torch.Generator`` to keep
       runs reproducible. Checkpoints save the position of the last batch trained on.
+    * ``strategy``: ``"auto"`` (default) runs DDP when launched by ``torchrun`` with
+      more than one process (``WORLD_SIZE > 1``), else in this process; ``"ddp"`` or
+      ``"single"`` force one (see ``docs/distributed.md``). Under DDP the trainer joins
+      the process group unless the script already did (gloo on CPU, NCCL on CUDA).
+    * ``process_group_timeout``: seconds a collective may wait for the other ranks
+      before it fails (default 1800, torch's default); a rank that dies is normally
+      noticed sooner, since torchrun then stops the others.
     """
 
     def __init__(
@@ -313,6 +321,8 @@ class Trainer:
         yield_interval: float = 0.005,
         drain_timeout: float = 10.0,
         prefetch: int = 0,
+        strategy: StrategyName = "auto",
+        process_group_timeout: float = 1800.0,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -381,6 +391,19 @@ class Trainer:
             hint="0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
         )
         self.drain_timeout = float(drain_timeout)
+        check_choice(
+            "strategy",
+            strategy,
+            {
+                "auto": "DDP under torchrun, else one process",
+                "ddp": "DistributedDataParallel, one process per device",
+                "single": "this process only",
+            },
+        )
+        timeout = check_number("process_group_timeout", process_group_timeout, exclusive_minimum=0)
+        #: How the run is spread over processes (one, or DDP); owns the DDP wrapper.
+        self.strategy: Strategy = resolve_strategy(strategy, float(timeout))
+        self.strategy.setup_environment(self.device)
 
         if plugins is None:
             self.plugins: list[Plugin] = [factory() for factory in _DEFAULT_PLUGINS]
@@ -450,6 +473,30 @@ class Trainer:
         return self.state.stage
 
     @property
+    def world_size(self) -> int:
+        """The number of processes of the run (1 unless launched for DDP)."""
+        return self.strategy.world_size
+
+    @property
+    def global_rank(self) -> int:
+        """This process's rank among all processes of the run (0 in a single process)."""
+        return self.strategy.global_rank
+
+    @property
+    def local_rank(self) -> int:
+        """This process's rank on its machine (0 in a single process)."""
+        return self.strategy.local_rank
+
+    @property
+    def is_global_zero(self) -> bool:
+        """Whether this is rank 0 (always, in a single process): the process that
+        writes logs and checkpoints."""
+        return self.strategy.is_global_zero
+
+    def _acts_here(self, plugin: Plugin) -> bool:
+        return plugin.ranks == "all" or self.strategy.is_global_zero
+
+    @property
     def should_stop(self) -> bool:
         """Whether the running stage was asked to stop (see :meth:`request_stop`)."""
         return self.state.stop_requested
@@ -502,13 +549,19 @@ class Trainer:
         self._check_module(module, "fit", "training_step")
         if val_data is not None:
             self._check_module(module, "fit with val_data", "validation_step")
+        train_data = self.strategy.prepare_train_data(train_data)
         async with self._stage("fit", module, train_data=train_data):
             if ckpt_path is not None:
                 await self._resume(ckpt_path, ckpt_strict)
             await self.fit_loop.run(train_data, val_data)
 
     async def _resume(self, ckpt_path: str | os.PathLike[str], strict: bool) -> None:
-        path = resolve_last(self.plugins) if ckpt_path == "last" else ckpt_path
+        if ckpt_path == "last":
+            # Resolved once, on rank 0, so that every rank loads the same file.
+            found = resolve_last(self.plugins) if self.strategy.is_global_zero else None
+            path = self.strategy.broadcast_object(found)
+        else:
+            path = ckpt_path
         if path is None:
             return
         state = await anyio.to_thread.run_sync(load_checkpoint, path)
@@ -565,7 +618,11 @@ class Trainer:
                 "a checkpoint can be taken once fit (or another stage) has started, and is "
                 "loaded with trainer.fit(module, data, ckpt_path=...)."
             )
-        parts: dict[str, Any] = {"run": self.state, "rng": RngPart(), "module": ModulePart(module)}
+        parts: dict[str, Any] = {
+            "run": self.state,
+            "rng": RngPart(self.strategy),
+            "module": ModulePart(module),
+        }
         for index, opt in enumerate(self.optimizers):
             parts[f"optimizers/{index}"] = OptimizerPart(opt)
         for index, config in enumerate(self.lr_scheduler_configs):
@@ -620,14 +677,27 @@ class Trainer:
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
         """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
-        completeness marker) and return the path. Blocks until the file is durable."""
-        return write_checkpoint(self.state_dict(), path)
+        completeness marker) and return the path. Blocks until the file is durable.
+
+        Under DDP every rank must call it (the state holds every rank's generators):
+        rank 0 writes, and all ranks return once the file is there."""
+        state = self.state_dict()
+        target = Path(os.fspath(path))
+        if self.strategy.is_global_zero:
+            target = write_checkpoint(state, path)
+        self.strategy.barrier()
+        return target
 
     async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
         """Copy the run's state to host memory now, write it in a worker thread, and
-        return once it is durable; the event loop stays free meanwhile."""
+        return once it is durable; the event loop stays free meanwhile. Under DDP, as
+        :meth:`save_checkpoint`: called on every rank, written by rank 0."""
         state = self.state_dict(to_host=True)
-        return await anyio.to_thread.run_sync(write_checkpoint, state, path)
+        target = Path(os.fspath(path))
+        if self.strategy.is_global_zero:
+            target = await anyio.to_thread.run_sync(write_checkpoint, state, path)
+        self.strategy.barrier()
+        return target
 
     async def validate(self, module: Module, data: Any) -> dict[str, float | int | bool]:
         """One pass of ``validation_step`` over ``data``; returns the last value of each
@@ -683,7 +753,8 @@ class Trainer:
                 self._train_data = train_data
             self._prepare(stage, module)
             self._parts = self._build_parts()
-            for plugin in self.plugins:
+            active = [p for p in self.plugins if self._acts_here(p)]
+            for plugin in active:
                 bind_recorder(plugin, self.recorder, type(plugin).__name__)
                 plugin.setup(self, stage)
                 set_up.append(plugin)
@@ -697,7 +768,7 @@ class Trainer:
                     started: list[Plugin] = []
                     reason, failure = "completed", None
                     try:
-                        for plugin in self.plugins:
+                        for plugin in active:
                             await plugin.start(self, stage, tg)
                             started.append(plugin)
                         yield
@@ -783,7 +854,13 @@ class Trainer:
         device = self.device
         module.to(device)
         self.precision.setup(device)
+        forward: Any = None
         if stage == "fit":
+            if self.strategy.distributed:
+                # The training step's forward goes through DDP; stop requests wait
+                # for the ranks to agree.
+                forward = self.strategy.wrap(module)
+                self.state.make_stop_collective()
             if self._configured_for is not module:
                 opts, scheds = _parse_optimizers(module.configure_optimizers(), module)
                 self.optimizers, self.lr_scheduler_configs = opts, scheds
@@ -809,6 +886,8 @@ class Trainer:
             emit=emit,
             boundary=StepBoundary(self.recorder, self.yield_interval),
             prefetch=self.prefetch,
+            forward=forward,
+            strategy=self.strategy if self.strategy.distributed else None,
         )
 
     def _emit_from_worker(self, entries: Any, event: Any) -> None:

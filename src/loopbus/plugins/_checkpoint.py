@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
 import anyio.to_thread
-import torch
 
 from loopbus import (
     CheckpointError,
@@ -51,11 +50,6 @@ _OFF = "None turns it off"
 _ALL = "None keeps them all"
 
 
-def _is_global_zero() -> bool:
-    dist = torch.distributed
-    return not (dist.is_available() and dist.is_initialized() and dist.get_rank() != 0)
-
-
 class Checkpoint(Plugin):
     """Saves checkpoints of a ``fit`` into ``dirpath``.
 
@@ -86,6 +80,10 @@ class Checkpoint(Plugin):
     File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``;
     two saves at the same epoch and step share a name, and the later one replaces the
     earlier (atomically).
+
+    Under DDP the plugin runs on every rank (its saves gather every rank's random
+    generators, so all ranks decide to save at the same boundaries; a monitored value
+    is rank 0's), and rank 0 alone writes the files.
     """
 
     #: After the other callbacks of the same event, so that their state is saved updated.
@@ -197,13 +195,14 @@ class Checkpoint(Plugin):
         self._error = None
         self._idle = None
         self._saw_validation = False
-        try:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise CheckpointError(
-                f"Checkpoint cannot create its directory {self.dirpath}: {exc}"
-            ) from exc
-        remove_stale_temporaries(self.dirpath)
+        if trainer.is_global_zero:  # the only rank that writes
+            try:
+                self.dirpath.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"Checkpoint cannot create its directory {self.dirpath}: {exc}"
+                ) from exc
+            remove_stale_temporaries(self.dirpath)
         if self.monitor is not None:
             self._record_sub = trainer.subscribe(
                 PutRecord,
@@ -284,7 +283,7 @@ class Checkpoint(Plugin):
             # With gradient accumulation several batches end at the same step: save once.
             and not (self._last_saved is not None and self._last_saved[0] == step)
         )
-        best = self._monitor_check() if self._validated else None
+        best = self._agreed(trainer, self._monitor_check()) if self._validated else None
         if periodic or best is not None:
             await self._save("batch", periodic=periodic, best=best)
 
@@ -306,6 +305,8 @@ class Checkpoint(Plugin):
                 )
             if self._validated or self._monitor_fresh:
                 best = self._monitor_check()
+            if trainer.world_size > 1:
+                best = self._agreed(trainer, best)
         if periodic or best is not None:
             await self._save("epoch", periodic=periodic, best=best)
 
@@ -347,6 +348,14 @@ class Checkpoint(Plugin):
         worst = self._best[-1][0]
         return value if self._better(value, worst) else None
 
+    def _agreed(self, trainer: Trainer, best: float | None) -> float | None:
+        """Under DDP, rank 0's decision on every rank: the ranks save together, since
+        saving gathers every rank's generators. Called at boundaries every rank reaches."""
+        if trainer.world_size == 1:
+            return best
+        agreed: float | None = trainer.strategy.broadcast_object(best)
+        return agreed
+
     def _better(self, a: float, b: float) -> bool:
         return a < b if self.monitor_mode == "min" else a > b
 
@@ -387,15 +396,19 @@ class Checkpoint(Plugin):
         name += ".ckpt"
         evicted = self._register(name, periodic=periodic, best=best)
         self._last_saved = (trainer.global_step, kind)
-        if not _is_global_zero():
-            return  # checkpoints are written once, by rank zero
+        # Every rank takes the state (under DDP that gathers every rank's generators);
+        # rank 0 alone writes it.
         if self.background and self._task_group is not None:
             state = trainer.state_dict(to_host=True)
+            if not trainer.is_global_zero:
+                return
             self._idle = anyio.Event()
             self._task_group.start_soon(self._write_in_background, state, name, evicted, self._idle)
         else:
             # The step waits, but the event loop stays free for other tasks meanwhile.
             state = trainer.state_dict()
+            if not trainer.is_global_zero:
+                return
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:

@@ -67,6 +67,8 @@ class Logger(Plugin):
     """
 
     destination: ClassVar[str] = "loggers"
+    #: Acts on rank 0 only in a distributed run.
+    ranks: ClassVar[Literal["all", "zero"]] = "zero"
     mode: ClassVar[Literal["inline", "queued"]] = "queued"
 
     def __init__(

@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections import deque
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
 from rich.console import Console
@@ -104,6 +104,9 @@ class ProgressBar(Plugin):
     ``console`` uses a rich ``Console`` as it is configured (``force_terminal=True``
     forces bars).
     """
+
+    #: Acts on rank 0 only in a distributed run.
+    ranks: ClassVar[Literal["all", "zero"]] = "zero"
 
     def __init__(
         self,

@@ -136,6 +136,8 @@ class StreamServer(loopbus.Plugin):
     """
 
     destination = "external"
+    #: Acts on rank 0 only in a distributed run.
+    ranks = "zero"
     mode = "inline"
 
     def __init__(

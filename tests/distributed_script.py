@@ -1,0 +1,144 @@
+"""A small training script that runs unchanged in one process (``python``) or under
+``torchrun`` (DDP): the distributed tests launch it. It trains an MLP with dropout on a
+synthetic separable task and writes, per rank, the final weights and a summary to
+``--out``; with ``--csv``/``--ckpt`` it logs and checkpoints there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, TensorDataset
+
+import loopbus
+from loopbus import Module, Plugin, Trainer, on
+from loopbus.events import TrainBatchCompleted
+from loopbus.plugins import Checkpoint, CSVLogger
+
+N_TRAIN = 512
+N_VAL = 256
+FEATURES = 8
+
+
+class Net(Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(
+            torch.nn.Linear(FEATURES, 32),
+            torch.nn.ReLU(),
+            torch.nn.Dropout(0.1),
+            torch.nn.Linear(32, 2),
+        )
+        self.correct = 0
+        self.seen = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self(x), y)
+        self.put("train/loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, ctx: Any) -> None:
+        x, y = batch
+        self.correct += int((self(x).argmax(1) == y).sum())
+        self.seen += len(y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def data(n: int, seed: int) -> TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, FEATURES, generator=g)
+    w = torch.arange(1, FEATURES + 1, dtype=torch.float32)
+    y = (x @ w > 0).long()
+    return TensorDataset(x, y)
+
+
+class Trouble(Plugin):
+    """Asks to stop or raises on one rank at one step; SIGKILLs every rank at one step."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    @on(TrainBatchCompleted)
+    def _check(self, event: TrainBatchCompleted) -> None:
+        args, trainer = self.args, self._trainer
+        step, rank = trainer.global_step, trainer.global_rank
+        if args.stop_at == step and args.stop_rank == rank:
+            trainer.request_stop(f"rank {rank} asked at step {step}")
+        if args.raise_at == step and args.raise_rank == rank:
+            raise RuntimeError(f"boom on rank {rank} at step {step}")
+        if args.kill_at == step:
+            # Every rank dies here (torchrun puts its workers in sessions of their own).
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self._trainer = trainer
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--csv", action="store_true")
+    parser.add_argument("--ckpt", type=int, default=0, help="checkpoint every N steps")
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--stop-rank", type=int, default=-1)
+    parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--raise-rank", type=int, default=-1)
+    parser.add_argument("--raise-at", type=int, default=-1)
+    parser.add_argument("--kill-at", type=int, default=-1)
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    loopbus.seed_everything(0)
+    module = Net()
+    train = DataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
+    val = DataLoader(data(N_VAL, 1), batch_size=128)
+    # Directories named after the rank the process starts as (shared ones work too):
+    # the tests check that only rank 0's appear.
+    rank = int(os.environ.get("RANK", "0"))
+    plugins: list[Plugin] = [Trouble(args)]
+    if args.csv:
+        plugins.append(CSVLogger(out / f"logs_rank{rank}"))
+    if args.ckpt:
+        plugins.append(Checkpoint(out / f"ckpt_rank{rank}", every_n_steps=args.ckpt, keep_last=1))
+    trainer = Trainer(
+        max_epochs=args.epochs,
+        accumulate_grad_batches=args.accumulate,
+        plugins=plugins,
+        process_group_timeout=60,
+    )
+    loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)
+    stop_reason, step = trainer.stop_reason, trainer.global_step
+    module.correct = module.seen = 0
+    loopbus.run(trainer.validate, module, val)
+    assert rank == trainer.global_rank
+    torch.save(module.state_dict(), out / f"weights_rank{rank}.pt")
+    summary = {
+        "rank": rank,
+        "world_size": trainer.world_size,
+        "strategy": trainer.strategy.name,
+        "step": step,
+        "epoch": trainer.current_epoch,
+        "stop_reason": stop_reason,
+        "accuracy": module.correct / max(module.seen, 1),
+    }
+    (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
+
+
+if __name__ == "__main__":
+    main()

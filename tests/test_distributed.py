@@ -1,0 +1,197 @@
+"""DDP for real: ``tests/distributed_script.py`` run under ``torchrun`` (gloo, CPU) in
+subprocesses, and single-process with plain ``python``."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loopbus
+from loopbus import MisconfigurationError, Trainer
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "distributed_script.py"
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    src = str(ROOT / "src")
+    env["PYTHONPATH"] = os.pathsep.join([src, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else src
+    env["OMP_NUM_THREADS"] = "1"
+    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(name, None)
+    return env
+
+
+def _torchrun(*launcher: str) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", *launcher]
+
+
+def _launch(
+    out: Path, *args: str, nproc: int = 2, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    launcher = [f"--nproc_per_node={nproc}", f"--master_port={_free_port()}"]
+    cmd = [*_torchrun(*launcher, str(SCRIPT)), "--out", str(out), *args]
+    return subprocess.run(
+        cmd,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def _ok(proc: subprocess.CompletedProcess[str]) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
+
+
+def _summary(out: Path, rank: int) -> dict[str, Any]:
+    return json.loads((out / f"summary_rank{rank}.json").read_text())  # type: ignore[no-any-return]
+
+
+def _weights(out: Path, rank: int) -> dict[str, torch.Tensor]:
+    return torch.load(out / f"weights_rank{rank}.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_two_ranks_train_one_model(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, "--csv", "--ckpt", "20")
+    _ok(proc)
+    s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
+    assert (s0["strategy"], s0["world_size"], s1["world_size"]) == ("ddp", 2, 2)
+    # Each rank trains on half of the 512 samples: 16 batches of 16 per epoch.
+    assert s0["step"] == s1["step"] == 4 * 16
+    assert s0["accuracy"] >= 0.9
+    assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+    # Loggers and checkpoint writing act on rank 0 only.
+    assert (tmp_path / "logs_rank0" / "metrics.csv").is_file()
+    assert not (tmp_path / "logs_rank1").exists()
+    assert list((tmp_path / "ckpt_rank0").glob("*.ckpt"))
+    assert not (tmp_path / "ckpt_rank1").exists()
+    # The checkpoint holds both ranks' generators.
+    state = loopbus.load_checkpoint(tmp_path / "ckpt_rank0")
+    assert len(state["rng"]["ranks"]) == 2
+
+
+def test_same_script_single_process(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), "--epochs", "2"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _ok(proc)
+    summary = _summary(tmp_path, 0)
+    assert (summary["strategy"], summary["world_size"], summary["step"]) == ("single", 1, 64)
+
+
+def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
+    port = _free_port()
+    procs = [
+        subprocess.Popen(
+            _torchrun(
+                "--nnodes=2",
+                f"--node_rank={node}",
+                "--nproc_per_node=1",
+                "--rdzv-backend=c10d",
+                f"--rdzv-endpoint=127.0.0.1:{port}",
+                "--rdzv-id=loopbus-test",
+                str(SCRIPT),
+                "--out",
+                str(tmp_path),
+                "--epochs",
+                "2",
+            ),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    outputs = [p.communicate(timeout=120)[0] for p in procs]
+    for p, output in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, output[-8000:]
+    assert _summary(tmp_path, 0)["world_size"] == 2
+    assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_stop_on_one_rank_stops_all_at_the_same_step(tmp_path: Path) -> None:
+    _ok(_launch(tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10"))
+    s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
+    assert s0["step"] == s1["step"] == 10
+    assert s1["stop_reason"] == "rank 1 asked at step 10"
+    assert s0["stop_reason"] == "rank 1 asked at step 10 (on rank 1)"
+    assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_accumulation_keeps_ranks_in_sync(tmp_path: Path) -> None:
+    _ok(_launch(tmp_path, "--epochs", "1", "--accumulate", "3"))
+    s0 = _summary(tmp_path, 0)
+    assert s0["step"] == 6  # 16 batches: 5 full windows and the epoch's last batch
+    assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_a_failing_rank_brings_the_job_down(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = _launch(tmp_path, "--raise-rank", "1", "--raise-at", "5", timeout=60)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    assert "boom on rank 1 at step 5" in proc.stdout + proc.stderr
+    assert elapsed < 30
+    assert not (tmp_path / "summary_rank0.json").exists()
+
+
+@pytest.mark.slow
+def test_killed_job_resumes_bit_identical(tmp_path: Path) -> None:
+    full, killed = tmp_path / "full", tmp_path / "killed"
+    _ok(_launch(full, "--epochs", "2", "--ckpt", "10"))
+    proc = _launch(killed, "--epochs", "2", "--ckpt", "10", "--kill-at", "25")
+    assert proc.returncode != 0
+    assert not (killed / "summary_rank0.json").exists()
+    _ok(_launch(killed, "--epochs", "2", "--ckpt", "10", "--resume"))
+    for rank in (0, 1):
+        assert _same(_weights(full, rank), _weights(killed, rank))
+    assert _summary(killed, 0)["step"] == _summary(full, 0)["step"] == 32
+
+
+def test_strategy_is_validated() -> None:
+    with pytest.raises(MisconfigurationError, match="strategy"):
+        Trainer(strategy="fsdp", plugins=[])  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationError, match="process_group_timeout"):
+        Trainer(process_group_timeout=0, plugins=[])
+    trainer = Trainer(plugins=[])
+    assert trainer.strategy.name == "single"
+    assert (trainer.world_size, trainer.global_rank, trainer.is_global_zero) == (1, 0, True)
+
+
+def test_ddp_outside_a_launcher_explains(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("MASTER_ADDR", "TORCHELASTIC_RUN_ID"):
+        monkeypatch.delenv(name, raising=False)
+    if torch.distributed.is_initialized():
+        pytest.skip("a process group is already initialised")
+    with pytest.raises(MisconfigurationError, match="torchrun"):
+        Trainer(strategy="ddp", device="cpu", plugins=[])

@@ -10,15 +10,17 @@ import argparse
 import json
 import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
 from loopbus import Module, Plugin, Trainer, on
-from loopbus.events import TrainBatchCompleted
+from loopbus.events import TrainBatchCompleted, ValidationCompleted
 from loopbus.plugins import Checkpoint, CSVLogger
 
 N_TRAIN = 512
@@ -37,6 +39,9 @@ class Net(Module):
         )
         self.correct = 0
         self.seen = 0
+        # Synchronised over the ranks by compute() (torchmetrics' sync_on_compute=True).
+        self.val_seen = torchmetrics.SumMetric()
+        self.val_acc = torchmetrics.MeanMetric()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
@@ -49,8 +54,19 @@ class Net(Module):
 
     def validation_step(self, batch: Any, ctx: Any) -> None:
         x, y = batch
-        self.correct += int((self(x).argmax(1) == y).sum())
+        hits = self(x).argmax(1) == y
+        self.correct += int(hits.sum())
         self.seen += len(y)
+        self.val_seen.update(len(y))
+        self.val_acc.update(hits.float())
+
+    @on(ValidationCompleted)
+    def _val_metrics(self, event: ValidationCompleted) -> None:
+        # On every rank: compute() is a collective under DDP.
+        self.put("val/seen", self.val_seen.compute())
+        self.put("val/acc", self.val_acc.compute())
+        self.val_seen.reset()
+        self.val_acc.reset()
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
@@ -65,7 +81,8 @@ def data(n: int, seed: int) -> TensorDataset:
 
 
 class Trouble(Plugin):
-    """Asks to stop or raises on one rank at one step; SIGKILLs every rank at one step."""
+    """Asks to stop, raises or hangs on one rank at one step; SIGKILLs every rank at one
+    step."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
@@ -78,6 +95,9 @@ class Trouble(Plugin):
             trainer.request_stop(f"rank {rank} asked at step {step}")
         if args.raise_at == step and args.raise_rank == rank:
             raise RuntimeError(f"boom on rank {rank} at step {step}")
+        if args.hang_at == step and args.hang_rank == rank:
+            print(f"rank {rank} hangs at step {step}", flush=True)
+            time.sleep(3600)  # stuck, not dead: the others wait in their next collective
         if args.kill_at == step:
             # Every rank dies here (torchrun puts its workers in sessions of their own).
             os.kill(os.getpid(), signal.SIGKILL)
@@ -100,6 +120,9 @@ def main() -> None:
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
+    parser.add_argument("--hang-rank", type=int, default=-1)
+    parser.add_argument("--hang-at", type=int, default=-1)
+    parser.add_argument("--timeout", type=float, default=60, help="process_group_timeout")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -120,7 +143,7 @@ def main() -> None:
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
         plugins=plugins,
-        process_group_timeout=60,
+        process_group_timeout=args.timeout,
     )
     loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)
     stop_reason, step = trainer.stop_reason, trainer.global_step
@@ -136,6 +159,8 @@ def main() -> None:
         "epoch": trainer.current_epoch,
         "stop_reason": stop_reason,
         "accuracy": module.correct / max(module.seen, 1),
+        "val_seen": trainer.latest["val/seen"].value,
+        "val_acc": trainer.latest["val/acc"].value,
     }
     (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
 

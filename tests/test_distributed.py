@@ -17,9 +17,15 @@ import torch
 
 import loopbus
 from loopbus import MisconfigurationError, Trainer
+from loopbus.engine._checkpoint_io import _host_tag, _temp_path
+from loopbus.plugins import Checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "distributed_script.py"
+#: Above any pid_max: no process has this id on this host.
+DEAD_PID = 999_999_999
+#: What gloo says when a collective waits longer than the process group's timeout.
+TIMED_OUT = "Timed out waiting"
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
@@ -77,6 +83,12 @@ def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
 
 
 def test_two_ranks_train_one_model(tmp_path: Path) -> None:
+    # A temporary that a dead writer of this host left in each rank's checkpoint
+    # directory: only rank 0, the writer, cleans up.
+    stale = [tmp_path / f"ckpt_rank{r}" / f".old.ckpt.tmp-{DEAD_PID}-abcd1234" for r in (0, 1)]
+    for path in stale:
+        path.parent.mkdir()
+        path.write_bytes(b"partial")
     proc = _launch(tmp_path, "--csv", "--ckpt", "20")
     _ok(proc)
     s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
@@ -85,11 +97,17 @@ def test_two_ranks_train_one_model(tmp_path: Path) -> None:
     assert s0["step"] == s1["step"] == 4 * 16
     assert s0["accuracy"] >= 0.9
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+    # torchmetrics synchronises on compute(): every rank validated all 256 samples, so
+    # the synced count is both ranks' and the synced accuracy is each rank's own.
+    assert s0["val_seen"] == s1["val_seen"] == 2 * 256
+    assert s0["val_acc"] == pytest.approx(s0["accuracy"])
+    assert s1["val_acc"] == pytest.approx(s0["accuracy"])
     # Loggers and checkpoint writing act on rank 0 only.
     assert (tmp_path / "logs_rank0" / "metrics.csv").is_file()
     assert not (tmp_path / "logs_rank1").exists()
     assert list((tmp_path / "ckpt_rank0").glob("*.ckpt"))
-    assert not (tmp_path / "ckpt_rank1").exists()
+    assert [p.name for p in (tmp_path / "ckpt_rank1").iterdir()] == [stale[1].name]
+    assert not stale[0].exists()
     # The checkpoint holds both ranks' generators.
     state = loopbus.load_checkpoint(tmp_path / "ckpt_rank0")
     assert len(state["rng"]["ranks"]) == 2
@@ -106,6 +124,7 @@ def test_same_script_single_process(tmp_path: Path) -> None:
     _ok(proc)
     summary = _summary(tmp_path, 0)
     assert (summary["strategy"], summary["world_size"], summary["step"]) == ("single", 1, 64)
+    assert summary["val_seen"] == 256
 
 
 def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
@@ -166,10 +185,33 @@ def test_a_failing_rank_brings_the_job_down(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_killed_job_resumes_bit_identical(tmp_path: Path) -> None:
+def test_a_hung_rank_times_the_others_out(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = _launch(tmp_path, "--hang-rank", "1", "--hang-at", "5", "--timeout", "5", timeout=90)
+    elapsed = time.monotonic() - start
+    output = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    assert "rank 1 hangs at step 5" in output
+    # Rank 0 waited in a collective for process_group_timeout, failed, and torchrun then
+    # stopped the hung rank.
+    assert TIMED_OUT in output, output[-4000:]
+    assert elapsed < 60
+    assert not (tmp_path / "summary_rank0.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "kill_at",
+    [
+        pytest.param("25", id="mid-second-epoch"),
+        # Resumes from step 10, in the first epoch of 16 steps: across the boundary.
+        pytest.param("13", id="across-the-epoch-boundary"),
+    ],
+)
+def test_killed_job_resumes_bit_identical(tmp_path: Path, kill_at: str) -> None:
     full, killed = tmp_path / "full", tmp_path / "killed"
     _ok(_launch(full, "--epochs", "2", "--ckpt", "10"))
-    proc = _launch(killed, "--epochs", "2", "--ckpt", "10", "--kill-at", "25")
+    proc = _launch(killed, "--epochs", "2", "--ckpt", "10", "--kill-at", kill_at)
     assert proc.returncode != 0
     assert not (killed / "summary_rank0.json").exists()
     _ok(_launch(killed, "--epochs", "2", "--ckpt", "10", "--resume"))
@@ -195,3 +237,68 @@ def test_ddp_outside_a_launcher_explains(monkeypatch: pytest.MonkeyPatch) -> Non
         pytest.skip("a process group is already initialised")
     with pytest.raises(MisconfigurationError, match="torchrun"):
         Trainer(strategy="ddp", device="cpu", plugins=[])
+
+
+# ---------------------------------------------------------------- stale temporaries
+
+
+def _other_host() -> str:
+    return "another-host" if _host_tag() != "another-host" else "yet-another-host"
+
+
+def test_a_temporary_names_its_writer_and_host(tmp_path: Path) -> None:
+    name = _temp_path(tmp_path / "epoch=0-step=3.ckpt").name
+    assert name.startswith(f".epoch=0-step=3.ckpt.tmp-{os.getpid()}-")
+    assert name.endswith(f"@{_host_tag()}")
+
+
+def test_host_tags_are_safe_short_and_distinct(monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket as socket_module
+
+    monkeypatch.setattr(socket_module, "gethostname", lambda: "gpu-7.cluster@example.org")
+    assert _host_tag() == "gpu-7_cluster_example_org"
+    tags = set()
+    for suffix in ("a", "b"):
+        long_name = "node-" + "x" * 60 + suffix + ".example.org"
+        monkeypatch.setattr(socket_module, "gethostname", lambda n=long_name: n)
+        tag = _host_tag()
+        assert len(tag) <= 32
+        assert not set(tag) & set(".@/"), tag
+        tags.add(tag)
+    assert len(tags) == 2
+
+
+def test_stale_temporaries_of_another_host_are_left_alone(tmp_path: Path) -> None:
+    here, there = _host_tag(), _other_host()
+    removed_here = tmp_path / f".a.ckpt.tmp-{DEAD_PID}-abcd1234@{here}"
+    written_there = tmp_path / f".b.ckpt.tmp-{DEAD_PID}-abcd1234@{there}"
+    my_pid_there = tmp_path / f".c.ckpt.tmp-{os.getpid()}-abcd1234@{there}"
+    live_here = tmp_path / f".d.ckpt.tmp-1-abcd1234@{here}"  # pid 1 runs
+    without_host = tmp_path / f".e.ckpt.tmp-{DEAD_PID}-abcd1234"  # an earlier loopbus's
+    for path in (removed_here, written_there, my_pid_there, live_here, without_host):
+        path.write_bytes(b"partial")
+    removed = loopbus.remove_stale_temporaries(tmp_path)
+    assert sorted(removed) == sorted([removed_here, without_host])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        p.name for p in (written_there, my_pid_there, live_here)
+    )
+
+
+class _Rank:
+    """What Checkpoint.setup reads of a trainer, on a rank of a distributed run."""
+
+    def __init__(self, zero: bool) -> None:
+        self.is_global_zero = zero
+
+
+@pytest.mark.parametrize("zero", [True, False], ids=["rank0", "rank1"])
+def test_only_rank_zero_cleans_up_temporaries(tmp_path: Path, zero: bool) -> None:
+    stale = tmp_path / f".a.ckpt.tmp-{DEAD_PID}-abcd1234@{_host_tag()}"
+    there = tmp_path / f".b.ckpt.tmp-{DEAD_PID}-abcd1234@{_other_host()}"
+    for path in (stale, there):
+        path.write_bytes(b"partial")
+    plugin = Checkpoint(tmp_path)
+    plugin.setup(_Rank(zero), "fit")  # type: ignore[arg-type]
+    plugin.teardown(_Rank(zero), "fit")  # type: ignore[arg-type]
+    assert stale.exists() is not zero
+    assert there.exists()

@@ -16,12 +16,15 @@ checked (format, version).
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import json
 import os
 import pickle
 import pickletools
+import re
 import secrets
+import socket
 import stat
 import zipfile
 import zlib
@@ -56,6 +59,10 @@ FORMAT_VERSION = 2
 LAST_POINTER = "last.json"
 MARKER_SUFFIX = ".complete"
 _TMP_TAG = ".tmp-"
+#: Separates a temporary file's writer (``<pid>-<random>``) from its host's name.
+_HOST_SEP = "@"
+#: The longest host tag in a temporary file's name.
+_HOST_TAG_MAX = 32
 
 PathLike = str | os.PathLike[str]
 
@@ -176,7 +183,24 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def _temp_path(target: Path) -> Path:
-    return target.with_name(f".{target.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}")
+    """``.<name>.tmp-<pid>-<random>@<host>``: the writer's process id and host name, so
+    that :func:`remove_stale_temporaries` judges whether the writer still runs only on
+    the host where that process id means something."""
+    return target.with_name(
+        f".{target.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}{_HOST_SEP}{_host_tag()}"
+    )
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a temporary file's name: characters other than
+    letters, digits and ``-`` become ``_``, and a long name is cut, with a hash of the
+    whole name kept, so that the tag stays short and still tells hosts apart."""
+    host = socket.gethostname() or "localhost"
+    tag = re.sub(r"[^A-Za-z0-9-]", "_", host)
+    if len(tag) > _HOST_TAG_MAX:
+        digest = hashlib.sha1(host.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        tag = f"{tag[: _HOST_TAG_MAX - 9]}~{digest}"
+    return tag
 
 
 class _ChecksumWriter:
@@ -287,20 +311,30 @@ def remove_checkpoint(path: PathLike) -> None:
 
 
 def remove_stale_temporaries(directory: PathLike) -> list[Path]:
-    """Delete temporary files that writers which no longer run left in ``directory``."""
+    """Delete temporary files that writers which no longer run left in ``directory``.
+
+    A temporary's name holds its writer's process id and host name
+    (``.<name>.tmp-<pid>-<random>@<host>``). It is removed when it was written on this
+    host by a process that no longer runs (or by this process). A temporary written on
+    another host (a directory shared between machines) is never removed: a process id
+    says nothing about another machine's processes; delete such files by hand once no
+    run writes there. A name without a host (written by an earlier loopbus) is taken to
+    come from this host."""
     removed: list[Path] = []
     d = Path(directory)
     if not d.is_dir():
         return removed
+    here = _host_tag()
     for entry in d.iterdir():
         name = entry.name
         if not name.startswith(".") or _TMP_TAG not in name:
             continue
-        tail = name.rsplit(_TMP_TAG, 1)[1]
-        pid_text = tail.split("-", 1)[0]
-        if not pid_text.isdigit():
+        writer = _temp_writer(name)
+        if writer is None:
             continue
-        pid = int(pid_text)
+        pid, host = writer
+        if host is not None and host != here:
+            continue  # another machine's writer: its pid means nothing here
         if pid != os.getpid() and _alive(pid):
             continue
         with contextlib.suppress(OSError):
@@ -309,7 +343,22 @@ def remove_stale_temporaries(directory: PathLike) -> list[Path]:
     return removed
 
 
+def _temp_writer(name: str) -> tuple[int, str | None] | None:
+    """The writer's process id and host tag from a temporary file's name (host None for
+    a name without one), or None if ``name`` is not a checkpoint temporary."""
+    tail = name.rsplit(_TMP_TAG, 1)[1]
+    host: str | None = None
+    if _HOST_SEP in tail:
+        tail, host = tail.rsplit(_HOST_SEP, 1)
+    pid_text = tail.split("-", 1)[0]
+    if not pid_text.isdigit():
+        return None
+    return int(pid_text), host
+
+
 def _alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (a permission error means that
+    one does, owned by another user)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

@@ -195,7 +195,10 @@ class Checkpoint(Plugin):
         self._error = None
         self._idle = None
         self._saw_validation = False
-        if trainer.is_global_zero:  # the only rank that writes
+        if trainer.is_global_zero:
+            # Rank 0 alone writes, so it alone creates the directory and removes the
+            # temporaries that dead writers left in it; a temporary written on another
+            # host (a shared directory) is left alone, its writer's pid means nothing here.
             try:
                 self.dirpath.mkdir(parents=True, exist_ok=True)
             except OSError as exc:

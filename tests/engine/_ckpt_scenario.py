@@ -128,6 +128,26 @@ class Killer(Plugin):
             self._die()
 
 
+class SaveAtStep(Plugin):
+    """Saves a checkpoint when the run reaches ``step``, after the module's own handlers
+    of the same event."""
+
+    priority = -100
+
+    def __init__(self, path: Any, step: int) -> None:
+        self.path = path
+        self.step = step
+        self.trainer: Trainer | None = None
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(TrainBatchCompleted)
+    def _batch(self, event: TrainBatchCompleted) -> None:
+        if event.step == self.step and self.trainer is not None:
+            self.trainer.save_checkpoint(self.path)
+
+
 def build(
     dirpath: str, loader: str, *, background: bool = False, plugins: list[Plugin] | None = None
 ) -> tuple[Trainer, Net, Any, Any]:

@@ -17,10 +17,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 import loopbus
-from loopbus import MisconfigurationError, Module, Plugin, Trainer, on
-from loopbus.events import TrainBatchCompleted
+from loopbus import MisconfigurationError, Module, Plugin, Trainer
 
-from ._ckpt_scenario import STATEFUL_WARNING, Net, make_data
+from ._ckpt_scenario import STATEFUL_WARNING, Net, SaveAtStep, make_data
 
 DELAY = 0.02
 
@@ -190,22 +189,6 @@ async def test_a_loading_error_reaches_the_caller() -> None:
     assert _prefetch_threads() == []
 
 
-class SaveAt(Plugin):
-    priority = -100
-
-    def __init__(self, path: Path, step: int) -> None:
-        self.path = path
-        self.step = step
-
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        self.trainer = trainer
-
-    @on(TrainBatchCompleted)
-    def batch(self, event: TrainBatchCompleted) -> None:
-        if event.step == self.step:
-            self.trainer.save_checkpoint(self.path)
-
-
 @pytest.mark.parametrize("loader", ["plain", "stateful", "stateful-generator"])
 async def test_resume_with_prefetch_is_bit_identical(tmp_path: Path, loader: str) -> None:
     """The checkpoint saves the position of the last batch trained on, not of the ones
@@ -224,7 +207,7 @@ async def test_resume_with_prefetch_is_bit_identical(tmp_path: Path, loader: str
             await trainer.fit(module, train, val, ckpt_path=ckpt)
         return {k: v.clone() for k, v in module.state_dict().items()}
 
-    expected = await run([SaveAt(path, 13)], None)
-    resumed = await run([SaveAt(tmp_path / "other.ckpt", 10_000)], path)
+    expected = await run([SaveAtStep(path, 13)], None)
+    resumed = await run([SaveAtStep(tmp_path / "other.ckpt", 10_000)], path)
     for name, tensor in expected.items():
         assert torch.equal(resumed[name], tensor), f"{name} differs after resume"

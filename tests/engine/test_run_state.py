@@ -16,7 +16,7 @@ from loopbus import CheckpointError, MisconfigurationError, Plugin, Trainer, on
 from loopbus.engine import RunState
 from loopbus.events import FitStarted, TrainBatchCompleted
 
-from ._ckpt_scenario import STATEFUL_WARNING, Net, make_data
+from ._ckpt_scenario import STATEFUL_WARNING, Net, SaveAtStep, make_data
 
 SRC = Path(loopbus.__file__).parent
 
@@ -244,27 +244,11 @@ class EmaNet(Net):
         self.ema.update(self)
 
 
-class SaveAt(Plugin):
-    priority = -100  # after the module's own handlers of the same event
-
-    def __init__(self, path: Path, step: int) -> None:
-        self.path = path
-        self.step = step
-
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        self.trainer = trainer
-
-    @on(TrainBatchCompleted)
-    def batch(self, event: TrainBatchCompleted) -> None:
-        if event.step == self.step:
-            self.trainer.save_checkpoint(self.path)
-
-
 async def test_a_registered_stateful_object_is_saved_and_restored(tmp_path: Path) -> None:
     path = tmp_path / "a.ckpt"
     loopbus.seed_everything(0)
     module = EmaNet()
-    trainer = Trainer(max_steps=6, plugins=[SaveAt(path, 3)], device="cpu")
+    trainer = Trainer(max_steps=6, plugins=[SaveAtStep(path, 3)], device="cpu")
     trainer.register_stateful("ema", module.ema)
     await trainer.fit(module, make_data("plain")[0])
     reference = {k: v.clone() for k, v in module.ema.shadow.items()}
@@ -273,7 +257,7 @@ async def test_a_registered_stateful_object_is_saved_and_restored(tmp_path: Path
 
     loopbus.seed_everything(99)
     resumed = EmaNet()
-    trainer = Trainer(max_steps=6, plugins=[SaveAt(tmp_path / "unused.ckpt", 0)], device="cpu")
+    trainer = Trainer(max_steps=6, plugins=[SaveAtStep(tmp_path / "unused.ckpt", 0)], device="cpu")
     trainer.register_stateful("ema", resumed.ema)
     with pytest.warns(UserWarning, match="skipping the 3 batches"):
         await trainer.fit(resumed, make_data("plain")[0], ckpt_path=path)
@@ -282,7 +266,7 @@ async def test_a_registered_stateful_object_is_saved_and_restored(tmp_path: Path
         assert torch.equal(resumed.ema.shadow[k], v), k
 
     # A run that does not register it is told what is in the checkpoint and not here.
-    trainer = Trainer(max_steps=6, plugins=[SaveAt(tmp_path / "unused.ckpt", 0)], device="cpu")
+    trainer = Trainer(max_steps=6, plugins=[SaveAtStep(tmp_path / "unused.ckpt", 0)], device="cpu")
     with pytest.raises(CheckpointError, match=r"user/ema: the checkpoint has state for it"):
         await trainer.fit(EmaNet(), make_data("plain")[0], ckpt_path=path)
 

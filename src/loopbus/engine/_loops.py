@@ -444,7 +444,9 @@ class TrainEpochLoop(_DataLoop):
         self._move_to = path.move_to
         self._worker = path.worker
         self._boundary = path.boundary
-        self._forward = path.forward
+        module = trainer.module
+        assert module is not None
+        self._forward = path.forward or module.training_step
         self._strategy = path.strategy
         self._step = self._choose_step()
         self._start_fetching(
@@ -540,11 +542,7 @@ class TrainEpochLoop(_DataLoop):
         per-step schedulers: forward, backward, optimizer step."""
         trainer = self._trainer
         assert trainer is not None
-        forward = self._forward
-        if forward is None:
-            output = trainer.module.training_step(batch, ctx)  # type: ignore[union-attr]
-        else:
-            output = forward(batch, ctx)
+        output = self._forward(batch, ctx)  # type: ignore[misc]
         loss = output if type(output) is _Tensor else _loss_of(output)
         if loss is None:
             return output
@@ -570,7 +568,7 @@ class TrainEpochLoop(_DataLoop):
         module = trainer.module
         assert module is not None
         autocast = trainer.precision.autocast
-        forward = self._forward or module.training_step
+        forward = self._forward or module.training_step  # a subclass calling early
         if autocast is None:
             output = forward(batch, ctx)
         else:
@@ -632,7 +630,7 @@ class TrainEpochLoop(_DataLoop):
         assert module is not None
         precision = trainer.precision
         autocast = precision.autocast
-        forward = self._forward or module.training_step
+        forward = self._forward or module.training_step  # a subclass calling early
         if autocast is None:
             output = forward(batch, ctx)
         else:

@@ -7,7 +7,6 @@ synthetic separable task and writes, per rank, the final weights and a summary t
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -16,7 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torchmetrics
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -167,17 +165,5 @@ def main() -> None:
     (out / f"summary_rank{rank}.json").write_text(json.dumps(summary))
 
 
-def leave_process_group() -> None:
-    """Leave the process group before the interpreter exits. A gloo process that exits
-    still holding its group after an all_gather (torchmetrics' compute() does them) aborts
-    now and then during torch's own teardown ("terminate called without an active
-    exception", exit code -6). The trainer and the module refer to each other, so they
-    (and the DDP wrapper that holds the group) are freed by a collection first."""
-    gc.collect()
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
 if __name__ == "__main__":
     main()
-    leave_process_group()

@@ -25,7 +25,9 @@ SCRIPT = ROOT / "tests" / "distributed_script.py"
 #: Above any pid_max: no process has this id on this host.
 DEAD_PID = 999_999_999
 #: What gloo says when a collective waits longer than the process group's timeout.
-TIMED_OUT = "Timed out waiting"
+# What gloo says when a collective outlives the group's timeout (a receive that waited,
+# or a connection it closed for that reason).
+TIMED_OUT = ("Timed out waiting", "Application timeout caused pair closure")
 
 pytestmark = pytest.mark.skipif(
     not torch.distributed.is_available(), reason="torch.distributed is not available"
@@ -161,7 +163,9 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
 def test_stop_on_one_rank_stops_all_at_the_same_step(tmp_path: Path) -> None:
     _ok(_launch(tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10"))
     s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
-    assert s0["step"] == s1["step"] == 10
+    # Asked after step 10: the exchange started at that boundary is read at the next
+    # one, so every rank stops after step 11.
+    assert s0["step"] == s1["step"] == 11
     assert s1["stop_reason"] == "rank 1 asked at step 10"
     assert s0["stop_reason"] == "rank 1 asked at step 10 (on rank 1)"
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
@@ -194,7 +198,7 @@ def test_a_hung_rank_times_the_others_out(tmp_path: Path) -> None:
     assert "rank 1 hangs at step 5" in output
     # Rank 0 waited in a collective for process_group_timeout, failed, and torchrun then
     # stopped the hung rank.
-    assert TIMED_OUT in output, output[-4000:]
+    assert any(text in output for text in TIMED_OUT), output[-4000:]
     assert elapsed < 60
     assert not (tmp_path / "summary_rank0.json").exists()
 

@@ -48,6 +48,7 @@ from ..events import (
     ValidationCompleted,
     ValidationStarted,
 )
+from ._device import move_batch
 from ._loop import Loop, LoopEvents
 from ._rng import capture_epoch_rng, capture_rng, restore_epoch_rng, restore_rng
 from ._scope import Scope
@@ -128,10 +129,18 @@ class ThreadedBatchSource(BatchSource):
     ahead. Close it (the loops do, however the run ends) to stop the worker.
     """
 
-    __slots__ = ("_closed", "_error", "_queue", "_thread")
+    __slots__ = ("_closed", "_error", "_prepare", "_queue", "_thread")
 
-    def __init__(self, iterator: Iterator[Any], loader: Any = None, depth: int = 1) -> None:
+    def __init__(
+        self,
+        iterator: Iterator[Any],
+        loader: Any = None,
+        depth: int = 1,
+        prepare: Callable[[Any], Any] | None = None,
+    ) -> None:
         super().__init__(iterator, loader)
+        # Applied to every batch on the worker (pinning it for a device copy).
+        self._prepare = prepare
         self._queue: queue.Queue[tuple[Any, Any]] = queue.Queue(maxsize=depth)
         self._closed = threading.Event()
         self._error: BaseException | None = None
@@ -142,21 +151,24 @@ class ThreadedBatchSource(BatchSource):
             self._recorded = loader.state_dict()
         try:
             first = next(iterator)
+            if prepare is not None:
+                first = prepare(first)
         except StopIteration:
             first = _END
         self._queue.put((first, None if loader is None else loader.state_dict()))
         del first
-        self._thread = threading.Thread(
-            target=self._fetch, name="loopbus-prefetch", daemon=True
-        )
+        self._thread = threading.Thread(target=self._fetch, name="loopbus-prefetch", daemon=True)
         if self._queue.queue[0][0] is not _END:
             self._thread.start()
 
     def _fetch(self) -> None:
         put = self._queue.put
         closed = self._closed
+        prepare = self._prepare
         try:
             for batch in self.iterator:
+                if prepare is not None:
+                    batch = prepare(batch)
                 item = (batch, None if self.loader is None else self.loader.state_dict())
                 while not closed.is_set():
                     try:
@@ -231,18 +243,6 @@ def _batch_limit(value: int | float | None, data: Any, option: str) -> float:
     return float(value)
 
 
-def _to_device(batch: Any, device: torch.device) -> Any:
-    if isinstance(batch, _Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):
-        return type(batch)(*(_to_device(b, device) for b in batch))
-    if isinstance(batch, (list, tuple)):
-        return type(batch)(_to_device(b, device) for b in batch)
-    if isinstance(batch, dict):
-        return type(batch)((k, _to_device(v, device)) for k, v in batch.items())
-    return batch
-
-
 def _loss_of(output: Any) -> _Tensor | None:
     if output is None or type(output) is _Tensor or isinstance(output, _Tensor):
         return output
@@ -285,12 +285,16 @@ class _DataLoop(Loop[Any]):
         self, ctx: Scope, data: Any, iterator: Iterator[Any], track_position: bool = False
     ) -> None:
         loader = data if track_position else None
-        depth = self.trainer.step_path.prefetch
+        path = self.trainer.step_path
+        depth = path.prefetch
         source: BatchSource
         if depth:
-            source = ThreadedBatchSource(iterator, loader, depth)
+            source = ThreadedBatchSource(iterator, loader, depth, path.prepare)
         else:
             source = BatchSource(iterator, loader)
+        if path.device_source is not None:
+            # Moved to the device ahead of the step (CUDA side-stream prefetch).
+            source = path.device_source(source, pin=path.prepare is None)
         # Owned by the loop until the run ends (closed then, however it ends).
         self._source = source
         ctx.borrow("source", source)
@@ -313,7 +317,7 @@ class _DataLoop(Loop[Any]):
         batch = self.run_ctx.source.take()
         device = self._move_to
         if device is not None:
-            batch = _to_device(batch, device)
+            batch = move_batch(batch, device)
         if self._borrow_batches:
             # Batches from an in-memory sequence are owned by it, not by the scope.
             it.borrow("batch", batch)
@@ -374,7 +378,11 @@ class StepPath(NamedTuple):
     delivery of in-step events (direct, or hopping from the worker to the loop), the step
     boundary, how many batches a worker thread fetches ahead (0: fetched inline), what
     the training step's forward calls (None: the module's ``training_step``; under DDP
-    the wrapper) and the distributed strategy (None in a single process)."""
+    the wrapper), the distributed strategy (None in a single process), what the
+    prefetch worker does to each batch (pinning it for a device copy; None: nothing),
+    and what wraps the host batch source to move batches to the device ahead of the
+    step (``CudaBatchSource``; None: they move in the step's iteration, on the compute
+    stream, if ``move_to`` is set)."""
 
     move_to: torch.device | None
     worker: Any
@@ -383,12 +391,16 @@ class StepPath(NamedTuple):
     prefetch: int = 0
     forward: Callable[[Any, Any], Any] | None = None
     strategy: Any = None
+    prepare: Callable[[Any], Any] | None = None
+    device_source: Callable[..., Any] | None = None
 
 
 class TrainEpochLoop(_DataLoop):
     """One epoch of training: an iteration per batch, validation when due."""
 
-    events = LoopEvents(TrainEpochStarted, TrainBatchStarted, TrainBatchCompleted, TrainEpochCompleted)
+    events = LoopEvents(
+        TrainEpochStarted, TrainBatchStarted, TrainBatchCompleted, TrainEpochCompleted
+    )
     name = "train"
 
     def __init__(self) -> None:
@@ -427,9 +439,10 @@ class TrainEpochLoop(_DataLoop):
         state = trainer.state
         strategy = self._strategy
         if strategy is not None:
-            # Under DDP, one all-reduce per batch boundary (after the batch's events):
-            # a stop asked on any rank stops every rank here.
-            strategy.sync_stop(state)
+            # Under DDP, one asynchronous all-reduce per batch boundary (after the
+            # batch's events), read at the next one: a stop asked on any rank stops
+            # every rank at the same boundary, one step later.
+            strategy.exchange_stop(state)
         if state.stop_requested or state.step >= trainer.max_steps:
             return True
         if self.progress.current.ready >= self._limit:
@@ -674,6 +687,10 @@ class TrainEpochLoop(_DataLoop):
             and self._validation_enabled(ctx)
         ):
             await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
+            strategy = self._strategy
+            if strategy is not None:
+                # A stop asked by a validation handler takes effect at this boundary.
+                strategy.settle_stop(trainer.state)
 
     def _validation_enabled(self, ctx: Scope) -> bool:
         trainer = self._trainer
@@ -728,7 +745,7 @@ class FitLoop(Loop[None]):
         if strategy is not None:
             # Checked once per epoch on every rank: agree on a stop asked for since the
             # last step (by epoch-end handlers) before any rank starts another epoch.
-            strategy.sync_stop(state)
+            strategy.settle_stop(state)
         return (
             state.stop_requested
             or self.progress.total.completed >= trainer.max_epochs

@@ -13,16 +13,21 @@ What DDP adds, and what it costs:
   is untouched (validation and predict call it directly, without DDP);
 * the training loader is rebuilt around a ``DistributedSampler``;
 * gradient accumulation runs the non-final micro-batches under ``no_sync()``;
-* stop requests are made collective: one all-reduce of one integer per training step
-  (and one per epoch), so that a stop requested on any rank ends every rank at the same
-  step boundary;
+* stop requests are made collective: every batch boundary starts an asynchronous
+  all-reduce of one integer over a gloo group on the host and reads the one started at
+  the boundary before, so a stop requested on any rank ends every rank at the same step
+  boundary, one step later, without a blocking collective or a device sync per step;
+  after a validation and at every epoch boundary the exchange is blocking (rare), so a
+  stop asked there takes effect at once;
 * checkpoints hold every rank's random generators (an ``all_gather_object`` per save),
   are written by rank 0 only, and are read by every rank.
 """
 
 from __future__ import annotations
 
+import atexit
 import datetime
+import gc
 import os
 import warnings
 from contextlib import nullcontext
@@ -38,7 +43,13 @@ if TYPE_CHECKING:
     from ._module import Module
     from ._runstate import RunState
 
-__all__ = ["DDPStrategy", "SingleProcess", "Strategy", "TrainingStepAdapter", "launched_distributed"]
+__all__ = [
+    "DDPStrategy",
+    "SingleProcess",
+    "Strategy",
+    "TrainingStepAdapter",
+    "launched_distributed",
+]
 
 StrategyName = Literal["auto", "ddp", "single"]
 
@@ -99,8 +110,13 @@ class Strategy:
     def prepare_train_data(self, data: Any) -> Any:
         return data
 
-    def sync_stop(self, state: RunState) -> None:
-        """Make a pending stop request effective (collectively under DDP)."""
+    def exchange_stop(self, state: RunState) -> None:
+        """At a batch boundary: make stop requests collective (under DDP, lagged by one
+        boundary, without blocking)."""
+
+    def settle_stop(self, state: RunState) -> None:
+        """At a rare boundary (after validation, between epochs): agree on every stop
+        requested so far, at once."""
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]
@@ -128,6 +144,10 @@ class DDPStrategy(Strategy):
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._wrapped: Module | None = None
         self._device: torch.device | None = None
+        # The stop exchange: a host group (gloo), one flag, the work in flight.
+        self._stop_group: Any = None
+        self._stop_flag = torch.zeros(1, dtype=torch.int32)
+        self._stop_work: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -166,6 +186,9 @@ class DDPStrategy(Strategy):
             backend="nccl" if device.type == "cuda" else "gloo",
             timeout=datetime.timedelta(seconds=self.process_group_timeout),
         )
+        # Created here, so left here: a group still alive when the interpreter tears
+        # down its modules can abort the process on exit (gloo).
+        atexit.register(_leave_process_group)
 
     def wrap(self, module: Module) -> Any:
         if self._wrapped is not module or self._wrapper is None:
@@ -233,21 +256,58 @@ class DDPStrategy(Strategy):
             pin_memory_device=data.pin_memory_device,
         )
 
-    def sync_stop(self, state: RunState) -> None:
-        pending = state.pending_stop
-        flag = torch.tensor([1 if pending is not None else 0], dtype=torch.int32)
-        if self._device is not None and self._device.type == "cuda":
-            flag = flag.to(self._device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        if not int(flag.item()):
-            return
+    def _stop_process_group(self) -> Any:
+        """The group the stop flag travels on: the default one when it is gloo, else a
+        gloo group of the same ranks (host to host: no device sync, no NCCL stream)."""
+        group = self._stop_group
+        if group is None:
+            if dist.get_backend() == "gloo":
+                group = dist.group.WORLD
+            else:
+                group = dist.new_group(backend="gloo")
+            self._stop_group = group
+        return group
+
+    def _collect_stop(self, state: RunState) -> bool:
+        """Wait for the exchange in flight, if any; True when it says a rank asked."""
+        work = self._stop_work
+        if work is None:
+            return False
+        self._stop_work = None
+        work.wait()
+        if not int(self._stop_flag[0]):
+            return False
         # Rare: once per run. Every rank learns who asked and why.
-        reasons = self.all_gather_object(pending)
+        reasons: list[Any] = [None] * self.world_size
+        dist.all_gather_object(reasons, state.pending_stop, group=self._stop_process_group())
         for rank, reason in enumerate(reasons):
             if reason is not None:
                 text = reason if rank == self.global_rank else f"{reason} (on rank {rank})"
                 state.confirm_stop(text)
-                return
+                break
+        return True
+
+    def exchange_stop(self, state: RunState) -> None:
+        # Every rank calls this at the same boundaries and reaches the same result, so
+        # the sequence of collectives is the same everywhere.
+        if self._collect_stop(state) or state.stop_requested:
+            return
+        self._stop_flag[0] = 0 if state.pending_stop is None else 1
+        self._stop_work = dist.all_reduce(
+            self._stop_flag,
+            op=dist.ReduceOp.MAX,
+            group=self._stop_process_group(),
+            async_op=True,
+        )
+
+    def settle_stop(self, state: RunState) -> None:
+        if self._collect_stop(state) or state.stop_requested:
+            return
+        self._stop_flag[0] = 0 if state.pending_stop is None else 1
+        self._stop_work = dist.all_reduce(
+            self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_process_group(), async_op=True
+        )
+        self._collect_stop(state)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -261,6 +321,12 @@ class DDPStrategy(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+
+def _leave_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        gc.collect()  # drop DDP reducers that still refer to the group
+        dist.destroy_process_group()
 
 
 def _env_int(name: str, default: int) -> int:

@@ -35,6 +35,7 @@ from ._checkpoint import (
     resolve_last,
     write_checkpoint,
 )
+from ._device import CudaBatchSource, pin_batch
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop, StepBoundary, StepPath
 from ._module import Module
@@ -290,6 +291,11 @@ class Trainer:
       Random draws in the loading code then share torch's global generator with the
       step from another thread: give the dataset its own ``torch.Generator`` to keep
       runs reproducible. Checkpoints save the position of the last batch trained on.
+    * ``device_prefetch``: on a CUDA device, how many batches are copied to the device
+      ahead of the step, on a side stream, while the step computes (default 1; 0 moves
+      each batch in its own iteration on the compute stream). Unpinned batches are
+      pinned first (by the prefetch worker when ``prefetch`` is on). See
+      ``docs/performance.md``.
     * ``strategy``: ``"auto"`` (default) runs DDP when launched by ``torchrun`` with
       more than one process (``WORLD_SIZE > 1``), else in this process; ``"ddp"`` or
       ``"single"`` force one (see ``docs/distributed.md``). Under DDP the trainer joins
@@ -321,6 +327,7 @@ class Trainer:
         yield_interval: float = 0.005,
         drain_timeout: float = 10.0,
         prefetch: int = 0,
+        device_prefetch: int = 1,
         strategy: StrategyName = "auto",
         process_group_timeout: float = 1800.0,
         **unknown: Any,
@@ -389,6 +396,12 @@ class Trainer:
             prefetch,
             minimum=0,
             hint="0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
+        )
+        self.device_prefetch = check_int(
+            "device_prefetch",
+            device_prefetch,
+            minimum=0,
+            hint="0 moves each batch on the compute stream; N >= 1 copies up to N ahead",
         )
         self.drain_timeout = float(drain_timeout)
         check_choice(
@@ -880,14 +893,26 @@ class Trainer:
             emit: Callable[[Any, Any], Any] = self._emit_from_worker
         else:
             worker, emit = None, self.bus.deliver_sync
+        move_to: torch.device | None = None if device.type == "cpu" else device
+        prepare: Callable[[Any], Any] | None = None
+        device_source: Callable[..., Any] | None = None
+        if device.type == "cuda" and self.device_prefetch:
+            move_to = None  # the batch source moves them, on the copy stream
+            device_source = functools.partial(
+                CudaBatchSource, device=device, depth=self.device_prefetch
+            )
+            if self.prefetch:
+                prepare = pin_batch  # pinned on the prefetch worker
         self._step_path = StepPath(
-            move_to=None if device.type == "cpu" else device,
+            move_to=move_to,
             worker=worker,
             emit=emit,
             boundary=StepBoundary(self.recorder, self.yield_interval),
             prefetch=self.prefetch,
             forward=forward,
             strategy=self.strategy if self.strategy.distributed else None,
+            prepare=prepare,
+            device_source=device_source,
         )
 
     def _emit_from_worker(self, entries: Any, event: Any) -> None:

@@ -1,0 +1,219 @@
+"""Batches on their way to an accelerator: nested moves, and CUDA side-stream prefetch.
+
+:func:`move_batch` moves any nesting of tensors, tuples, lists, dicts, namedtuples,
+dataclasses and objects with a ``.to()`` method, and can collect the device tensors it
+made (so the caller can ``record_stream`` each of them: a nested tuple's tensors
+included).
+
+:class:`CudaBatchSource` fetches batch *k + 1* from a host source while step *k*
+computes:
+
+1. the host batch is pinned if it is not (a worker thread does it when ``prefetch`` is
+   on; else it happens here);
+2. the copy stream of the device (one per device, for the life of the process: a new
+   stream per epoch would grow the reserved memory every epoch) first waits on the
+   compute stream, since the allocator may hand the copy memory the compute stream
+   freed but has not finished using; then every tensor is copied with
+   ``non_blocking=True`` and an event is recorded;
+3. when the loop takes the batch, the compute stream waits on that event (on the
+   device: the host does not wait) and every device tensor of the batch is
+   ``record_stream``-ed on the compute stream, so the allocator does not reuse its
+   memory for the next copy while the step still reads it.
+
+Objects whose tensors cannot be reached (an object with a ``.to()``) are moved on the
+compute stream instead, correct but not overlapped.
+
+The loader position a checkpoint saves is the one recorded with each host batch, so it
+is that of the last batch handed to a step, never of one copied ahead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import deque
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["CudaBatchSource", "copy_stream", "move_batch", "pin_batch"]
+
+_Tensor = torch.Tensor
+
+# One copy stream per device for the life of the process.
+_COPY_STREAMS: dict[torch.device, Any] = {}
+
+
+def copy_stream(device: torch.device) -> Any:
+    """The long-lived host-to-device copy stream of ``device``."""
+    stream = _COPY_STREAMS.get(device)
+    if stream is None:
+        stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    return stream
+
+
+class _Opaque(Exception):
+    """A batch holds an object whose device tensors cannot be reached."""
+
+
+def move_batch(
+    batch: Any,
+    device: torch.device,
+    made: list[_Tensor] | None = None,
+    *,
+    opaque_ok: bool = True,
+) -> Any:
+    """``batch`` with every tensor moved to ``device`` (``non_blocking=True``), its
+    structure intact: tensors, tuples, lists, dicts (any ``Mapping`` type that can be
+    built from pairs), namedtuples, dataclasses, and objects with a ``.to()`` method.
+    The device tensors made are appended to ``made``. With ``opaque_ok=False`` an
+    object moved by its own ``.to()`` raises :class:`_Opaque` instead (its tensors
+    cannot be collected)."""
+    if isinstance(batch, _Tensor):
+        moved = batch.to(device, non_blocking=True)
+        if made is not None:
+            made.append(moved)
+        return moved
+    if isinstance(batch, tuple):
+        items = [move_batch(b, device, made, opaque_ok=opaque_ok) for b in batch]
+        if hasattr(batch, "_fields"):  # a namedtuple
+            return type(batch)(*items)
+        return type(batch)(items)
+    if isinstance(batch, list):
+        return type(batch)(move_batch(b, device, made, opaque_ok=opaque_ok) for b in batch)
+    if isinstance(batch, Mapping):
+        pairs = [(k, move_batch(v, device, made, opaque_ok=opaque_ok)) for k, v in batch.items()]
+        try:
+            return type(batch)(pairs)  # type: ignore[call-arg]
+        except TypeError:
+            return dict(pairs)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            f.name: move_batch(getattr(batch, f.name), device, made, opaque_ok=opaque_ok)
+            for f in dataclasses.fields(batch)
+            if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    to = getattr(batch, "to", None)
+    if callable(to) and not isinstance(batch, (str, bytes, type)):
+        if not opaque_ok:
+            raise _Opaque
+        try:
+            return to(device, non_blocking=True)
+        except TypeError:  # a .to() without non_blocking
+            return to(device)
+    return batch
+
+
+def pin_batch(batch: Any) -> Any:
+    """``batch`` with every CPU tensor in pinned (page-locked) memory; tensors already
+    pinned are kept as they are."""
+    if isinstance(batch, _Tensor):
+        if batch.device.type == "cpu" and not batch.is_pinned():
+            return batch.pin_memory()
+        return batch
+    if isinstance(batch, tuple):
+        items = [pin_batch(b) for b in batch]
+        if hasattr(batch, "_fields"):
+            return type(batch)(*items)
+        return type(batch)(items)
+    if isinstance(batch, list):
+        return type(batch)(pin_batch(b) for b in batch)
+    if isinstance(batch, Mapping):
+        pairs = [(k, pin_batch(v)) for k, v in batch.items()]
+        try:
+            return type(batch)(pairs)  # type: ignore[call-arg]
+        except TypeError:
+            return dict(pairs)
+    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        changes = {
+            f.name: pin_batch(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init
+        }
+        return dataclasses.replace(batch, **changes)
+    return batch
+
+
+class CudaBatchSource:
+    """A batch source (the loops' ``BatchSource`` interface: ``has_next``,
+    ``look_ahead``, ``take``, ``position``, ``close``) that keeps up to ``depth``
+    batches copied (or being copied) to a CUDA device ahead of the step, on the
+    device's copy stream. Wraps the host source (inline or threaded) it takes batches
+    from; ``pin=False`` when that source pins them already."""
+
+    __slots__ = (
+        "_compute",
+        "_copy",
+        "_device",
+        "_inner",
+        "_pin",
+        "_ready",
+        "_recorded",
+        "depth",
+    )
+
+    def __init__(
+        self, inner: Any, device: torch.device, depth: int = 1, *, pin: bool = True
+    ) -> None:
+        self._inner = inner
+        self._device = device
+        self.depth = max(1, int(depth))
+        self._pin = pin
+        self._copy = copy_stream(device)
+        self._compute = torch.cuda.current_stream(device)
+        # (device batch, event, device tensors or None when moved on the compute
+        # stream, the loader position as of that batch)
+        self._ready: deque[tuple[Any, Any, list[_Tensor] | None, Any]] = deque()
+        self._recorded: dict[str, Any] | None = inner.position()
+
+    def _fill(self) -> None:
+        inner = self._inner
+        ready = self._ready
+        while len(ready) < self.depth and inner.has_next():
+            host = inner.take()
+            position = inner.position()
+            if self._pin:
+                host = pin_batch(host)
+            made: list[_Tensor] = []
+            stream = self._copy
+            # The copy may get memory the compute stream freed and still reads.
+            stream.wait_stream(self._compute)
+            try:
+                with torch.cuda.stream(stream):
+                    moved = move_batch(host, self._device, made, opaque_ok=False)
+                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                    event.record(stream)
+                ready.append((moved, event, made, position))
+            except _Opaque:
+                # Tensors the copy stream cannot hand over safely: move on the
+                # compute stream (ordered with the step, no overlap).
+                moved = move_batch(host, self._device)
+                ready.append((moved, None, None, position))
+            del host
+
+    def has_next(self) -> bool:
+        if not self._ready:
+            self._fill()
+        return bool(self._ready)
+
+    def look_ahead(self) -> bool:
+        return self.has_next()
+
+    def take(self) -> Any:
+        moved, event, made, position = self._ready.popleft()
+        compute = self._compute
+        if event is not None:
+            compute.wait_event(event)  # on the device; the host goes on
+            assert made is not None
+            for tensor in made:
+                tensor.record_stream(compute)
+        self._recorded = position
+        # Start the next copies now: they overlap with the step about to run.
+        self._fill()
+        return moved
+
+    def position(self) -> dict[str, Any] | None:
+        return self._recorded
+
+    def close(self) -> None:
+        self._ready.clear()
+        self._inner.close()

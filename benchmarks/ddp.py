@@ -7,18 +7,17 @@ SGD, ``--steps`` optimizer steps (several epochs). The hand-written loop wraps t
 in ``DistributedDataParallel`` and runs forward, backward, step, ``zero_grad``. loopbus
 gets a plain shuffled ``DataLoader`` (it adds the ``DistributedSampler`` itself), puts
 ``"loss"`` every step, has no plugins and no leak check; its per-step cost over the
-hand-written loop includes the stop exchange that makes stop requests collective (an
-asynchronous all-reduce of one integer per step, read one step later).
+hand-written loop includes what makes stop requests collective (a stop flag carried in
+DDP's gradient all-reduce: one more element, no collective of its own).
 
 Run plainly, the script launches itself under ``torch.distributed.run`` (a free port,
 ``OMP_NUM_THREADS=1``) in worker mode. Every rank first runs both loops once and rank 0
 checks that they end with bit-identical weights (same seeds, same sampler); then rounds
 alternate the two loops (the order swaps every round), each timed between barriers, and
 rank 0 prints the per-round times, the median of the per-round ratios and the number of
-rounds. It also times a bare blocking all-reduce of one integer (what a stop check that
-waited for its answer in the same step would cost); ``--breakdown`` adds, to every
-round, the hand-written loop doing loopbus's lagged exchange too, which separates the
-collective from the rest of the engine.
+rounds. It also times a bare blocking all-reduce of one integer; ``--breakdown`` adds,
+to every round, the hand-written loop doing such an all-reduce after every step (what a
+stop check with a collective of its own per step costs, for comparison).
 
     ./dev bench ddp                                 # defaults below
     ./dev bench ddp --steps 2000 --rounds 15 --hidden 128
@@ -66,7 +65,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--breakdown",
         action="store_true",
-        help="also time the hand-written loop plus loopbus's per-step stop exchange",
+        help="also time the hand-written loop plus a blocking stop all-reduce per step",
     )
     parser.add_argument("--nproc", type=int, default=2, help="processes (ranks)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -97,9 +96,8 @@ def make_dataset(samples: int) -> TensorDataset:
 def hand_written(
     dataset: TensorDataset, steps: int, hidden: int, stop_check: bool = False
 ) -> torch.nn.Module:
-    """The hand-written DDP loop; with ``stop_check`` it also exchanges a stop flag as
-    loopbus does: an asynchronous all-reduce of one integer started after every step and
-    waited for (and read) after the next one."""
+    """The hand-written DDP loop; with ``stop_check`` it also all-reduces a stop flag
+    after every step and reads it (a stop check with a collective of its own)."""
     torch.manual_seed(0)
     net = MLP(hidden)
     model = DistributedDataParallel(net)
@@ -108,7 +106,6 @@ def hand_written(
     loader = DataLoader(dataset, batch_size=BATCH, sampler=sampler)
     net.train()
     flag = torch.zeros(1, dtype=torch.int32)
-    work: Any = None
     n, epoch = 0, 0
     while n < steps:
         sampler.set_epoch(epoch)
@@ -119,16 +116,12 @@ def hand_written(
             opt.zero_grad(set_to_none=True)
             n += 1
             if stop_check:
-                if work is not None:
-                    work.wait()
-                    if flag.item():
-                        break
-                work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item():
+                    break
             if n >= steps:
                 break
         epoch += 1
-    if work is not None:
-        work.wait()
     return net
 
 
@@ -173,7 +166,7 @@ def timed(fn: Callable[[], Any]) -> float:
 
 
 def allreduce_us(n: int = 2000) -> float:
-    """Microseconds per all-reduce (MAX) of one int32, as the collective stop check does."""
+    """Microseconds per blocking all-reduce (MAX) of one int32."""
     flag = torch.zeros(1, dtype=torch.int32)
     for _ in range(100):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -266,12 +259,12 @@ def worker(args: argparse.Namespace) -> None:
         sync = statistics.median(ratios["hand+stop"])
         per_round = [a / b for a, b in zip(times["loopbus"], times["hand+stop"], strict=True)]
         say(
-            f"hand-written + the lagged stop exchange per step: {sync:.3f}x the hand-written loop; "
+            f"hand-written + a blocking stop all-reduce per step: {sync:.3f}x the hand-written loop; "
             f"loopbus / that: {statistics.median(per_round):.3f}x"
         )
     say(
-        f"one blocking all-reduce of one int32 (what a per-step stop check would cost "
-        f"without the lag): "
+        f"one blocking all-reduce of one int32 (what a stop check with a collective of its "
+        f"own would cost per step): "
         f"{reduce_us:.0f} us = {reduce_us / step_us * 100:.1f}% of a hand-written step"
     )
     # Free the trainers' DDP wrappers (held in reference cycles) before leaving the group.

@@ -39,6 +39,8 @@ class Net(Module):
         )
         self.correct = 0
         self.seen = 0
+        # (rank, step): ask to stop inside the training step there (before backward).
+        self.stop_in_step: tuple[int, int] | None = None
         # Synchronised over the ranks by compute() (torchmetrics' sync_on_compute=True).
         self.val_seen = torchmetrics.SumMetric()
         self.val_acc = torchmetrics.MeanMetric()
@@ -48,6 +50,9 @@ class Net(Module):
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
         x, y = batch
+        trainer = self.trainer
+        if self.stop_in_step == (trainer.global_rank, trainer.global_step):
+            trainer.request_stop(f"rank {trainer.global_rank} asked at step {trainer.global_step}")
         loss = torch.nn.functional.cross_entropy(self(x), y)
         self.put("train/loss", loss)
         return loss
@@ -72,6 +77,20 @@ class Net(Module):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
 
+class ManualNet(Net):
+    """The same model stepped by hand (manual optimization)."""
+
+    automatic_optimization = False
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        opt = self.optimizers()
+        loss = super().training_step(batch, ctx)
+        opt.zero_grad()
+        self.manual_backward(loss)
+        opt.step()
+        return loss.detach()
+
+
 def data(n: int, seed: int) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEATURES, generator=g)
@@ -91,7 +110,7 @@ class Trouble(Plugin):
     def _check(self, event: TrainBatchCompleted) -> None:
         args, trainer = self.args, self._trainer
         step, rank = trainer.global_step, trainer.global_rank
-        if args.stop_at == step and args.stop_rank == rank:
+        if args.stop_in == "handler" and args.stop_at == step and args.stop_rank == rank:
             trainer.request_stop(f"rank {rank} asked at step {step}")
         if args.raise_at == step and args.raise_rank == rank:
             raise RuntimeError(f"boom on rank {rank} at step {step}")
@@ -101,6 +120,13 @@ class Trouble(Plugin):
         if args.kill_at == step:
             # Every rank dies here (torchrun puts its workers in sessions of their own).
             os.kill(os.getpid(), signal.SIGKILL)
+
+    @on(ValidationCompleted)
+    def _validated(self, event: ValidationCompleted) -> None:
+        args, trainer = self.args, self._trainer
+        step, rank = trainer.global_step, trainer.global_rank
+        if args.stop_in == "validation" and args.stop_at == step and args.stop_rank == rank:
+            trainer.request_stop(f"rank {rank} asked at step {step}")
 
     def setup(self, trainer: Trainer, stage: str) -> None:
         self._trainer = trainer
@@ -115,8 +141,10 @@ def main() -> None:
     parser.add_argument("--csv", action="store_true")
     parser.add_argument("--ckpt", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--manual", action="store_true", help="manual optimization")
     parser.add_argument("--stop-rank", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
+    parser.add_argument("--stop-in", choices=["handler", "step", "validation"], default="handler")
     parser.add_argument("--raise-rank", type=int, default=-1)
     parser.add_argument("--raise-at", type=int, default=-1)
     parser.add_argument("--kill-at", type=int, default=-1)
@@ -128,7 +156,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
 
     loopbus.seed_everything(0)
-    module = Net()
+    module = ManualNet() if args.manual else Net()
+    if args.stop_in == "step" and args.stop_rank >= 0:
+        module.stop_in_step = (args.stop_rank, args.stop_at)
     train = DataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
     val = DataLoader(data(N_VAL, 1), batch_size=128)
     # Directories named after the rank the process starts as (shared ones work too):
@@ -142,6 +172,8 @@ def main() -> None:
     trainer = Trainer(
         max_epochs=args.epochs,
         accumulate_grad_batches=args.accumulate,
+        # Validation inside the epoch too when a validation handler is to stop the run.
+        val_check_interval=5 if args.stop_in == "validation" else None,
         plugins=plugins,
         process_group_timeout=args.timeout,
     )

@@ -160,15 +160,39 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
 
 
-def test_stop_on_one_rank_stops_all_at_the_same_step(tmp_path: Path) -> None:
-    _ok(_launch(tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10"))
+@pytest.mark.parametrize(
+    ("where", "stopped_at"),
+    [
+        # Asked by a handler after step 10's backward: carried by step 11's.
+        pytest.param("handler", 11, id="in-a-handler"),
+        # Asked inside step 11, before its backward: carried by it.
+        pytest.param("step", 11, id="in-the-step"),
+        # Asked by a validation handler inside the epoch: the blocking exchange after
+        # validation stops every rank at once.
+        pytest.param("validation", 10, id="at-validation"),
+    ],
+)
+def test_stop_on_one_rank_stops_all_at_the_same_step(
+    tmp_path: Path, where: str, stopped_at: int
+) -> None:
+    _ok(
+        _launch(
+            tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10", "--stop-in", where
+        )
+    )
     s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
-    # Asked after step 10: the exchange started at that boundary is read at the next
-    # one, so every rank stops after step 11.
-    assert s0["step"] == s1["step"] == 11
+    assert s0["step"] == s1["step"] == stopped_at
     assert s1["stop_reason"] == "rank 1 asked at step 10"
     assert s0["stop_reason"] == "rank 1 asked at step 10 (on rank 1)"
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_manual_optimization_is_refused_clearly(tmp_path: Path) -> None:
+    proc = _launch(tmp_path, "--epochs", "1", "--manual")
+    assert proc.returncode != 0
+    assert "uses manual optimization, which strategy='ddp' does not support yet" in (
+        proc.stdout + proc.stderr
+    )
 
 
 def test_accumulation_keeps_ranks_in_sync(tmp_path: Path) -> None:

@@ -13,12 +13,15 @@ What DDP adds, and what it costs:
   is untouched (validation and predict call it directly, without DDP);
 * the training loader is rebuilt around a ``DistributedSampler``;
 * gradient accumulation runs the non-final micro-batches under ``no_sync()``;
-* stop requests are made collective: every batch boundary starts an asynchronous
-  all-reduce of one integer over a gloo group on the host and reads the one started at
-  the boundary before, so a stop requested on any rank ends every rank at the same step
-  boundary, one step later, without a blocking collective or a device sync per step;
-  after a validation and at every epoch boundary the exchange is blocking (rare), so a
-  stop asked there takes effect at once;
+* stop requests are made collective without a collective of their own per step: the
+  adapter has a one-element parameter, ``stop_flag``, whose gradient is "this rank
+  asked to stop" (1.0 or 0.0); DDP averages it with the other gradients, and at the
+  batch boundary every rank reads the same average and stops if it is not zero. A stop
+  asked before the step's backward stops every rank after that step; one asked after it
+  (a handler of the step's events) after the next. After a validation and at every
+  epoch boundary a blocking all-reduce of one integer (over gloo on the host) covers the
+  requests made since the last backward;
+* manual optimization is refused (its backward would run inside DDP's forward);
 * checkpoints hold every rank's random generators (an ``all_gather_object`` per save),
   are written by rank 0 only, and are read by every rank.
 """
@@ -30,6 +33,7 @@ import datetime
 import gc
 import os
 import warnings
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -64,17 +68,62 @@ def launched_distributed() -> bool:
     return world > 1 and ("RANK" in env or "LOCAL_RANK" in env)
 
 
+class _CarryStop(torch.autograd.Function):
+    """The identity on the loss whose backward gives the stop flag parameter the value
+    "a stop was asked on this rank" (1.0 or 0.0) as its gradient: DDP then averages it
+    with every other gradient, so each rank learns whether any rank asked without a
+    collective of its own."""
+
+    @staticmethod
+    def forward(ctx: Any, loss: torch.Tensor, flag: torch.Tensor, asked: Any) -> torch.Tensor:
+        ctx.asked = asked
+        ctx.flag_dtype = flag.dtype
+        ctx.flag_device = flag.device
+        return loss.view_as(loss)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        value = 1.0 if ctx.asked() else 0.0
+        return grad, torch.full((1,), value, dtype=ctx.flag_dtype, device=ctx.flag_device), None
+
+
 class TrainingStepAdapter(torch.nn.Module):
     """A module whose ``forward(batch, ctx)`` is ``module.training_step(batch, ctx)``:
     wrapped in DDP, it routes the training step through DDP's forward (which is what
-    makes DDP synchronise gradients) without touching the module's own ``forward``."""
+    makes DDP synchronise gradients) without touching the module's own ``forward``.
 
-    def __init__(self, module: Module) -> None:
+    With ``asked``, the loss the step returns passes through :class:`_CarryStop`, and
+    the one-element parameter :attr:`stop_flag` carries this rank's stop request in
+    DDP's gradient all-reduce."""
+
+    def __init__(self, module: Module, asked: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.module = module
+        self._asked = asked
+        # Only when it is used in every step (DDP requires every parameter to be).
+        self.stop_flag: torch.nn.Parameter | None = (
+            None
+            if asked is None
+            else torch.nn.Parameter(torch.zeros(1, device=_device_of(module)))
+        )
 
     def forward(self, batch: Any, ctx: Any) -> Any:
-        return self.module.training_step(batch, ctx)
+        output = self.module.training_step(batch, ctx)
+        asked, flag = self._asked, self.stop_flag
+        if asked is None or flag is None or output is None:
+            return output
+        if isinstance(output, torch.Tensor):
+            return _CarryStop.apply(output, flag, asked)  # type: ignore[no-untyped-call]
+        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
+            loss = _CarryStop.apply(output["loss"], flag, asked)  # type: ignore[no-untyped-call]
+            return {**output, "loss": loss}
+        return output  # the loop reports what is wrong with it
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    for tensor in module.parameters():
+        return tensor.device
+    return torch.device("cpu")
 
 
 class Strategy:
@@ -96,7 +145,7 @@ class Strategy:
     def setup_environment(self, device: torch.device) -> None:
         """Called when the trainer is built."""
 
-    def wrap(self, module: Module) -> Any:
+    def wrap(self, module: Module, state: RunState) -> Any:
         """What the training step's forward calls: ``module.training_step`` here."""
         return module.training_step
 
@@ -111,8 +160,8 @@ class Strategy:
         return data
 
     def exchange_stop(self, state: RunState) -> None:
-        """At a batch boundary: make stop requests collective (under DDP, lagged by one
-        boundary, without blocking)."""
+        """At a batch boundary: make stop requests collective (under DDP, through the
+        gradient all-reduce, without a collective of its own)."""
 
     def settle_stop(self, state: RunState) -> None:
         """At a rare boundary (after validation, between epochs): agree on every stop
@@ -144,10 +193,14 @@ class DDPStrategy(Strategy):
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._wrapped: Module | None = None
         self._device: torch.device | None = None
-        # The stop exchange: a host group (gloo), one flag, the work in flight.
+        self._adapter: TrainingStepAdapter | None = None
+        self._grads_local = False  # the last step ran under no_sync
+        # On CUDA, the averaged flag copied to the host, read one boundary later.
+        self._flag_read: tuple[torch.Tensor, Any] | None = None
+        # The blocking stop exchange of the rare boundaries: a host group (gloo), one
+        # flag.
         self._stop_group: Any = None
         self._stop_flag = torch.zeros(1, dtype=torch.int32)
-        self._stop_work: Any = None
 
     @property
     def distributed(self) -> bool:
@@ -190,14 +243,25 @@ class DDPStrategy(Strategy):
         # down its modules can abort the process on exit (gloo).
         atexit.register(_leave_process_group)
 
-    def wrap(self, module: Module) -> Any:
+    def wrap(self, module: Module, state: RunState) -> Any:
+        if not module.automatic_optimization:
+            raise MisconfigurationError(
+                f"{type(module).__name__} uses manual optimization, which strategy='ddp' "
+                "does not support yet: its backward would run inside DDP's forward, "
+                "before DDP is ready to average the gradients. Use automatic "
+                "optimization (return the loss from training_step), or run it in one "
+                "process."
+            )
         if self._wrapped is not module or self._wrapper is None:
             device = self._device
             ids = [device] if device is not None and device.type == "cuda" else None
+            self._adapter = TrainingStepAdapter(module, lambda: state.pending_stop is not None)
             self._wrapper = torch.nn.parallel.DistributedDataParallel(
-                TrainingStepAdapter(module), device_ids=ids, find_unused_parameters=False
+                self._adapter, device_ids=ids, find_unused_parameters=False
             )
             self._wrapped = module
+        self._grads_local = False
+        self._flag_read = None
         return self._wrapper
 
     @property
@@ -211,7 +275,11 @@ class DDPStrategy(Strategy):
 
     def no_sync(self) -> Any:
         wrapper = self._wrapper
-        return nullcontext() if wrapper is None else wrapper.no_sync()
+        if wrapper is None:
+            return nullcontext()
+        # This step's gradients (the stop flag's too) stay local: nothing to read.
+        self._grads_local = True
+        return wrapper.no_sync()
 
     def prepare_train_data(self, data: Any) -> Any:
         if not isinstance(data, DataLoader):
@@ -268,46 +336,65 @@ class DDPStrategy(Strategy):
             self._stop_group = group
         return group
 
-    def _collect_stop(self, state: RunState) -> bool:
-        """Wait for the exchange in flight, if any; True when it says a rank asked."""
-        work = self._stop_work
-        if work is None:
-            return False
-        self._stop_work = None
-        work.wait()
-        if not int(self._stop_flag[0]):
-            return False
-        # Rare: once per run. Every rank learns who asked and why.
+    def _read_carried_flag(self) -> bool | None:
+        """Whether the stop flag carried by the last gradient all-reduce says a rank
+        asked (None: no all-reduce has carried it since the last read). On CUDA the
+        value is copied to the host without waiting and read at the next boundary."""
+        adapter = self._adapter
+        flag = None if adapter is None else adapter.stop_flag
+        if flag is None:
+            return None
+        grad = flag.grad
+        if grad is not None:
+            flag.grad = None  # the strategy's own adapter: read once
+        if grad is not None and grad.device.type == "cuda":
+            host = torch.empty(1, dtype=grad.dtype, pin_memory=True)
+            host.copy_(grad, non_blocking=True)
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record()
+            earlier, self._flag_read = self._flag_read, (host, event)
+            if earlier is None:
+                return None
+            earlier[1].synchronize()  # the step before this one: done by now
+            return bool(earlier[0][0] > 0)
+        if grad is None:
+            return None
+        return bool(grad[0] > 0)
+
+    def _agree_on_stop(self, state: RunState) -> None:
+        """A rank asked to stop: every rank learns who and why, and stops."""
         reasons: list[Any] = [None] * self.world_size
         dist.all_gather_object(reasons, state.pending_stop, group=self._stop_process_group())
         for rank, reason in enumerate(reasons):
             if reason is not None:
                 text = reason if rank == self.global_rank else f"{reason} (on rank {rank})"
                 state.confirm_stop(text)
-                break
-        return True
+                return
+        # Asked, then withdrawn by a new stage: nobody has a reason left.
+        state.confirm_stop("stop requested (on another rank)")
 
     def exchange_stop(self, state: RunState) -> None:
-        # Every rank calls this at the same boundaries and reaches the same result, so
-        # the sequence of collectives is the same everywhere.
-        if self._collect_stop(state) or state.stop_requested:
+        # Every rank reads the same averaged flag at the same boundary, so every rank
+        # reaches the same decision (and makes the same collectives after it).
+        if self._grads_local:
+            self._grads_local = False
             return
-        self._stop_flag[0] = 0 if state.pending_stop is None else 1
-        self._stop_work = dist.all_reduce(
-            self._stop_flag,
-            op=dist.ReduceOp.MAX,
-            group=self._stop_process_group(),
-            async_op=True,
-        )
+        if not state.stop_requested and self._read_carried_flag():
+            self._agree_on_stop(state)
 
     def settle_stop(self, state: RunState) -> None:
-        if self._collect_stop(state) or state.stop_requested:
+        if state.stop_requested:
             return
-        self._stop_flag[0] = 0 if state.pending_stop is None else 1
-        self._stop_work = dist.all_reduce(
-            self._stop_flag, op=dist.ReduceOp.MAX, group=self._stop_process_group(), async_op=True
-        )
-        self._collect_stop(state)
+        if self._read_carried_flag():
+            self._agree_on_stop(state)
+            return
+        # Rare boundaries (after a validation, between epochs): a blocking all-reduce
+        # of the flag, for the requests made since the last gradient all-reduce.
+        flag = self._stop_flag
+        flag[0] = 0 if state.pending_stop is None else 1
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_process_group())
+        if int(flag[0]):
+            self._agree_on_stop(state)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size

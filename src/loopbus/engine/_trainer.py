@@ -872,7 +872,7 @@ class Trainer:
             if self.strategy.distributed:
                 # The training step's forward goes through DDP; stop requests wait
                 # for the ranks to agree.
-                forward = self.strategy.wrap(module)
+                forward = self.strategy.wrap(module, self.state)
                 self.state.make_stop_collective()
             if self._configured_for is not module:
                 opts, scheds = _parse_optimizers(module.configure_optimizers(), module)

@@ -46,6 +46,7 @@ class RecordSource(Protocol):
 
     async def flush(self) -> None: ...
 
+
 Entry = tuple[Callable[[Any], Any], bool, "Subscription"]
 
 _LIGHTNING_NAMES = {

@@ -36,6 +36,7 @@ from .engine import Plugin as Plugin
 from .engine import Precision as Precision
 from .engine import PredictionLoop as PredictionLoop
 from .engine import Progress as Progress
+from .engine import Publication as Publication
 from .engine import SchedulerConfig as SchedulerConfig
 from .engine import Scope as Scope
 from .engine import Stateful as Stateful
@@ -52,6 +53,7 @@ from .engine import seed_everything as seed_everything
 from .engine import set_default_plugins as set_default_plugins
 from .engine import write_checkpoint as write_checkpoint
 from .events import DESTINATIONS as DESTINATIONS
+from .events import CustomEvent as CustomEvent
 from .events import Event as Event
 from .events import EventBus as EventBus
 from .events import PutRecord as PutRecord
@@ -65,6 +67,7 @@ __all__ = [
     "DESTINATIONS",
     "CheckpointError",
     "CheckpointMismatch",
+    "CustomEvent",
     "EvaluationLoop",
     "Event",
     "EventBus",
@@ -78,6 +81,7 @@ __all__ = [
     "Plugin",
     "Precision",
     "PredictionLoop",
+    "Publication",
     "Progress",
     "PutRecord",
     "SchedulerConfig",

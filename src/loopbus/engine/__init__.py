@@ -20,6 +20,7 @@ from ._precision import Precision as Precision
 from ._precision import register_precision as register_precision
 from ._progress import Counters as Counters
 from ._progress import Progress as Progress
+from ._records import Publication as Publication
 from ._records import PutMixin as PutMixin
 from ._records import register_destination as register_destination
 from ._run import run as run
@@ -44,6 +45,7 @@ __all__ = [
     "Precision",
     "PredictionLoop",
     "Progress",
+    "Publication",
     "PutMixin",
     "ResumePlan",
     "RunState",

@@ -11,17 +11,17 @@ from __future__ import annotations
 
 import numbers
 import time
-from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Generator, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from ..events import DESTINATIONS, EventBus, PutRecord
+from ..events import DESTINATIONS, Event, EventBus, PutRecord
 
 if TYPE_CHECKING:
     from ._trainer import Trainer
 
-__all__ = ["PutMixin", "Recorder"]
+__all__ = ["PutMixin", "Publication", "Recorder"]
 
 _Tensor = torch.Tensor
 _ALL: tuple[str, ...] = DESTINATIONS
@@ -346,25 +346,65 @@ def _resolve(values: list[Any]) -> list[Any]:
     return out
 
 
-class Recorder:
-    """The trainer's pending put records and the latest value of each name."""
+#: The destinations of a pending entry that is an event published with
+#: ``trainer.publish`` (its value), not a record: delivered in put order by ``flush``.
+EVENT_ENTRY: tuple[str, ...] = ("\x00event",)
 
-    __slots__ = ("bus", "latest", "pending", "trainer")
+
+class Publication:
+    """What :meth:`Trainer.publish <loopbus.Trainer.publish>` returns: the event is
+    already queued, in order with the records put before it. Awaiting this delivers it
+    (and everything queued before it) now; left un-awaited (from synchronous code such as
+    ``training_step``) it is delivered at the next step or hook boundary. Either way it
+    is delivered: nothing is lost because an ``await`` was left out."""
+
+    __slots__ = ("_recorder",)
+
+    def __init__(self, recorder: Recorder) -> None:
+        self._recorder = recorder
+
+    def __await__(self) -> Generator[Any, None, None]:
+        return self._recorder.flush().__await__()
+
+
+class Recorder:
+    """The trainer's pending put records (and published events), and the latest record
+    of each name.
+
+    ``latest`` holds the records of the running (or last) stage; ``earlier`` those of
+    earlier stages whose names this stage has not put (yet). A stage's start moves
+    ``latest`` into ``earlier``; :meth:`latest_records` is both, so a name keeps its last
+    value across stages until a record of the same name replaces it.
+    """
+
+    __slots__ = ("bus", "earlier", "latest", "pending", "trainer")
 
     def __init__(self, trainer: Trainer, bus: EventBus) -> None:
         self.trainer = trainer
         self.bus = bus
         self.pending: list[Pending] = []
         self.latest: dict[str, PutRecord | tuple[Any, ...]] = {}
+        self.earlier: dict[str, PutRecord] = {}
 
     def reset(self) -> None:
-        """Start a stage: nothing pending, no latest records."""
+        """Start a stage: nothing pending; the last records so far become earlier ones
+        (they stay until a record of the same name replaces them)."""
         self.pending.clear()
-        self.latest.clear()
+        if self.latest:
+            earlier = self.earlier
+            for name, record in self.stage_records().items():
+                earlier.pop(name, None)  # keep the order in which names were last put
+                earlier[name] = record
+            self.latest.clear()
 
     def discard_pending(self) -> None:
-        """Drop what was put but not flushed (a cancelled or failed stage)."""
+        """Drop what was put or published but not flushed (a cancelled or failed stage)."""
         self.pending.clear()
+
+    def queue_event(self, event: Event) -> Publication:
+        """Queue ``event`` for delivery at the next flush, after what is pending."""
+        self.pending.append(("", event, EVENT_ENTRY, ""))
+        return Publication(self)
 
     # The latest records are part of a checkpoint (a resumed run's monitors see them).
     def state_dict(self) -> dict[str, Any]:
@@ -397,7 +437,8 @@ class Recorder:
                 continue  # a malformed entry: that name has no latest record
 
     async def flush(self) -> None:
-        """Convert and deliver the pending records, in the order they were put."""
+        """Convert and deliver the pending records and published events, in the order
+        they were put or published."""
         pending = self.pending
         if not pending:
             return
@@ -406,21 +447,28 @@ class Recorder:
         step = state.step
         epoch = state.epoch
         now = 0.0
-        route = self.bus.route
-        deliver = self.bus.deliver
+        bus = self.bus
+        route = bus.route
+        deliver = bus.deliver_record
         latest = self.latest
         routed: list[tuple[Pending, Any]] = []
         for item in pending:
-            entries = route(item[2])
+            destinations = item[2]
+            entries = route(destinations)
             if entries:
                 routed.append((item, entries))
+            elif destinations is EVENT_ENTRY:
+                routed.append((item, None))
             else:  # nobody listens: kept unread until someone asks (latest_records)
-                name, value, destinations, source = item
+                name, value, _, source = item
                 latest[name] = (name, value, step, epoch, source, destinations)
         if not routed:
             return
         values = _resolve([item[1] for item, _ in routed])
         for ((name, _, destinations, source), entries), value in zip(routed, values, strict=True):
+            if entries is None:  # an event from trainer.publish
+                await bus.publish(value)
+                continue
             if not now:
                 now = time.time()
             record = PutRecord(
@@ -436,24 +484,34 @@ class Recorder:
             await deliver(entries, record)
 
     def latest_records(self) -> dict[str, PutRecord]:
-        """The last record of each name (values read on the host now if still pending)."""
-        out: dict[str, PutRecord] = {}
-        for name, item in self.latest.items():
-            if isinstance(item, PutRecord):
-                out[name] = item
-                continue
-            _, value, step, epoch, source, destinations = item
-            if isinstance(value, _Tensor):
-                value = value.item()
-            record = PutRecord(
-                name=name,
-                value=value,
-                step=step,
-                epoch=epoch,
-                time=time.time(),
-                source=source,
-                destinations=destinations,
-            )
-            self.latest[name] = record
-            out[name] = record
+        """The last record of each name, of this stage or an earlier one (values read on
+        the host now if still unread)."""
+        stage = self.stage_records()
+        earlier = self.earlier
+        if not earlier:
+            return stage
+        out = {name: record for name, record in earlier.items() if name not in stage}
+        out.update(stage)
         return out
+
+    def stage_records(self) -> dict[str, PutRecord]:
+        """The last record of each name put during the running (or last) stage (values
+        still unread are read on the host now: one read per dtype)."""
+        latest = self.latest
+        unread = [item for item in latest.values() if not isinstance(item, PutRecord)]
+        if unread:
+            now = time.time()
+            values = _resolve([item[1] for item in unread])
+            for (name, _, step, epoch, source, destinations), value in zip(
+                unread, values, strict=True
+            ):
+                latest[name] = PutRecord(
+                    name=name,
+                    value=value,
+                    step=step,
+                    epoch=epoch,
+                    time=now,
+                    source=source,
+                    destinations=destinations,
+                )
+        return cast("dict[str, PutRecord]", dict(latest))

@@ -14,11 +14,20 @@ from typing import Any, Literal
 import anyio
 import anyio.from_thread
 import anyio.to_thread
+import msgspec
 import torch
 
 from .._exceptions import CheckpointError, MisconfigurationError
 from .._validate import check_choice, check_int, check_number
-from ..events import EventBus, ExceptionRaised, PutRecord, Subscription, Teardown
+from ..events import (
+    CustomEvent,
+    Event,
+    EventBus,
+    ExceptionRaised,
+    PutRecord,
+    Subscription,
+    Teardown,
+)
 from ._checkpoint import (
     CheckpointMismatch,
     GradsPart,
@@ -41,7 +50,7 @@ from ._loops import EvaluationLoop, FitLoop, PredictionLoop, StepBoundary, StepP
 from ._module import Module
 from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
-from ._records import Recorder, bind_recorder
+from ._records import Publication, Recorder, bind_recorder
 from ._runstate import RunState
 from ._scope import LeakCheck
 from ._state import Stateful
@@ -432,6 +441,7 @@ class Trainer:
 
         self.bus = EventBus()
         self.recorder = Recorder(self, self.bus)
+        self.bus.attach_records(self.recorder)
         self.fit_loop = FitLoop()
         self.validate_loop = EvaluationLoop(stage="validate")
         self.test_loop = EvaluationLoop(stage="test")
@@ -521,8 +531,20 @@ class Trainer:
 
     @property
     def latest(self) -> dict[str, PutRecord]:
-        """The last record of each name put during the current (or last) stage."""
+        """The last record of each name put so far, in any stage of this trainer.
+
+        A stage keeps the records of earlier ones until it puts a record of the same
+        name: after ``fit`` then ``test``, both stages' names are here (``test``'s
+        value wherever both put one). Records are here once flushed: at every step
+        boundary, and between two handlers of one event when the first put something
+        (so a handler sees what an earlier handler of the same event put)."""
         return self.recorder.latest_records()
+
+    @property
+    def stage_latest(self) -> dict[str, PutRecord]:
+        """The last record of each name put during the running (or last) stage only
+        (what ``validate`` and ``test`` return, and the results table shows)."""
+        return self.recorder.stage_records()
 
     def request_stop(self, reason: str | None = None) -> None:
         """Ask the running stage to stop at the next step boundary, without an exception
@@ -534,9 +556,44 @@ class Trainer:
         """Shortcut for ``trainer.bus.subscribe``."""
         return self.bus.subscribe(event_type, handler, **options)
 
-    async def publish(self, event: Any) -> None:
-        """Publish a (custom) event on this trainer's bus."""
-        await self.bus.publish(event)
+    def publish(self, event: Event) -> Publication:
+        """Publish a (custom) event on this trainer's bus while a stage runs.
+
+        The event is queued at once, after the records put and the events published
+        before it, and delivered in that order. ``await trainer.publish(event)`` (from
+        async code: a handler, a plugin's ``start``) delivers it before returning; called
+        without ``await`` (from synchronous code: ``training_step``, a plain ``def``
+        handler) it is delivered at the next step boundary, or between two handlers of
+        the event being handled. Either way it is delivered: leaving out ``await`` loses
+        nothing. (A stage that fails or is cancelled drops what is still queued, as it
+        drops unflushed records.)
+
+        A :class:`~loopbus.events.CustomEvent` left with ``step``/``epoch`` at -1 gets
+        the trainer's ``global_step`` and ``current_epoch`` of the moment of this call.
+
+        Raises :class:`RuntimeError` outside a stage, where nothing would deliver it:
+        there, ``await trainer.bus.publish(event)`` delivers to inline subscribers.
+        """
+        if not isinstance(event, Event):
+            raise TypeError(
+                f"trainer.publish() takes an event (an instance of a loopbus.Event "
+                f"subclass), got {event!r}."
+            )
+        state = self.state
+        if state.stage is None:
+            raise RuntimeError(
+                f"trainer.publish({type(event).__name__}(...)) was called while no stage "
+                "runs, so nothing would deliver it; publish from a step, a handler or a "
+                "plugin while fit/validate/test/predict runs, or call "
+                "`await trainer.bus.publish(event)`."
+            )
+        if isinstance(event, CustomEvent) and (event.step < 0 or event.epoch < 0):
+            event = msgspec.structs.replace(
+                event,
+                step=state.step if event.step < 0 else event.step,
+                epoch=state.epoch if event.epoch < 0 else event.epoch,
+            )
+        return self.recorder.queue_event(event)
 
     # ------------------------------------------------------------ stages
     async def fit(
@@ -736,7 +793,7 @@ class Trainer:
         self._check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
         async with self._stage(stage, module):
             await loop.run(data)
-        return {name: record.value for name, record in self.latest.items()}
+        return {name: record.value for name, record in self.stage_latest.items()}
 
     def _check_module(self, module: Any, stage: str, method: str | None) -> None:
         if not isinstance(module, Module):
@@ -842,6 +899,11 @@ class Trainer:
                 )
             )
         )
+        if reason in ("completed", "stopped"):
+            # What Teardown's handlers put or published (without awaiting it).
+            await attempt(self.recorder.flush)
+        else:
+            self.recorder.discard_pending()
         timeout = None if reason in ("completed", "stopped") else self.drain_timeout
         await self.bus.drain(timeout)
         late = self.bus.failure

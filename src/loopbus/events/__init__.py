@@ -11,6 +11,7 @@ from ._types import AdvanceCompleted as AdvanceCompleted
 from ._types import AdvanceStarted as AdvanceStarted
 from ._types import AfterBackward as AfterBackward
 from ._types import BeforeOptimizerStep as BeforeOptimizerStep
+from ._types import CustomEvent as CustomEvent
 from ._types import EpochCompleted as EpochCompleted
 from ._types import EpochStarted as EpochStarted
 from ._types import Event as Event
@@ -46,6 +47,7 @@ __all__ = [
     "AdvanceStarted",
     "AfterBackward",
     "BeforeOptimizerStep",
+    "CustomEvent",
     "EpochCompleted",
     "EpochStarted",
     "Event",

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import inspect
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sized
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import Any, Literal, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
@@ -25,7 +25,7 @@ from .._exceptions import HandlerError, StopLoop, SubscriptionError
 from .._validate import check_choice, check_int
 from ._types import Event, LoopEvent, PutRecord
 
-__all__ = ["DESTINATIONS", "EventBus", "Subscription", "describe_handler", "on"]
+__all__ = ["DESTINATIONS", "EventBus", "RecordSource", "Subscription", "describe_handler", "on"]
 
 #: The destinations a put record can be routed to, and the roles a record subscriber
 #: can declare. Plugins may use further roles of their own.
@@ -35,6 +35,18 @@ _MODES = {"inline": "awaited where it is published", "queued": "handed to a task
 _OVERFLOWS = {"block": "wait for the subscriber", "drop": "drop and count"}
 
 Handler = Callable[[Any], Any]
+
+
+class RecordSource(Protocol):
+    """What :meth:`EventBus.attach_records` takes: a list of pending records (truthy when
+    something is pending) and the coroutine that delivers them."""
+
+    @property
+    def pending(self) -> Sized: ...
+
+    async def flush(self) -> None: ...
+
+
 Entry = tuple[Callable[[Any], Any], bool, "Subscription"]
 
 _LIGHTNING_NAMES = {
@@ -361,6 +373,7 @@ class EventBus:
         self._tg: TaskGroup | None = None
         self.failure: HandlerError | None = None
         self._consumers: list[anyio.CancelScope] = []
+        self._records: RecordSource | None = None
 
     # ------------------------------------------------------------ subscribing
     def subscribe(
@@ -513,14 +526,24 @@ class EventBus:
         """Deliver ``event`` to its subscribers (inline ones are awaited now)."""
         if type(event) is PutRecord:
             entries = self.route(event.destinations)
-        else:
-            entries = self.table[type(event)]
+            if entries:
+                await self.deliver_record(entries, event)
+            return
+        entries = self.table[type(event)]
         if entries:
             await self.deliver(entries, event)
 
     async def deliver(self, entries: tuple[Entry, ...], event: Any) -> None:
-        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`)."""
+        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`).
+
+        With a record source attached (see :meth:`attach_records`), what a handler put or
+        published is flushed before the next handler of the same event runs, so later
+        handlers see it (``trainer.latest``); only when something is pending, and never
+        after the last handler (the loops flush at their boundaries, in batches)."""
+        settle: RecordSource | None = None
         for fn, is_async, sub in entries:
+            if settle is not None and settle.pending:
+                await settle.flush()
             try:
                 if is_async:
                     await fn(event)
@@ -530,6 +553,27 @@ class EventBus:
                 raise
             except Exception as exc:
                 raise _handler_error(sub, event, exc) from exc
+            settle = self._records
+
+    async def deliver_record(self, entries: tuple[Entry, ...], record: PutRecord) -> None:
+        """Deliver a put record to its routed ``entries`` (from :meth:`route`). What a
+        record handler puts waits for the next flush, so records keep their put order."""
+        for fn, is_async, sub in entries:
+            try:
+                if is_async:
+                    await fn(record)
+                else:
+                    fn(record)
+            except (HandlerError, StopLoop):
+                raise
+            except Exception as exc:
+                raise _handler_error(sub, record, exc) from exc
+
+    def attach_records(self, source: RecordSource | None) -> None:
+        """Flush ``source`` (the pending records of the trainer that owns this bus)
+        between the handlers of an event when a handler left something pending; None
+        detaches it."""
+        self._records = source
 
     def deliver_sync(self, entries: tuple[Entry, ...], event: Any) -> None:
         """Deliver an ``inside_step`` event, whose handlers are all synchronous."""

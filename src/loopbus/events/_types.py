@@ -18,6 +18,7 @@ __all__ = [
     "AdvanceStarted",
     "AfterBackward",
     "BeforeOptimizerStep",
+    "CustomEvent",
     "EpochCompleted",
     "EpochStarted",
     "Event",
@@ -57,6 +58,24 @@ class Event(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     inside_step: ClassVar[bool] = False
+
+
+class CustomEvent(Event, frozen=True, kw_only=True):
+    """A base for custom events that carry the run's position.
+
+    ``step`` (optimizer steps completed) and ``epoch`` (0-based) are filled in by
+    ``trainer.publish`` with the trainer's ``global_step`` and ``current_epoch`` at the
+    moment of the call, when left at -1 (the default); set them to publish another
+    position. Subclass it as you would :class:`Event`::
+
+        class Spike(CustomEvent, frozen=True, kw_only=True):
+            loss: float
+
+        self.trainer.publish(Spike(loss=loss.item()))  # step and epoch filled in
+    """
+
+    step: int = -1
+    epoch: int = -1
 
 
 # ---------------------------------------------------------------- generic loop events

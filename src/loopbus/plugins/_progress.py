@@ -18,6 +18,7 @@ import anyio
 from rich.console import Console
 from rich.errors import LiveError
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
+from rich.table import Table
 
 from loopbus import Loop, MisconfigurationError, Plugin, check_number, on
 from loopbus.events import EpochCompleted, FitCompleted, RunCompleted, RunStarted, Teardown
@@ -54,32 +55,88 @@ def _fmt_time(seconds: float) -> str:
 
 
 class _Run:
-    """One run of a loop: when it started and recent (time, completed) samples."""
+    """One run of a loop: when it started, when its count of completed iterations
+    changed, and the time it was paused (validation inside a training epoch), which its
+    rate leaves out."""
 
-    __slots__ = ("loop", "samples", "start")
+    __slots__ = ("excluded", "loop", "marks", "paused_at", "start")
 
-    def __init__(self, loop: Loop[Any]) -> None:
+    def __init__(self, loop: Loop[Any], completed: int, now: float) -> None:
         self.loop = loop
-        self.start = time.monotonic()
-        self.samples: deque[tuple[float, int]] = deque(maxlen=256)
+        self.start = now
+        self.excluded = 0.0
+        self.paused_at: float | None = None
+        # (active time, completed) where the count changed; the first is the run's start.
+        self.marks: deque[tuple[float, int]] = deque([(0.0, completed)], maxlen=256)
+
+    def active(self, now: float) -> float:
+        """Seconds since the start, less the time spent paused."""
+        paused = now - self.paused_at if self.paused_at is not None else 0.0
+        return now - self.start - self.excluded - paused
+
+    def pause(self, now: float) -> None:
+        if self.paused_at is None:
+            self.paused_at = now
+
+    def resume(self, now: float) -> None:
+        if self.paused_at is not None:
+            self.excluded += now - self.paused_at
+            self.paused_at = None
+
+    def mark(self, completed: int, now: float) -> None:
+        """Note ``completed`` iterations at ``now`` (kept only when the count changed)."""
+        marks = self.marks
+        if completed != marks[-1][1]:
+            marks.append((self.active(now), completed))
+
+    def rate(self) -> float:
+        """Iterations per second between count changes (0.0 before the first change).
+
+        From the first change on when there are two or more (the time before it is
+        start-up: workers, the first batch, compilation), else from the start; over the
+        last half minute of active time at most. A count that changes once per long
+        iteration (an epoch) is measured from change to change, never to ``now``, so a
+        half-done iteration does not count as a slow one."""
+        marks = self.marks
+        t1, c1 = marks[-1]
+        while len(marks) > 3 and t1 - marks[1][0] > _RATE_WINDOW:
+            marks.popleft()
+        t0, c0 = marks[1] if len(marks) > 2 else marks[0]
+        return (c1 - c0) / (t1 - t0) if t1 > t0 and c1 > c0 else 0.0
 
     def info(self, completed: int, total: float | None, now: float) -> str:
-        """``"n/total  rate  elapsed  eta"``, the rate over the last half minute."""
-        samples = self.samples
-        samples.append((now, completed))
-        while len(samples) > 2 and now - samples[0][0] > _RATE_WINDOW:
-            samples.popleft()
-        t0, c0 = samples[0]
-        if len(samples) == 1:
-            t0, c0 = self.start, 0
-        rate = (completed - c0) / (now - t0) if now > t0 else 0.0
+        """``"n/total  rate  elapsed  eta"``."""
+        self.mark(completed, now)
+        rate = self.rate()
         parts = [f"{completed}/{'?' if total is None else int(total)}"]
         if rate > 0:
             parts.append(f"{rate:.1f} it/s" if rate >= 1 else f"{1 / rate:.1f} s/it")
         parts.append(_fmt_time(now - self.start))
         if total is not None and rate > 0:
-            parts.append(f"eta {_fmt_time(max(total - completed, 0) / rate)}")
+            # The time already spent on the iteration under way counts as done.
+            spent = self.active(now) - self.marks[-1][0]
+            left = max(max(total - completed, 0) / rate - spent, 0.0)
+            parts.append(f"eta {_fmt_time(left)}")
         return "  ".join(parts)
+
+
+def _wrap(parts: list[str], width: int, sep: str = " | ") -> list[str]:
+    """``parts`` joined by ``sep`` in lines of at most ``width`` characters, broken only
+    between parts (continuation lines indented by two spaces); a part longer than a line
+    is left whole for the terminal to fold."""
+    lines: list[str] = []
+    line = ""
+    for part in parts:
+        if not line:
+            line = part if not lines else "  " + part
+        elif len(line) + len(sep) + len(part) <= width:
+            line += sep + part
+        else:
+            lines.append(line)
+            line = "  " + part
+    if line:
+        lines.append(line)
+    return lines
 
 
 class ProgressBar(Plugin):
@@ -114,6 +171,7 @@ class ProgressBar(Plugin):
         refresh_rate: float = 4.0,
         file: IO[str] | None = None,
         console: Console | None = None,
+        results_table: bool = True,
     ) -> None:
         self.refresh_rate = check_number(
             "refresh_rate",
@@ -128,6 +186,11 @@ class ProgressBar(Plugin):
                 "ProgressBar takes file= or console=, not both; configure the console to "
                 "write to the file instead: console=Console(file=...)."
             )
+        if not isinstance(results_table, bool):
+            raise MisconfigurationError(
+                f"ProgressBar(results_table=...) must be True or False, got {results_table!r}."
+            )
+        self.results_table = results_table
         self._file = file
         self._console = console
         self._trainer: Trainer | None = None
@@ -140,6 +203,9 @@ class ProgressBar(Plugin):
         self._refresher: anyio.CancelScope | None = None
         self._epoch_start = 0.0
         self._val_time = 0.0
+        self._starting: TaskID | None = None
+        self._stage_start = 0.0
+        self._ended = ""
 
     # ------------------------------------------------------------ output
     @property
@@ -175,8 +241,9 @@ class ProgressBar(Plugin):
         self._loops = {}
         self._running = {}
         self._lines = []
-        self._epoch_start = time.monotonic()
+        self._epoch_start = self._stage_start = time.monotonic()
         self._val_time = 0.0
+        self._ended = ""
 
         def walk(loop: Loop[Any]) -> None:
             self._loops.setdefault(loop.name, loop)
@@ -203,6 +270,12 @@ class ProgressBar(Plugin):
             return
         self._progress = progress
         self._tasks = {}
+        # Shown at once and until the first batch is done: the start-up (worker
+        # processes, the first batch, compilation) can take seconds.
+        self._starting = progress.add_task(
+            f"Starting {stage}…", total=None, info=""
+        )
+        progress.refresh()
         scope = self._refresher = anyio.CancelScope()
         task_group.start_soon(self._refresh_loop, scope, name="ProgressBar refresh")
 
@@ -215,6 +288,26 @@ class ProgressBar(Plugin):
 
     async def stop(self, trainer: Trainer, stage: str) -> None:
         self._close_live()
+        if self.results_table and stage in ("validate", "test") and self._ended:
+            table = self.results(trainer, stage)
+            if table is not None:
+                self.console.print(table)
+
+    def results(self, trainer: Trainer, stage: str) -> Table | None:
+        """The results table of a ``validate`` or ``test`` stage: the last value of each
+        record it put, by name (None if it put none). Printed when the stage ends, unless
+        ``results_table=False``."""
+        records = trainer.stage_latest
+        if not records:
+            return None
+        label = _LABELS.get(stage, stage)
+        table = Table(title=f"{label} results", title_justify="left")
+        table.add_column(f"{label} metric", style="cyan", no_wrap=True)
+        table.add_column("Value", justify="right", style="magenta", no_wrap=True)
+        for name in sorted(records):
+            value = records[name].value
+            table.add_row(name, f"{value:.6g}" if isinstance(value, float) else str(value))
+        return table
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         self._close_live()
@@ -231,22 +324,42 @@ class ProgressBar(Plugin):
             self.refresh()
             self._progress = None
             self._tasks = {}
+            self._starting = None
             progress.stop()
 
     # ------------------------------------------------------------ drawing
     def metrics(self) -> dict[str, float | int | bool]:
-        """The latest value of each record put with the ``"progress_bar"`` destination."""
+        """The latest value of each record put with the ``"progress_bar"`` destination
+        during the running stage."""
         trainer = self._trainer
         if trainer is None:
             return {}
         return {
             name: record.value
-            for name, record in trainer.latest.items()
+            for name, record in trainer.stage_latest.items()
             if "progress_bar" in record.destinations
         }
 
+    def _metric_parts(self) -> list[str]:
+        """``"name value"`` per record for the bar; during ``fit`` a record put in an
+        earlier epoch than the current one (a validation metric between validations)
+        says which epoch it is from."""
+        trainer = self._trainer
+        if trainer is None:
+            return []
+        epoch = trainer.current_epoch if self._stage == "fit" else None
+        parts = []
+        for name, record in trainer.stage_latest.items():
+            if "progress_bar" not in record.destinations:
+                continue
+            text = f"{name} {_fmt(record.value)}"
+            if epoch is not None and record.epoch < epoch:
+                text += f" (epoch {record.epoch + 1})"
+            parts.append(text)
+        return parts
+
     def _metrics_text(self) -> str:
-        return "  ".join(f"{name} {_fmt(value)}" for name, value in self.metrics().items())
+        return "  ".join(self._metric_parts())
 
     def _counts(self, loop: Loop[Any]) -> tuple[int, float | None]:
         """(completed, total) iterations of ``loop`` for its bar."""
@@ -268,6 +381,16 @@ class ProgressBar(Plugin):
         for name, shown in tasks.items():
             if name not in running:
                 progress.update(shown, visible=False)
+        starting = self._starting
+        if starting is not None:
+            if any(
+                run.loop.progress.current.completed and name != "fit"
+                for name, run in running.items()
+            ):
+                progress.update(starting, visible=False)
+                self._starting = None
+            else:
+                progress.update(starting, info=_fmt_time(now - self._stage_start))
         metrics = self._metrics_text() if running else ""
         metrics_on = "train" if "train" in running else next(iter(running), None)
         for name, run in running.items():
@@ -287,7 +410,11 @@ class ProgressBar(Plugin):
         if lines:
             self._lines = []
             # Printing above a live display redraws it too: one redraw for both.
-            progress.console.print("\n".join(lines), markup=False, highlight=False, soft_wrap=True)
+            # Word-wrapped at the console's width (a summary line comes wrapped at its
+            # " | " separators already).
+            progress.console.print(
+                "\n".join(lines), markup=False, highlight=False, overflow="fold"
+            )
         else:
             progress.refresh()
 
@@ -297,19 +424,27 @@ class ProgressBar(Plugin):
         loop = self._loops.get(event.loop)
         if loop is None:
             return
+        now = time.monotonic()
         if event.loop == "train":
-            self._epoch_start = time.monotonic()
+            self._epoch_start = now
             self._val_time = 0.0
-        self._running[event.loop] = _Run(loop)
+        elif event.loop == "validate" and "train" in self._running:
+            # Validation inside an epoch: not part of the training bar's rate.
+            self._running["train"].pause(now)
+        self._running[event.loop] = _Run(loop, self._counts(loop)[0], now)
 
     @on(RunCompleted)
     def _run_completed(self, event: RunCompleted) -> None:
         run = self._running.pop(event.loop, None)
         if run is None:
             return
-        elapsed = time.monotonic() - run.start
+        now = time.monotonic()
+        elapsed = now - run.start
         if event.loop == "validate" and self._stage == "fit":
             self._val_time += elapsed
+            train = self._running.get("train")
+            if train is not None:
+                train.resume(now)
         elif event.loop == self._stage and self._stage != "fit":
             n = run.loop.progress.current.completed
             line = f"{_LABELS.get(event.loop, event.loop)}: {n} batches in {_fmt_time(elapsed)}"
@@ -334,10 +469,17 @@ class ProgressBar(Plugin):
                 text += f", validation {_fmt_time(self._val_time)}"
             parts.append(text)
         parts.append(f"step {event.step}")
-        metrics = self._metrics_text()
-        if metrics:
-            parts.append(metrics)
-        self.write_line(" | ".join(parts))
+        fit = self._running.get("fit")
+        if fit is not None:  # the epoch count changes now: its rate is exact
+            fit.mark(fit.loop.progress.total.completed, time.monotonic())
+        metrics = self._metric_parts()
+        if self._progress is None:  # plain output: one line per epoch
+            if metrics:
+                parts.append("  ".join(metrics))
+            self.write_line(" | ".join(parts))
+            return
+        # In a terminal: broken between parts, never inside one, at the console's width.
+        self.write_line("\n".join(_wrap(parts + metrics, self.console.width)))
 
     @on(FitCompleted)
     def _fit_completed(self, event: FitCompleted) -> None:
@@ -347,6 +489,7 @@ class ProgressBar(Plugin):
 
     @on(Teardown)
     def _teardown(self, event: Teardown) -> None:
+        self._ended = event.reason if event.reason in ("completed", "stopped") else ""
         if event.reason in ("failed", "cancelled"):
             self.write_line(
                 f"{event.stage} {event.reason} at epoch {event.epoch + 1}, step {event.step}"

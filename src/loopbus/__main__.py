@@ -153,7 +153,7 @@ async def _print_jsonl(stream: Stream, out: IO[bytes] | None = None) -> None:
             if type(item) is PutRecord:
                 line = b'{"seq":%d,' % stream.seq + encode(item)[1:]
             else:  # an event: an array on the wire, an object here
-                fields = msgspec.structs.asdict(item)  # type: ignore[arg-type]
+                fields = msgspec.structs.asdict(item)
                 line = encode({"seq": stream.seq, "type": type(item).__name__, **fields})
             out.write(line + b"\n")
             if not stream.buffered:

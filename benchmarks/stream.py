@@ -17,9 +17,16 @@ clients costs the training step.
    process is pinned to the first CPU and the clients to the others, as a dashboard on
    another core or machine would be.
 
+3. ``loopbus watch`` start-up. A server (``loopbus.stream.Server`` in its thread)
+   publishes a record every 5 ms from the moment ``loopbus watch --jsonl ADDRESS`` is
+   started; the figure is the time from the server's first record to the command's
+   first line on stdout (median of ``--watch-repeats``), and the same with torch
+   imported first, as the command did before it stopped importing the engine.
+
     ./dev bench stream                        # defaults below
     ./dev bench stream --records 400000 --steps 4000 --repeats 31
     ./dev bench stream --no-pin               # clients may share the training CPU
+    ./dev bench stream --only watch           # one section (throughput, overhead, watch)
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -197,12 +205,16 @@ class IdleModule(Module):
         return torch.optim.SGD(self.parameters(), lr=0.0)
 
 
+SCOPE: dict[str, Any] = {"scope": "trainer"}
+
+
 def throughput(records: int, clients: int) -> dict[str, Any]:
-    server = StreamServer(announce=False)
+    server = StreamServer(announce=False, **SCOPE)
     gate = Gate(server, clients)
     producer = Producer(records)
     trainer = Trainer(max_steps=1, plugins=[server, gate, producer], leak_check=None, device="cpu")
     loopbus.run(trainer.fit, IdleModule(), [torch.zeros(1)])
+    server.close()  # the clients read until the server closes
     results = gate.results()
     received = sum(r["records"] for r in results)
     # All clients together, from the first record any of them got to the last.
@@ -274,6 +286,8 @@ def train(steps: int, data: Any, server: StreamServer | None, clients: int = 0) 
         plugins = [server, Gate(server, clients, spawn=False), window]
     trainer = Trainer(max_steps=steps, plugins=plugins, leak_check=None, device="cpu")
     loopbus.run(trainer.fit, BenchModule(), data)
+    if server is not None:
+        server.close()  # the clients read until the server closes, then reconnect
     return window.wall, window.cpu
 
 
@@ -288,7 +302,7 @@ def overhead(steps: int, repeats: int) -> dict[str, Any]:
 
     def serving(clients: int) -> StreamServer:
         # The clients only ever connect to `port`; the no-client runs use another one.
-        return StreamServer(port=port if clients else 0, announce=False)
+        return StreamServer(port=port if clients else 0, announce=False, **SCOPE)
 
     train(min(steps, 300), data, serving(8), 8)  # warm-up, the pool's first session
     wall_ratios, cpu_ratios = [], []
@@ -318,11 +332,76 @@ def overhead(steps: int, repeats: int) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- watch start-up
+_WATCH_WITH_TORCH = (
+    "import sys, torch; from loopbus.__main__ import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+def first_line_after_first_record(with_torch: bool) -> float:
+    """Start ``loopbus watch --jsonl`` while a server publishes a record every 5 ms from
+    that moment on; seconds from the first record to the first line on stdout."""
+    server = loopbus.stream.Server(flush_interval=0.0)
+    server.start_in_thread()
+    assert server.address is not None
+    command = (
+        [sys.executable, "-c", _WATCH_WITH_TORCH] if with_torch else [sys.executable, "-m", "loopbus"]
+    )
+    seen = threading.Event()
+    arrived = [0.0]
+    process = subprocess.Popen(
+        [*command, "watch", "--jsonl", server.address], stdout=subprocess.PIPE
+    )
+    first = time.perf_counter()
+
+    def read() -> None:
+        assert process.stdout is not None
+        process.stdout.readline()
+        arrived[0] = time.perf_counter()
+        seen.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        step = 0
+        while not seen.wait(0.005):
+            server.publish_record(
+                PutRecord(name="m", value=1.0, step=step, time=time.time(), destinations=("external",))
+            )
+            step += 1
+            if time.perf_counter() - first > 30:
+                raise RuntimeError("loopbus watch printed nothing within 30 s")
+    finally:
+        server.close()
+        server.join(5)
+        process.wait(10)
+    return arrived[0] - first
+
+
+def watch_latency(repeats: int) -> dict[str, float]:
+    light = [first_line_after_first_record(False) for _ in range(repeats)]
+    heavy = [first_line_after_first_record(True) for _ in range(repeats)]
+    return {"light": statistics.median(light), "heavy": statistics.median(heavy)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=300_000)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=21)
+    parser.add_argument("--watch-repeats", type=int, default=7)
+    parser.add_argument(
+        "--scope",
+        choices=("trainer", "stage"),
+        default="trainer",
+        help="the StreamServer's scope: its own thread (trainer) or the trainer's event loop",
+    )
+    parser.add_argument(
+        "--only",
+        choices=("throughput", "overhead", "watch"),
+        action="append",
+        help="run only this section (repeatable); default all",
+    )
     parser.add_argument(
         "--no-pin",
         dest="pin",
@@ -343,10 +422,12 @@ def main() -> None:
         os.sched_setaffinity(0, {cpus[0]})
     print(
         f"stream server benchmark (python {sys.version.split()[0]}, torch {torch.__version__}, "
-        f"{len(cpus)} CPUs; "
+        f"{len(cpus)} CPUs; StreamServer(scope={args.scope!r}); "
         + (f"training on CPU {cpus[0]}, clients on {sorted(PIN['clients'])})" if PIN else "unpinned)")
     )
-    for clients in (1, 8):
+    SCOPE["scope"] = args.scope
+    sections = set(args.only or ("throughput", "overhead", "watch"))
+    for clients in (1, 8) if "throughput" in sections else ():
         r = throughput(args.records, clients)
         print(
             f"throughput, {clients} client{'s' if clients > 1 else ''}: "
@@ -355,6 +436,14 @@ def main() -> None:
             + f"; produced at {r['produced_per_s']:,.0f}/s; "
             f"{r['received']:,} received, {r['dropped']:,} dropped"
         )
+    if "watch" in sections:
+        w = watch_latency(args.watch_repeats)
+        print(
+            f"loopbus watch, server's first record to first output line (median of "
+            f"{args.watch_repeats}): {w['light']:.3f} s; {w['heavy']:.3f} s with torch imported"
+        )
+    if "overhead" not in sections:
+        return
     o = overhead(args.steps, args.repeats)
     us = o["step_us"]
     print(

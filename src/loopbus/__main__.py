@@ -1,4 +1,4 @@
-"""The ``loopbus`` command.
+"""The ``loopbus`` command (it imports neither torch nor the engine: it starts fast).
 
 ``loopbus watch ADDRESS`` shows a live table of a running run's records (latest value,
 step and rate of each name); ``loopbus watch --jsonl ADDRESS`` prints one JSON object
@@ -23,7 +23,7 @@ import msgspec
 
 from ._exceptions import StreamError
 from .events import PutRecord
-from .stream import EpochEnded, Gap, StageEnded, Stream, connect
+from .stream import EpochEnded, Gap, StageEnded, StageStarted, Stream, connect
 
 __all__ = ["main"]
 
@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
         description=(
             "Connect to a run's stream server and show its records live: a table of the "
             "latest value, step and rate of each record name, or with --jsonl one JSON "
-            "object per line. Ends when the run's stage ends."
+            "object per line. Follows the run from stage to stage, and ends when its "
+            "server closes (with StreamServer(scope='stage'): when the stage ends)."
         ),
     )
     watch.add_argument(
@@ -62,7 +63,7 @@ def _parser() -> argparse.ArgumentParser:
     watch.add_argument(
         "--events",
         action="store_true",
-        help="also show lifecycle events (epoch and stage ends)",
+        help="also show lifecycle events (stage starts and ends, epoch ends)",
     )
     watch.add_argument(
         "--token",
@@ -76,12 +77,19 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="keep trying to connect for this long while nothing listens yet",
     )
+    watch.set_defaults(run=_watch_command)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``loopbus`` console script; returns the exit status."""
+    """Entry point of the ``loopbus`` console script; returns the exit status. Each
+    subcommand's parser sets ``run``, the function that carries it out."""
     args = _parser().parse_args(argv)
+    run: Any = args.run
+    return int(run(args))
+
+
+def _watch_command(args: argparse.Namespace) -> int:
     names: list[str] | None = None
     if args.names:
         names = [part for item in args.names for part in item.split(",") if part]
@@ -142,7 +150,12 @@ async def _print_jsonl(stream: Stream, out: IO[bytes] | None = None) -> None:
                 # JSON has no literal for these: write them as the JSONL logger does.
                 text = "nan" if value != value else ("inf" if value > 0 else "-inf")
                 item = msgspec.structs.replace(item, value=text)
-            out.write(b'{"seq":%d,' % stream.seq + encode(item)[1:] + b"\n")
+            if type(item) is PutRecord:
+                line = b'{"seq":%d,' % stream.seq + encode(item)[1:]
+            else:  # an event: an array on the wire, an object here
+                fields = msgspec.structs.asdict(item)
+                line = encode({"seq": stream.seq, "type": type(item).__name__, **fields})
+            out.write(line + b"\n")
             if not stream.buffered:
                 out.flush()
         out.flush()
@@ -242,10 +255,13 @@ async def _show_table(stream: Stream) -> None:
                 status.step = max(status.step, record.step)
             elif isinstance(item, EpochEnded):
                 status.last = f"epoch {item.epoch} ended"
+            elif isinstance(item, StageStarted):
+                stage = item.stage
+                status.last = f"{item.stage} started"
             elif isinstance(item, StageEnded):
                 status.last = f"{item.stage} {item.reason}"
         if stream.bye is not None:
-            status.last = f"ended: {stream.bye.reason or 'the stage ended'}"
+            status.last = f"ended: {stream.bye.reason or 'the server closed'}"
 
 
 if __name__ == "__main__":

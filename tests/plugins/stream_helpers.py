@@ -97,7 +97,7 @@ async def serving(
     """Run ``fit`` in the background with a stream server; yields once it listens. The
     run is held at ``FitStarted`` until ``run.gate.go.set()``; leaving the block waits
     for the run to finish (so set the gate before that)."""
-    server = server if server is not None else StreamServer(announce=False)
+    server = server if server is not None else StreamServer(scope="stage", announce=False)
     gate = Gate()
     trainer_options.setdefault("max_epochs", 1)
     trainer = Trainer(plugins=[server, gate, *plugins], **trainer_options)

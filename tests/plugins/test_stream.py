@@ -116,7 +116,7 @@ async def test_several_clients_each_get_every_record() -> None:
 async def test_unix_socket() -> None:
     with tempfile.TemporaryDirectory(prefix="lb") as tmp:
         path = os.path.join(tmp, "run.sock")
-        server = StreamServer(host=None, path=path, announce=False)
+        server = StreamServer(scope="stage", host=None, path=path, announce=False)
         async with serving(TinyModule(), server=server, train=make_loader(64)) as run:
             assert run.address == f"unix://{path}"
             assert server.address == run.address
@@ -143,7 +143,7 @@ async def test_stalled_client_gets_exact_gap_notice_and_never_slows_the_run() ->
             halfway.set()
 
     marker = Halfway()
-    server = StreamServer(client_buffer=1024, send_buffer=16384, announce=False)
+    server = StreamServer(scope="stage", client_buffer=1024, send_buffer=16384, announce=False)
     async with serving(
         ChattyModule(100), server=server, max_steps=250, train=make_loader(16 * 250),
         plugins=(marker,),
@@ -177,7 +177,7 @@ async def test_stalled_client_gets_exact_gap_notice_and_never_slows_the_run() ->
 
 async def test_client_that_never_reads_does_not_hold_the_run() -> None:
     # 40,200 records: far more than the socket buffers and the client's queue hold.
-    server = StreamServer(send_buffer=16384, linger=0.2, announce=False)
+    server = StreamServer(scope="stage", send_buffer=16384, linger=0.2, announce=False)
     async with serving(
         ChattyModule(200), server=server, max_steps=200, train=make_loader(3200)
     ) as run:
@@ -196,7 +196,7 @@ async def test_client_that_never_reads_does_not_hold_the_run() -> None:
 
 
 async def test_server_address_is_published_and_printed(capfd: pytest.CaptureFixture[str]) -> None:
-    server = StreamServer()
+    server = StreamServer(scope="stage")
     async with serving(TinyModule(), server=server) as run:
         assert server.address == run.address
         host_port = parse_address(run.address)
@@ -247,7 +247,7 @@ def test_server_options_are_validated() -> None:
 async def test_thread_executor_and_a_new_server_for_each_stage() -> None:
     """Steps in a worker thread change nothing for clients; each stage serves anew
     (a new port with port=0) and ends its clients' streams with a bye."""
-    server = StreamServer(announce=False)
+    server = StreamServer(scope="stage", announce=False)
     async with serving(
         TinyModule(), server=server, executor="thread", train=make_loader(64)
     ) as run:

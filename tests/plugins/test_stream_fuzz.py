@@ -102,7 +102,7 @@ _payload = st.one_of(
 )
 @given(payloads=st.lists(_payload, min_size=1, max_size=4))
 async def test_fuzzed_clients_never_hurt_the_run_or_other_clients(payloads: list[bytes]) -> None:
-    server = StreamServer(announce=False, max_frame=MAX_FRAME, handshake_timeout=5.0)
+    server = StreamServer(scope="stage", announce=False, max_frame=MAX_FRAME, handshake_timeout=5.0)
     received: list[Any] = []
     with anyio.fail_after(60):
         async with serving(TinyModule(), server=server, train=make_loader(48)) as run:

@@ -104,7 +104,7 @@ async def test_max_clients_holds_for_a_burst_before_and_during_training(
     """``holders`` clients stay connected; ``burst`` more connect at once, first while
     the run is held before its first step, then while steps run. Exactly the free slots
     are welcomed each time; every other connection is turned away as ``busy``."""
-    server = StreamServer(announce=False, max_clients=max_clients)
+    server = StreamServer(scope="stage", announce=False, max_clients=max_clients)
     stepping = Stepping()
     free = max_clients - holders
     expected = Counter({"Welcome": free, "busy": burst - free})
@@ -144,7 +144,7 @@ async def test_default_client_buffer_loses_nothing_for_a_client_that_keeps_up(ex
     default options a client reading every record as it comes gets all of them, also
     when the run puts several times ``client_buffer`` records in all."""
     steps = 3000
-    server = StreamServer(announce=False)
+    server = StreamServer(scope="stage", announce=False)
     module = ChattyModule(extra) if extra else TinyModule()
     items: list[Any] = []
     async with serving(

@@ -31,7 +31,7 @@ def test_binding_beyond_loopback_needs_a_token(host: str) -> None:
 
 
 def test_binding_beyond_loopback_with_a_token_is_allowed() -> None:
-    server = StreamServer(host="0.0.0.0", token="a-long-random-secret")
+    server = StreamServer(scope="stage", host="0.0.0.0", token="a-long-random-secret")
     assert server.token == "a-long-random-secret"
     for host in ("127.0.0.1", "127.1.2.3", "::1", "localhost"):
         assert StreamServer(host=host).host == host
@@ -40,7 +40,7 @@ def test_binding_beyond_loopback_with_a_token_is_allowed() -> None:
 
 
 async def test_token_is_checked() -> None:
-    server = StreamServer(token="s3cret", announce=False)
+    server = StreamServer(scope="stage", token="s3cret", announce=False)
     async with serving(TinyModule(), server=server, train=make_loader(32)) as run:
         with pytest.raises(StreamError, match=r"\(auth\): wrong token"):
             async with loopbus.connect(run.address, token="wrong"):
@@ -64,7 +64,7 @@ def _bye(messages: list[object]) -> Bye:
 
 
 async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
-    server = StreamServer(announce=False, max_frame=1024)
+    server = StreamServer(scope="stage", announce=False, max_frame=1024)
     encode = msgspec.msgpack.encode
     async with serving(TinyModule(), server=server, train=make_loader(64)) as run:
         async with loopbus.connect(run.address) as good:
@@ -131,7 +131,7 @@ async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
 
 
 async def test_handshake_timeout_and_too_many_clients() -> None:
-    server = StreamServer(announce=False, handshake_timeout=0.2, max_clients=1)
+    server = StreamServer(scope="stage", announce=False, handshake_timeout=0.2, max_clients=1)
     async with serving(TinyModule(), server=server, train=make_loader(32)) as run:
         stream = await loopbus.stream.parse_address(run.address).connect()
         async with stream:

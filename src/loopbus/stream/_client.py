@@ -8,7 +8,8 @@
 
 Iteration yields :class:`~loopbus.PutRecord`s (and, when asked for, lifecycle events
 and :class:`Gap` notices) in the order the run produced them, and ends when the server
-says the stage is over. Everything else (the server went away, refused the client, or
+closes with a normal bye (a trainer's server at the end of the job, or of the stage with
+``StreamServer(scope="stage")``). Everything else (the server went away, refused the client, or
 broke the protocol) raises :class:`~loopbus.StreamError`. Reconnecting is the caller's
 choice: catch the error and connect again.
 """
@@ -27,7 +28,8 @@ from anyio.abc import SocketStream
 from .._exceptions import MisconfigurationError, StreamError
 from .._validate import check_number
 from ..events._types import PutRecord
-from ..events._wire import (
+from ._address import Address, parse_address
+from ._wire import (
     MAX_SERVER_FRAME,
     PROTOCOL_VERSION,
     TOPICS,
@@ -40,16 +42,16 @@ from ..events._wire import (
     Record,
     ServerMessage,
     StageEnded,
+    StageStarted,
     Subscribe,
     Subscribed,
     Welcome,
     append_frame,
 )
-from ._address import Address, parse_address
 
 __all__ = ["Stream", "connect"]
 
-StreamItem = PutRecord | EpochEnded | StageEnded | Gap
+StreamItem = PutRecord | EpochEnded | StageStarted | StageEnded | Gap
 
 _CLIENT_NAME = "loopbus-python"
 #: Records reach a client because they were routed to "external"; which other
@@ -90,7 +92,8 @@ def connect(
       and published as ``ServerStarted.address``).
     * ``names``: globs on record names (``["train/*", "val/loss"]``); default all.
     * ``topics``: ``["records"]`` (default), ``["events"]``, or both; events are
-      :class:`~loopbus.stream.EpochEnded` and :class:`~loopbus.stream.StageEnded`.
+      :class:`~loopbus.stream.StageStarted`, :class:`~loopbus.stream.EpochEnded` and
+      :class:`~loopbus.stream.StageEnded`.
     * ``token``: the server's token, when it has one.
     * ``yield_gaps``: also yield a :class:`~loopbus.stream.Gap` where records were
       dropped because this client read too slowly; either way :attr:`Stream.gaps`

@@ -1,4 +1,4 @@
-"""What a stream server keeps for each client, apart from the I/O: the bounded queue and
+"""What the stream server keeps for each client, apart from the I/O: the bounded queue and
 its sequence numbers, batching into frames with exact gap notices, the name filter, and
 decoding what clients send (untrusted input)."""
 
@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import fnmatch
 import re
-import sys
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -14,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
-from loopbus.stream import (
+from ._wire import (
     MAX_SERVER_FRAME,
     PROTOCOL_VERSION,
     FrameReader,
@@ -31,7 +30,6 @@ if TYPE_CHECKING:
 __all__ = [
     "BATCH_ITEMS",
     "CLIENT_TYPES",
-    "NEVER",
     "Connection",
     "Rejected",
     "decode_client_message",
@@ -41,8 +39,6 @@ __all__ = [
 
 #: Items per batch frame (about 45 bytes each for typical records).
 BATCH_ITEMS = 1024
-#: A queue length never reached: the writer is not to be woken.
-NEVER = sys.maxsize
 #: The message types a client may send.
 CLIENT_TYPES = ("Hello", "Subscribe", "Bye")
 
@@ -65,19 +61,17 @@ class Connection:
         "bye",
         "dropped",
         "flush",
-        "high",
         "input_closed",
         "match",
         "next_seq",
-        "paused",
         "peer",
         "queue",
         "reader",
         "scope",
         "sent_seq",
         "stream",
-        "threshold",
         "topics",
+        "waiting",
         "wake",
     )
 
@@ -93,14 +87,10 @@ class Connection:
         self.next_seq = 0
         self.sent_seq = 0
         self.dropped = 0
-        #: The writer waits on ``wake``; the record handler sets it when the queue holds
-        #: ``threshold`` items: 1 while the writer is idle, ``high`` (half the queue) while
-        #: it pauses between sends, never while it is sending.
+        #: The writer waits on ``wake`` (``waiting`` is then true) until there is
+        #: something to send; the server's pump sets it after queueing items.
         self.wake = anyio.Event()
-        self.high = max(1, buffer // 2)
-        self.threshold = NEVER
-        #: The writer sent a batch and waits for the next tick before the next one.
-        self.paused = False
+        self.waiting = False
         self.match: Callable[[str], Any] = match_nothing
         self.topics: frozenset[str] = frozenset()
         self.acks: list[Subscribed] = []
@@ -115,8 +105,10 @@ class Connection:
         return self.next_seq - len(self.queue) - self.sent_seq
 
     def notify(self) -> None:
-        self.threshold = NEVER
-        self.wake.set()
+        """Wake the writer (if it waits)."""
+        if self.waiting:
+            self.waiting = False
+            self.wake.set()
 
     def close(self, code: str, reason: str, *, flush: bool) -> None:
         """Ask the writer to send ``Bye(code, reason)`` (after the queue, if ``flush``)."""

@@ -3,8 +3,8 @@
 Every message is a tagged msgspec Struct (``{"type": "<Name>", ...}`` as a msgpack map)
 sent in a frame: a 4-byte big-endian unsigned length, then that many bytes of msgpack.
 ``docs/protocol.md`` is the specification; this module is its reference implementation.
-The stream server (``loopbus.plugins.StreamServer``) and the client (``loopbus.connect``)
-share it. Nothing here imports torch or the engine.
+The stream server (``loopbus.stream.Server``, which ``loopbus.plugins.StreamServer``
+feeds from a trainer) and the client (``loopbus.connect``) share it. Nothing here imports torch or the engine.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ __all__ = [
     "ServerMessage",
     "StageEnded",
     "Subscribe",
+    "StageStarted",
     "Subscribed",
     "Welcome",
     "append_frame",
@@ -51,8 +52,8 @@ MAX_CLIENT_FRAME: Final = 64 * 1024
 MAX_SERVER_FRAME: Final = 16 * 1024 * 1024
 #: What a client can subscribe to: put records, and the lifecycle events below.
 TOPICS: Final = ("records", "events")
-#: ``Bye.code`` values. ``"end"`` is a normal end (the run's stage ended, or the client
-#: is leaving); the others name what the receiver did wrong or why it was turned away.
+#: ``Bye.code`` values. ``"end"`` is a normal end (the server closed, or the client is
+#: leaving); the others name what the receiver did wrong or why it was turned away.
 BYE_CODES: Final = (
     "end",
     "auth",
@@ -163,8 +164,19 @@ class StageEnded(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag
     time: float
 
 
+class StageStarted(msgspec.Struct, frozen=True, kw_only=True, array_like=True, tag=True):
+    """Topic ``"events"``: a stage (``"fit"``, ``"validate"``, ``"test"``, ``"predict"``)
+    started, before its first record; the array
+    ``["StageStarted", stage, step, epoch, time]``."""
+
+    stage: str
+    step: int
+    epoch: int
+    time: float
+
+
 #: What a batch carries: arrays whose first element names their type.
-Item = Record | EpochEnded | StageEnded
+Item = Record | EpochEnded | StageStarted | StageEnded
 
 
 class Batch(_Message, frozen=True, kw_only=True):

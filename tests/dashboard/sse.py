@@ -42,7 +42,7 @@ async def read_events(
     *,
     headers: Sequence[tuple[str, str]] = (),
     query: str = "",
-    timeout: float = 10.0,
+    within: float = 10.0,
 ) -> tuple[int, dict[str, str], list[Event]]:
     """GET ``path`` and read events until ``until(events)``, then disconnect:
     ``(status, headers, events)``."""
@@ -76,7 +76,7 @@ async def read_events(
         "client": ("127.0.0.1", 50000),
         "server": ("127.0.0.1", 80),
     }
-    with anyio.fail_after(timeout):
+    with anyio.fail_after(within):
         await app(scope, receive, send)
     response_headers = {k.decode(): v.decode() for k, v in start.get("headers", [])}
     return start["status"], response_headers, parse(body.decode())

@@ -42,7 +42,10 @@ async def test_the_event_stream_sends_the_status_then_every_message_with_its_id(
     assert [e.id for e in data] == ["0", "1", "2"]
     decoded = [msgspec.json.decode(e.data) for e in data]
     assert [d["id"] for d in decoded] == [0, 1, 2]
-    assert decoded[2]["parts"][0]["records"] == {"train/loss": [[2], [1 / 3]], "val/acc": [[2], [0.5]]}
+    assert decoded[2]["parts"][0]["records"] == {
+        "train/loss": [[2], [1 / 3]],
+        "val/acc": [[2], [0.5]],
+    }
 
 
 async def test_a_browser_that_reconnects_gets_the_rest_and_new_messages_follow() -> None:
@@ -52,7 +55,9 @@ async def test_a_browser_that_reconnects_gets_the_rest_and_new_messages_follow()
         app, "/events", lambda ev: len(_data(ev)) >= 2, headers=[("Last-Event-ID", "1")]
     )
     assert [e.id for e in _data(events)] == ["2", "3"]
-    _, _, events = await read_events(app, "/events", lambda ev: len(_data(ev)) >= 1, query="after=2")
+    _, _, events = await read_events(
+        app, "/events", lambda ev: len(_data(ev)) >= 1, query="after=2"
+    )
     assert [e.id for e in _data(events)] == ["3"]
 
     # A message flushed while the browser waits arrives at once.
@@ -90,7 +95,11 @@ async def test_the_page_and_its_static_files() -> None:
         assert index.status_code == 200
         assert "<title>My &lt;runs&gt;</title>" in index.text
         # Relative URLs only: the page works wherever it is mounted.
-        for url in ("static/vendor/uPlot.iife.min.js", "static/dashboard.js", "static/dashboard.css"):
+        for url in (
+            "static/vendor/uPlot.iife.min.js",
+            "static/dashboard.js",
+            "static/dashboard.css",
+        ):
             assert f'"{url}"' in index.text
             response = await client.get(f"/dash/{url}")
             assert response.status_code == 200
@@ -133,7 +142,7 @@ def test_bad_options_are_refused_with_a_way_out() -> None:
     with pytest.raises(MisconfigurationError, match="non-empty list of stream addresses"):
         Dashboard([])
     with pytest.raises(MisconfigurationError, match="non-empty list of stream addresses"):
-        Dashboard("tcp://127.0.0.1:1")  # type: ignore[arg-type]
+        Dashboard("tcp://127.0.0.1:1")
     with pytest.raises(MisconfigurationError, match="scheme 'http' is not served"):
         Dashboard(["http://127.0.0.1:1"])
     with pytest.raises(MisconfigurationError, match=r"labels=\.\.\.\) must name each of the 2"):
@@ -142,7 +151,9 @@ def test_bad_options_are_refused_with_a_way_out() -> None:
         Dashboard(["1"], retry=0)
     with pytest.raises(MisconfigurationError, match=r"web_token=\.\.\.\) must be a non-empty str"):
         Dashboard(["1"], web_token="")
-    with pytest.raises(MisconfigurationError, match="anyone who can reach '0.0.0.0'.*--web-token"):
+    with pytest.raises(
+        MisconfigurationError, match=r"anyone who can reach '0\.0\.0\.0'.*--web-token"
+    ):
         serve(["1"], host="0.0.0.0")
     with pytest.raises(MisconfigurationError, match=r"port must be an int from 0 to 65535"):
         serve(["1"], port=70000)

@@ -93,8 +93,15 @@ def test_the_page_charts_a_job_live_through_fit_and_test(
             page.wait_for_selector("#runs tr[data-state=waiting]", timeout=30_000)
             job = subprocess.Popen(
                 [
-                    sys.executable, "-m", "tests.dashboard.job", f"unix://{address}",
-                    "--epochs", "4", "--delay", "0.05", "--wait",
+                    sys.executable,
+                    "-m",
+                    "tests.dashboard.job",
+                    f"unix://{address}",
+                    "--epochs",
+                    "4",
+                    "--delay",
+                    "0.05",
+                    "--wait",
                 ],
                 cwd=ROOT,
             )
@@ -129,8 +136,12 @@ def test_the_page_charts_a_job_live_through_fit_and_test(
             }
             # 4 epochs of 16 steps, 4 validation batches per epoch, 4 test batches.
             assert points == {
-                "train/acc": 64, "train/loss": 64, "lr": 64,
-                "val/acc": 16, "val/loss": 16, "test/loss": 4,
+                "train/acc": 64,
+                "train/loss": 64,
+                "lr": 64,
+                "val/acc": 16,
+                "val/loss": 16,
+                "test/loss": 4,
             }
             assert page.evaluate("document.body.dataset.epochs") == "4"
             assert page.evaluate("document.body.dataset.gaps") == "0"

@@ -24,7 +24,9 @@ def test_the_dashboard_imports_neither_torch_nor_the_engine() -> None:
         "import loopbus.dashboard;"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('loopbus.engine', 'loopbus.plugins'))))"
     )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    )
     assert result.stdout.strip() == "[]"
 
 
@@ -45,7 +47,8 @@ def test_the_command_serves_the_page_and_follows_a_job(tmp_path: Path) -> None:
         assert f"watching unix://{socket_path}" in line
         assert "Ctrl-C stops" in line
         page = httpx.get(url, timeout=10)
-        assert page.status_code == 200 and "uPlot.iife.min.js" in page.text
+        assert page.status_code == 200
+        assert "uPlot.iife.min.js" in page.text
         job = subprocess.Popen(
             [sys.executable, "-m", "tests.dashboard.job", f"unix://{socket_path}", "--wait"],
             cwd=ROOT,
@@ -57,7 +60,11 @@ def test_the_command_serves_the_page_and_follows_a_job(tmp_path: Path) -> None:
             if run["detail"] == "test completed" or time.monotonic() > deadline:
                 break
             time.sleep(0.1)
-        assert (run["label"], run["state"], run["detail"]) == ("mine", "between stages", "test completed")
+        assert (run["label"], run["state"], run["detail"]) == (
+            "mine",
+            "between stages",
+            "test completed",
+        )
         # 3 epochs of 16 steps: 3 training records per step, 2 validation records per
         # batch (4 batches), 1 test record per batch (4 batches).
         assert run["records"] == 3 * (16 * 3 + 4 * 2) + 4

@@ -4,6 +4,7 @@ markers, state, history, on both anyio backends where it waits."""
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import anyio
 import msgspec
@@ -13,7 +14,7 @@ from loopbus import MisconfigurationError
 from loopbus.dashboard import Hub
 
 
-def _messages(hub: Hub, start: int = 0) -> list[dict[str, object]]:
+def _messages(hub: Hub, start: int = 0) -> list[dict[str, Any]]:
     _, messages = hub.read(start)
     return [msgspec.json.decode(m) for m in messages]
 
@@ -43,7 +44,11 @@ def test_a_flush_is_one_message_with_columns_per_run_and_name() -> None:
                 "markers": [],
             },
             # NaN and infinities break the line (null); big integers stay integers.
-            {"run": 1, "records": {"val/loss": [[7, 8], [None, None]], "val/n": [[9], [2**60]]}, "markers": []},
+            {
+                "run": 1,
+                "records": {"val/loss": [[7, 8], [None, None]], "val/n": [[9], [2**60]]},
+                "markers": [],
+            },
         ],
     }
     assert (a.records, a.step, b.records, b.step, b.epoch) == (6, 2, 3, 9, 1)
@@ -107,9 +112,11 @@ def test_history_forgets_the_oldest_messages() -> None:
             run.record("x", float(step), i * 4 + step, 0)
         hub.flush()
     # 20 records put in messages of 4; at most 10 kept: the last 2 messages.
-    assert hub.first == 3 and hub.next_id == 5
+    assert hub.first == 3
+    assert hub.next_id == 5
     first, messages = hub.read(0)
-    assert first == 3 and [m["id"] for m in _messages(hub)] == [3, 4]
+    assert first == 3
+    assert [m["id"] for m in _messages(hub)] == [3, 4]
     assert hub.read(4)[1] == messages[1:]
     assert hub.read(5) == (5, [])
 

@@ -18,7 +18,7 @@ from starlette.requests import Request
 from starlette.responses import HTMLResponse, PlainTextResponse, Response
 from starlette.routing import BaseRoute, Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .._exceptions import MisconfigurationError
 from .._validate import check_number
@@ -115,9 +115,9 @@ class _TokenGate:
         offered = request.query_params.get("token")
         if offered is not None and hmac.compare_digest(offered.encode(), self.token):
 
-            async def with_cookie(message: dict[str, object]) -> None:
+            async def with_cookie(message: Message) -> None:
                 if message["type"] == "http.response.start":
-                    headers = list(message.get("headers", []))  # type: ignore[call-overload]
+                    headers = list(message.get("headers", []))
                     headers.append(
                         (
                             b"set-cookie",
@@ -223,4 +223,3 @@ class Dashboard:
 def new_token() -> str:
     """A random token for the page."""
     return secrets.token_urlsafe(18)
-

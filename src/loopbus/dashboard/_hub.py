@@ -180,7 +180,11 @@ class Hub:
     def status(self) -> bytes:
         """Every run's state, as JSON."""
         return self._encode(
-            {"runs": [run.info() for run in self.runs], "time": time.time(), "started": self.started}
+            {
+                "runs": [run.info() for run in self.runs],
+                "time": time.time(),
+                "started": self.started,
+            }
         )
 
     def read(self, start: int) -> tuple[int, list[bytes]]:

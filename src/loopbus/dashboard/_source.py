@@ -20,7 +20,7 @@ async def follow(
     *,
     token: str | None = None,
     retry: float = 0.2,
-    timeout: float = 10.0,
+    connect_timeout: float = 10.0,
     patience: float = 10.0,
 ) -> None:
     """Feed ``address``'s records and events into ``feed`` until cancelled. A run on
@@ -34,7 +34,11 @@ async def follow(
     last_seen = 0.0  # when the run last served us, by anyio's clock
     while True:
         stream = connect(
-            address, topics=["records", "events"], token=token, yield_gaps=True, timeout=timeout
+            address,
+            topics=["records", "events"],
+            token=token,
+            yield_gaps=True,
+            timeout=connect_timeout,
         )
         try:
             async with stream:
@@ -74,9 +78,6 @@ async def follow(
                 # Gone in the middle of a stage: killed, or it failed hard.
                 feed.set_state("ended", str(exc))
                 last_seen = anyio.current_time()
-            elif (
-                feed.state == "between stages"
-                and anyio.current_time() - last_seen > patience
-            ):
+            elif feed.state == "between stages" and anyio.current_time() - last_seen > patience:
                 feed.set_state("ended", f"{feed.detail}; not serving any more")
         await anyio.sleep(retry)

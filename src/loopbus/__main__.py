@@ -78,7 +78,55 @@ def _parser() -> argparse.ArgumentParser:
         help="keep trying to connect for this long while nothing listens yet",
     )
     watch.set_defaults(run=_watch_command)
+    dashboard = commands.add_parser(
+        "dashboard",
+        help="chart the records of running jobs live in a web page",
+        description=(
+            "Connect to the stream server of one or more running jobs and serve a local web "
+            "page that charts every record name live (x = step), one series per job. Keeps "
+            "watching across stages and until stopped (Ctrl-C)."
+        ),
+    )
+    dashboard.add_argument(
+        "addresses", nargs="+", metavar="ADDRESS", help="tcp://HOST:PORT or unix:///path, per job"
+    )
+    dashboard.add_argument(
+        "--token",
+        default=os.environ.get("LOOPBUS_TOKEN"),
+        help="the jobs' stream token, if they have one (default: $LOOPBUS_TOKEN)",
+    )
+    dashboard.add_argument("--host", default="127.0.0.1", help="where to serve the page")
+    dashboard.add_argument("--port", type=int, default=0, help="the page's port (0: a free one)")
+    dashboard.add_argument(
+        "--web-token",
+        default=os.environ.get("LOOPBUS_DASHBOARD_TOKEN"),
+        help="a token the page asks for; required beyond loopback ('auto' makes one up)",
+    )
+    dashboard.add_argument("--label", action="append", help="a job's name on the page (repeat)")
+    dashboard.add_argument("--open", action="store_true", help="open the page in a browser")
+    dashboard.set_defaults(run=_dashboard)
     return parser
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    try:
+        from .dashboard import serve  # the web libraries load only for this command
+
+        serve(
+            args.addresses,
+            host=args.host,
+            port=args.port,
+            token=args.token,
+            web_token=args.web_token,
+            labels=args.label,
+            open_browser=args.open,
+        )
+    except KeyboardInterrupt:
+        return 128 + signal.SIGINT
+    except (ImportError, ValueError, OSError) as exc:  # web extra missing, bad option, port taken
+        print(f"loopbus dashboard: {exc}", file=sys.stderr)
+        return 2
+    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -1,0 +1,243 @@
+"""What watching a run with ``loopbus dashboard`` costs its training.
+
+The small training run of ``benchmarks/stream.py`` (an MLP 32 -> 32 -> 10, batch 32,
+SGD, one torch thread) puts ``--records`` records per step and serves them with a
+StreamServer on a Unix socket. Two cases alternate (ABBA) in this process:
+
+(a) nobody watches;
+(b) ``loopbus dashboard`` (a separate process) follows the run, and three
+    browser-equivalent readers (threads of one more process, each streaming the page's
+    Server-Sent Events with httpx) read everything it sends.
+
+The figure is the median over the pairs of the ratio of training wall time (first batch
+to teardown) b / a, and the same for the training process's CPU time; the target is
+<= 1.03. By default the training process is pinned to the first CPU and the dashboard
+and readers to the others, as they would run on another core or machine.
+
+    python benchmarks/dashboard.py                  # defaults below, about a minute
+    python benchmarks/dashboard.py --steps 4000 --repeats 9 --no-pin
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import anyio
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+import loopbus
+from loopbus import Module, Plugin, Trainer, on
+from loopbus.events import FitStarted, Teardown, TrainBatchStarted
+from loopbus.plugins import StreamServer
+
+torch.set_num_threads(1)
+ROOT = Path(__file__).resolve().parents[1]
+#: CPUs for the dashboard and the readers when pinning (the training gets the first).
+OTHERS: set[int] = set()
+
+
+# ---------------------------------------------------------------- reader process
+def read_events(url: str, clients: int) -> None:
+    """``clients`` threads stream ``url`` (the dashboard's /events) until stdin closes;
+    then print what each received, as JSON."""
+    import httpx
+
+    counts = [{"bytes": 0, "messages": 0} for _ in range(clients)]
+    stop = threading.Event()
+
+    def read(i: int) -> None:
+        with httpx.stream("GET", url, timeout=None) as response:
+            for chunk in response.iter_bytes():
+                counts[i]["bytes"] += len(chunk)
+                counts[i]["messages"] += chunk.count(b"event: data")
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(clients)]
+    for thread in threads:
+        thread.start()
+    sys.stdin.read()
+    stop.set()
+    print(json.dumps(counts), flush=True)
+
+
+# ---------------------------------------------------------------- training
+class BenchModule(Module):
+    def __init__(self, records: int) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(32, 32)
+        self.fc2 = torch.nn.Linear(32, 10)
+        self.names = [f"train/m{i}" for i in range(records - 1)]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.put("train/loss", loss)
+        for name in self.names:
+            self.put(name, 0.5)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class Window(Plugin):
+    """Holds the run until ``clients`` subscribed; then wall and CPU time from the first
+    training batch to the teardown."""
+
+    def __init__(self, server: StreamServer, clients: int) -> None:
+        self.server = server
+        self.clients = clients
+        self.wall = self.cpu = 0.0
+
+    @on(FitStarted)
+    async def hold(self, event: FitStarted) -> None:
+        with anyio.fail_after(60):
+            while self.server.subscribers < self.clients:  # noqa: ASYNC110
+                await anyio.sleep(0.01)
+
+    @on(TrainBatchStarted, once=1)
+    def begin(self, event: TrainBatchStarted) -> None:
+        self.wall, self.cpu = -time.perf_counter(), -time.process_time()
+
+    @on(Teardown)
+    def end(self, event: Teardown) -> None:
+        self.wall += time.perf_counter()
+        self.cpu += time.process_time()
+
+
+def train(steps: int, records: int, data: Any, path: str, watched: bool) -> tuple[float, float]:
+    server = StreamServer(host=None, path=path, announce=False)
+    window = Window(server, 1 if watched else 0)
+    trainer = Trainer(max_steps=steps, plugins=[server, window], leak_check=None, device="cpu")
+    loopbus.run(trainer.fit, BenchModule(records), data)
+    return window.wall, window.cpu
+
+
+def _pinned() -> Any:
+    return (lambda: os.sched_setaffinity(0, OTHERS)) if OTHERS else None
+
+
+def start_dashboard(address: str) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loopbus", "dashboard", address],
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=_pinned(),
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    if not line.startswith("loopbus dashboard: http"):
+        proc.kill()
+        raise SystemExit(f"the dashboard did not start: {line}{proc.stderr.read()}")
+    return proc, line.split()[2]
+
+
+def records_shown(url: str) -> int:
+    import httpx
+
+    # Each run on the address is a new job to the dashboard: a series (and a row) each.
+    return sum(int(run["records"]) for run in httpx.get(url + "status", timeout=10).json()["runs"])
+
+
+def bench(steps: int, records: int, repeats: int) -> dict[str, Any]:
+    data = DataLoader(
+        TensorDataset(torch.randn(32 * steps, 32), torch.randint(0, 10, (32 * steps,))),
+        batch_size=32,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        watched_path, alone_path = f"{tmp}/watched.sock", f"{tmp}/alone.sock"
+        dashboard, url = start_dashboard(f"unix://{watched_path}")
+        readers = subprocess.Popen(
+            [sys.executable, __file__, "--read", url + "events", "--clients", "3"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            preexec_fn=_pinned(),
+        )
+        try:
+            train(min(300, steps), records, data, watched_path, True)  # warm-up
+            walls: dict[bool, list[float]] = {False: [], True: []}
+            wall_ratios, cpu_ratios = [], []
+            for i in range(repeats):
+                order = (False, True) if i % 2 == 0 else (True, False)
+                runs = {
+                    w: train(steps, records, data, watched_path if w else alone_path, w)
+                    for w in order
+                }
+                walls[False].append(runs[False][0])
+                walls[True].append(runs[True][0])
+                wall_ratios.append(runs[True][0] / runs[False][0])
+                cpu_ratios.append(runs[True][1] / runs[False][1])
+            time.sleep(1.0)  # the last records reach the dashboard and the readers
+            shown = records_shown(url)
+            out, _ = readers.communicate("", timeout=30)
+        finally:
+            if readers.poll() is None:
+                readers.kill()
+            dashboard.terminate()
+            dashboard.wait(timeout=15)
+            if dashboard.stderr is not None:
+                dashboard.stderr.close()
+    received = json.loads(out)
+    return {
+        "steps": steps,
+        "records_per_step": records,
+        "step_us": {
+            "alone": 1e6 * statistics.median(walls[False]) / steps,
+            "watched": 1e6 * statistics.median(walls[True]) / steps,
+        },
+        "wall_ratio": statistics.median(wall_ratios),
+        "wall_ratios": wall_ratios,
+        "cpu_ratio": statistics.median(cpu_ratios),
+        "records_shown": shown,
+        "records_put": (min(300, steps) + repeats * steps) * records,
+        "reader_messages": [r["messages"] for r in received],
+        "reader_mb": [round(r["bytes"] / 1e6, 1) for r in received],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--records", type=int, default=2, help="records put per step")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--read", metavar="URL", help=argparse.SUPPRESS)
+    parser.add_argument("--clients", type=int, default=3, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.read:
+        read_events(args.read, args.clients)
+        return
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if args.pin and len(cpus) >= 2:
+        OTHERS.update(cpus[1:])
+        os.sched_setaffinity(0, {cpus[0]})
+    result = bench(args.steps, args.records, args.repeats)
+    print(json.dumps(result, indent=1))
+    print(
+        f"dashboard + 3 SSE readers: training wall time x{result['wall_ratio']:.3f} "
+        f"(CPU x{result['cpu_ratio']:.3f}; target <= 1.03), "
+        f"{result['step_us']['alone']:.0f} -> {result['step_us']['watched']:.0f} us/step, "
+        f"{result['records_shown']}/{result['records_put']} records shown"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""``loopbus dashboard``: a live web page charting any run that serves its stream.
+
+Imports the stream client and the web libraries (the ``web`` extra), never torch or the
+engine: the dashboard is a separate process that starts fast. ``docs/dashboard.md``
+describes the command and the page.
+"""
+
+from __future__ import annotations
+
+try:
+    import sse_starlette as _sse_starlette  # noqa: F401
+    import starlette as _starlette  # noqa: F401
+except ImportError as _exc:  # pragma: no cover - depends on the installation
+    raise ImportError(
+        f"the loopbus dashboard needs Starlette, uvicorn and sse-starlette ({_exc.name} is "
+        "missing). Install them with: pip install 'loopbus[web]'"
+    ) from _exc
+
+from .._exceptions import fixup_module_metadata as _fixup_module_metadata
+from ._app import STATIC as STATIC
+from ._app import Dashboard as Dashboard
+from ._app import page as page
+from ._app import routes as routes
+from ._hub import Hub as Hub
+from ._hub import RunFeed as RunFeed
+from ._serve import serve as serve
+from ._source import follow as follow
+
+__all__ = ["STATIC", "Dashboard", "Hub", "RunFeed", "follow", "page", "routes", "serve"]
+
+_fixup_module_metadata(__name__, globals())

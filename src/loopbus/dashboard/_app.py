@@ -1,0 +1,225 @@
+"""The dashboard's web side: the page, its static files and the Server-Sent Events stream
+of the hub's messages, as Starlette routes (``routes``) or a whole app (``Dashboard``)."""
+
+from __future__ import annotations
+
+import hmac
+import html
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from sse_starlette import EventSourceResponse, ServerSentEvent
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, PlainTextResponse, Response
+from starlette.routing import BaseRoute, Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from .._exceptions import MisconfigurationError
+from .._validate import check_number
+from ..stream import parse_address
+from ._hub import Hub, RunFeed
+from ._source import follow
+
+__all__ = ["STATIC", "Dashboard", "page", "routes"]
+
+#: The page's files: ``index.html``, ``dashboard.js``, ``dashboard.css`` and ``vendor/``
+#: (uPlot).
+STATIC = Path(__file__).resolve().parent / "static"
+#: Seconds between keep-alive comments on an idle event stream.
+PING = 15.0
+_OWNER = "Dashboard"
+_COOKIE = "loopbus_dashboard"
+
+
+def page(title: str = "loopbus dashboard", controls: str = "") -> str:
+    """The dashboard page; ``controls`` is HTML placed above the charts (an application
+    that starts runs puts its form there)."""
+    text = (STATIC / "index.html").read_text(encoding="utf-8")
+    text = text.replace("{{title}}", html.escape(title))
+    return text.replace("<!-- controls -->", controls)
+
+
+def _stream(hub: Hub, start: int) -> AsyncIterator[bytes | ServerSentEvent]:
+    async def events() -> AsyncIterator[bytes | ServerSentEvent]:
+        status = -1
+        position = start
+        while True:
+            if hub.status_version != status:
+                status = hub.status_version
+                yield ServerSentEvent(hub.status().decode(), event="status")
+            first, messages = hub.read(position)
+            if first > position:
+                yield ServerSentEvent(str(first - position), event="forgotten")
+            if messages:
+                # One write for what is ready; each message is one event.
+                yield b"".join(
+                    b"id: %d\nevent: data\ndata: %s\n\n" % (i, message)
+                    for i, message in enumerate(messages, first)
+                )
+                position = first + len(messages)
+                continue
+            if hub.status_version == status:
+                await hub.wait()
+
+    return events()
+
+
+def routes(hub: Hub, *, title: str = "loopbus dashboard", controls: str = "") -> list[BaseRoute]:
+    """The dashboard's routes for ``hub``, for an application of one's own: ``/`` (the
+    page), ``/events`` (Server-Sent Events), ``/status`` (the runs, JSON) and
+    ``/static/...``. Mount them anywhere (``Mount("/dashboard", routes=...)``): the page
+    uses relative URLs."""
+    body = page(title, controls)
+
+    async def index(request: Request) -> Response:
+        return HTMLResponse(body, headers={"Cache-Control": "no-cache"})
+
+    async def events(request: Request) -> Response:
+        last = request.headers.get("last-event-id") or request.query_params.get("after")
+        try:
+            start = int(last) + 1 if last is not None else 0
+        except ValueError:
+            return PlainTextResponse(f"Last-Event-ID must be a message id, got {last!r}.", 400)
+        return EventSourceResponse(_stream(hub, max(start, 0)), ping=PING, sep="\n")
+
+    async def status(request: Request) -> Response:
+        return Response(hub.status(), media_type="application/json")
+
+    return [
+        Route("/", index),
+        Route("/events", events),
+        Route("/status", status),
+        Mount("/static", StaticFiles(directory=STATIC), name="static"),
+    ]
+
+
+class _TokenGate:
+    """Lets a request through with the right token: ``?token=...`` once (which sets a
+    cookie), then the cookie."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self.token = token.encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        offered = request.query_params.get("token")
+        if offered is not None and hmac.compare_digest(offered.encode(), self.token):
+
+            async def with_cookie(message: Message) -> None:
+                if message["type"] == "http.response.start":
+                    headers = list(message.get("headers", []))
+                    headers.append(
+                        (
+                            b"set-cookie",
+                            b"%s=%s; HttpOnly; SameSite=Strict; Path=/"
+                            % (_COOKIE.encode(), self.token),
+                        )
+                    )
+                    message = {**message, "headers": headers}
+                await send(message)
+
+            await self.app(scope, receive, with_cookie)
+            return
+        cookie = request.cookies.get(_COOKIE, "")
+        if hmac.compare_digest(cookie.encode(), self.token):
+            await self.app(scope, receive, send)
+            return
+        response = PlainTextResponse(
+            "This dashboard needs its token: open the address it printed (…/?token=...).", 403
+        )
+        await response(scope, receive, send)
+
+
+class Dashboard:
+    """Charts the runs serving their stream at ``addresses`` (see ``loopbus dashboard``).
+
+    * ``addresses``: one per run, ``tcp://HOST:PORT`` or ``unix:///path``; each run is a
+      series on every chart. ``labels``: their names on the page (default the addresses).
+    * ``token``: the runs' stream token, if they have one.
+    * ``web_token``: a token the page asks for (``?token=...``, then a cookie); ``None``:
+      anyone who can reach the page sees it.
+    * ``interval``: seconds between messages to the browsers; ``history``: records kept
+      for browsers that open the page later; ``retry``: seconds between connection
+      attempts while a run is not serving.
+
+    ``app`` is the Starlette application; run it with any ASGI server, or use
+    :func:`loopbus.dashboard.serve`.
+    """
+
+    def __init__(
+        self,
+        addresses: Sequence[str],
+        *,
+        labels: Sequence[str] | None = None,
+        token: str | None = None,
+        web_token: str | None = None,
+        interval: float = 0.1,
+        history: int = 2_000_000,
+        retry: float = 0.2,
+        title: str = "loopbus dashboard",
+    ) -> None:
+        if isinstance(addresses, str) or not addresses:
+            raise MisconfigurationError(
+                f"Dashboard(addresses=...) must be a non-empty list of stream addresses "
+                f"(['tcp://127.0.0.1:8765']), got {addresses!r}."
+            )
+        self.addresses = [str(parse_address(a)) for a in addresses]
+        if labels is None:
+            labels = self.addresses
+        if isinstance(labels, str) or len(labels) != len(self.addresses):
+            raise MisconfigurationError(
+                f"Dashboard(labels=...) must name each of the {len(self.addresses)} "
+                f"address(es) once, got {labels!r}."
+            )
+        for name, value in (("token", token), ("web_token", web_token)):
+            if value is not None and (not isinstance(value, str) or not value):
+                raise MisconfigurationError(
+                    f"Dashboard({name}=...) must be a non-empty str or None, got {value!r}."
+                )
+        self.token = token
+        self.web_token = web_token
+        self.retry = check_number(
+            "retry", retry, exclusive_minimum=0, owner=_OWNER, what="a number of seconds"
+        )
+        self.hub = Hub(interval=interval, history=history)
+        self.feeds = [
+            self.hub.add_run(str(label), address)
+            for label, address in zip(labels, self.addresses, strict=True)
+        ]
+        self.app = Starlette(
+            routes=routes(self.hub, title=title),
+            lifespan=self._lifespan,
+            middleware=[Middleware(_TokenGate, token=web_token)] if web_token else [],
+        )
+
+    async def run(self) -> None:
+        """Follow every run and feed the browsers, until cancelled."""
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.hub.run, name="dashboard flush")
+            for feed, address in zip(self.feeds, self.addresses, strict=True):
+                tg.start_soon(self._follow, feed, address, name=f"dashboard: {address}")
+
+    async def _follow(self, feed: RunFeed, address: str) -> None:
+        await follow(feed, address, token=self.token, retry=self.retry)
+
+    @asynccontextmanager
+    async def _lifespan(self, app: Starlette) -> AsyncIterator[None]:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.run)
+            yield
+            tg.cancel_scope.cancel()
+
+
+def new_token() -> str:
+    """A random token for the page."""
+    return secrets.token_urlsafe(18)

@@ -1,0 +1,100 @@
+"""Serving a :class:`Dashboard` with uvicorn: ``loopbus dashboard ADDRESS ...``."""
+
+from __future__ import annotations
+
+import socket
+import sys
+import webbrowser
+from collections.abc import Sequence
+from typing import IO
+
+from .._exceptions import MisconfigurationError
+from .._validate import check_int
+from ..stream import is_loopback
+from ._app import Dashboard, new_token
+
+__all__ = ["bind", "serve"]
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket on ``host``:``port`` (``0``: a free port)."""
+    check_int("port", port, minimum=0, maximum=65535, hint="0 picks a free port")
+    infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+        sock.listen(128)
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def url_of(sock: socket.socket, host: str, token: str | None) -> str:
+    """The page's address for a socket from :func:`bind`."""
+    port = sock.getsockname()[1]
+    shown = "127.0.0.1" if host in ("0.0.0.0", "") else ("[::1]" if host == "::" else host)
+    if ":" in shown and not shown.startswith("["):
+        shown = f"[{shown}]"
+    return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
+
+
+def serve(
+    addresses: Sequence[str],
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    web_token: str | None = None,
+    open_browser: bool = False,
+    labels: Sequence[str] | None = None,
+    interval: float = 0.1,
+    out: IO[str] | None = None,
+) -> None:
+    """Serve a dashboard of the runs at ``addresses`` until interrupted (Ctrl-C).
+
+    The page is on loopback by default. On any other ``host`` it needs a ``web_token``
+    (``"auto"`` makes one up); the address printed carries it.
+    """
+    import uvicorn
+
+    out = out if out is not None else sys.stderr
+    if not isinstance(host, str) or not host:
+        raise MisconfigurationError(f"the dashboard's host must be a host name, got {host!r}.")
+    if web_token == "auto":
+        web_token = new_token()
+    if not is_loopback(host) and web_token is None:
+        raise MisconfigurationError(
+            f"the dashboard would serve the runs' records to anyone who can reach {host!r}: "
+            "pass a token for the page (--web-token SECRET, or --web-token auto), or keep "
+            "--host on 127.0.0.1 and forward the port (ssh -L 8080:127.0.0.1:8080 host)."
+        )
+    dashboard = Dashboard(
+        addresses, labels=labels, token=token, web_token=web_token, interval=interval
+    )
+    sock = bind(host, port)
+    url = url_of(sock, host, web_token)
+    if not is_loopback(host):
+        print(
+            f"loopbus dashboard: WARNING: serving on {host!r}, beyond this machine; the page "
+            "is plain HTTP (the token travels unencrypted).",
+            file=out,
+        )
+    print(
+        f"loopbus dashboard: {url} (watching {', '.join(dashboard.addresses)}; Ctrl-C stops)",
+        file=out,
+        flush=True,
+    )
+    if open_browser:
+        webbrowser.open(url)  # the socket listens already: the browser's request waits
+    config = uvicorn.Config(
+        dashboard.app, log_level="warning", lifespan="on", timeout_graceful_shutdown=1
+    )
+    server = uvicorn.Server(config)
+    try:
+        server.run(sockets=[sock])
+    finally:
+        sock.close()

@@ -62,8 +62,11 @@ async def main(address: str, epochs: int, delay: float, wait: bool) -> None:
     plugins: list[loopbus.Plugin] = [server, WaitForClient(server)] if wait else [server]
     trainer = loopbus.Trainer(max_epochs=epochs, plugins=plugins, device="cpu")
     module = Job(delay)
-    await trainer.fit(module, make_loader(256, 16), make_loader(64, 16, seed=1))
-    await trainer.test(module, make_loader(64, 16, seed=2))
+    try:
+        await trainer.fit(module, make_loader(256, 16), make_loader(64, 16, seed=1))
+        await trainer.test(module, make_loader(64, 16, seed=2))
+    finally:
+        server.close()  # the job ends: its server (serving the trainer's lifetime) closes
 
 
 if __name__ == "__main__":

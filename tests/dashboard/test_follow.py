@@ -36,8 +36,11 @@ async def _job(path: Path, epochs: int, captured: list[PutRecord], **server: Any
     trainer = Trainer(max_epochs=epochs, plugins=[stream, WaitForClient(stream)], device="cpu")
     trainer.subscribe(PutRecord, captured.append, destination="external")
     module = TinyModule()
-    await trainer.fit(module, make_loader(64), make_loader(32, seed=1))
-    await trainer.test(module, make_loader(32, seed=2))
+    try:
+        await trainer.fit(module, make_loader(64), make_loader(32, seed=1))
+        await trainer.test(module, make_loader(32, seed=2))
+    finally:
+        stream.close()  # the job ends: its server (serving the trainer's lifetime) closes
 
 
 async def _until(predicate: Any, what: str, within: float = 30.0) -> None:

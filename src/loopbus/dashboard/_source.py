@@ -8,7 +8,7 @@ import anyio
 
 from .._exceptions import StreamError
 from ..events import PutRecord
-from ..stream import EpochEnded, Gap, StageEnded, connect
+from ..stream import EpochEnded, Gap, StageEnded, StageStarted, connect
 from ._hub import RunFeed
 
 __all__ = ["follow"]
@@ -57,6 +57,10 @@ async def follow(
                     elif kind is EpochEnded:
                         e: EpochEnded = item  # type: ignore[assignment]
                         feed.epoch_ended(e.epoch, e.step)
+                    elif kind is StageStarted:
+                        # The next stage of a job served for the trainer's lifetime.
+                        t: StageStarted = item  # type: ignore[assignment]
+                        feed.started(t.stage, t.step, t.epoch)
                     elif kind is StageEnded:
                         s: StageEnded = item  # type: ignore[assignment]
                         feed.stage_ended(s.stage, s.reason, s.step)

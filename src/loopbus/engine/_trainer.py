@@ -650,14 +650,17 @@ class Trainer:
             async with bus.running(self.drain_timeout):
                 await loop.run(val_data)
         except BaseException as exc:
+            grouped = isinstance(exc, BaseExceptionGroup)
             error = _collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
-            if error is None or not isinstance(error, Exception):
-                raise
+            if not isinstance(error, Exception):
+                raise  # cancelled, or several failures
             error.add_note(
                 f"raised during fit's sanity check (num_sanity_val_steps={steps}), before "
                 "the first training step: validation_step or a validation handler fails."
             )
-            raise error from error.__cause__
+            if grouped:
+                raise error from error.__cause__
+            raise
         finally:
             self.state.end_sanity_check()
             for sub in subscriptions:

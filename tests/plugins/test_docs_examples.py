@@ -37,8 +37,8 @@ async def test_the_notify_plugin_of_the_guide(tmp_path: Path) -> None:
     trainer = loopbus.Trainer(max_epochs=5, plugins=[notify, logger_cls(str(db))], device="cpu")
     await trainer.fit(TinyModule(), make_loader(n=32), make_loader(n=32))
     assert [m.split(":")[0] for m in messages] == [
-        "epoch 2 (step 4)",
-        "epoch 4 (step 8)",
+        "epoch 1 (step 4)",  # epochs numbered from 0
+        "epoch 3 (step 8)",
         "training finished after 5 epochs",
     ]
     assert "train/loss=" in messages[0]

@@ -69,7 +69,7 @@ async def test_early_stopping_timer_and_scaler_resume_from_a_checkpoint_file(
     assert precision.scaler.get_scale() <= scale
     bar_output.close()
     last = (tmp_path / "bar.txt").read_text().splitlines()[-1]
-    assert last.startswith("Stopped at epoch 2, step 5: EarlyStopping: metric did not improve")
+    assert last.startswith("Stopped at epoch 1, step 5: EarlyStopping: metric did not improve")
 
 
 async def test_a_spent_time_budget_stops_a_resumed_run_before_its_first_step(

@@ -15,7 +15,7 @@ from rich.console import Console
 import loopbus
 from loopbus import Plugin, Trainer, on
 from loopbus.events import FitStarted
-from loopbus.plugins import ProgressBar
+from loopbus.plugins import ModelSummary, ProgressBar
 from tests.helpers import TinyModule, make_loader
 
 CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f]")  # anything but \t and \n
@@ -42,9 +42,10 @@ async def test_not_a_terminal_writes_a_plain_line_per_epoch() -> None:
     assert not CONTROL.search(text), repr(text)
     lines = text.splitlines()
     assert len(lines) == 3
-    for epoch, line in enumerate(lines, start=1):
-        assert line.startswith(f"Epoch {epoch}/3 | 2 batches in ")
-        assert f"step {2 * epoch}" in line
+    for epoch, line in enumerate(lines):
+        # Epochs are numbered from 0, as trainer.current_epoch counts them.
+        assert line.startswith(f"Epoch {epoch}/2 | 2 batches in ")
+        assert f"step {2 * (epoch + 1)}" in line
         assert "it/s" in line
         assert "validation" in line
         # Records addressed to the progress bar, and only those.
@@ -58,16 +59,15 @@ async def test_the_default_plugin_set_is_a_progress_bar_on_stderr(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     trainer = Trainer(max_epochs=2, device="cpu")
-    assert [type(p) for p in trainer.plugins] == [ProgressBar]
+    assert [type(p) for p in trainer.plugins] == [ProgressBar, ModelSummary]
     assert Trainer(plugins=[], device="cpu").plugins == []
     await trainer.fit(TinyModule(), make_loader(n=32))
     captured = capsys.readouterr()
     assert captured.out == ""
     assert not CONTROL.search(captured.err)
-    assert [line.split(" | ")[0] for line in captured.err.splitlines()] == [
-        "Epoch 1/2",
-        "Epoch 2/2",
-    ]
+    assert "Total params" in captured.err  # the model summary, first
+    lines = [line for line in captured.err.splitlines() if line.startswith("Epoch ")]
+    assert [line.split(" | ")[0] for line in lines] == ["Epoch 0/1", "Epoch 1/1"]
 
 
 async def test_a_stop_request_is_reported_with_its_reason() -> None:
@@ -82,7 +82,7 @@ async def test_a_stop_request_is_reported_with_its_reason() -> None:
     out = io.StringIO()
     trainer = Trainer(max_epochs=5, plugins=[Stopper(), ProgressBar(file=out)], device="cpu")
     await trainer.fit(TinyModule(), make_loader(n=32))
-    assert out.getvalue().splitlines()[-1] == "Stopped at epoch 1, step 0: patience ran out"
+    assert out.getvalue().splitlines()[-1] == "Stopped at epoch 0, step 0: patience ran out"
 
 
 async def test_failures_and_evaluation_stages_get_a_line() -> None:
@@ -97,7 +97,7 @@ async def test_failures_and_evaluation_stages_get_a_line() -> None:
     module = Crash()
     with pytest.raises(ValueError, match="bad batch"):
         await trainer.fit(module, make_loader(n=64))
-    assert out.getvalue().splitlines()[-1] == "fit failed at epoch 1, step 3"
+    assert out.getvalue().splitlines()[-1] == "fit failed at epoch 0, step 3"
     out.truncate(0)
     out.seek(0)
     await trainer.validate(module, make_loader(n=48))
@@ -124,8 +124,8 @@ async def test_a_terminal_gets_bars_with_rate_eta_and_records() -> None:
     assert "bar/only 1.25" in text
     assert "hidden" not in text
     # The per-epoch lines are printed above the bars as well.
-    assert "Epoch 1/2 | 10 batches in" in text
-    assert "Epoch 2/2 | 10 batches in" in text
+    assert "Epoch 0/1 | 10 batches in" in text
+    assert "Epoch 1/1 | 10 batches in" in text
 
 
 def test_a_pseudo_terminal_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -157,7 +157,7 @@ def test_a_pseudo_terminal_is_a_terminal(monkeypatch: pytest.MonkeyPatch) -> Non
     text = b"".join(chunks).decode("utf-8", "replace")
     assert "\x1b[" in text
     assert "Train" in text
-    assert "Epoch 1/1 | 10 batches" in text
+    assert "Epoch 0/0 | 10 batches" in text
     # With TERM=dumb the same file gets plain lines.
     monkeypatch.setenv("TERM", "dumb")
     master, slave = pty.openpty()

@@ -87,6 +87,7 @@ __all__ = [
     "qualname",
     "remove_checkpoint",
     "remove_stale_temporaries",
+    "resolve_best",
     "resolve_last",
     "write_checkpoint",
 ]
@@ -588,9 +589,10 @@ def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:
     return own(state) if callable(own) else state
 
 
-def resolve_last(plugins: Iterable[Any]) -> Path | None:
+def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
     """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
-    through ``last_checkpoint_path()``; None (with a warning) if none has written one."""
+    through ``last_checkpoint_path()``; None (with a warning unless ``warn`` is false)
+    if none has written one."""
     providers = [p for p in plugins if callable(getattr(p, "last_checkpoint_path", None))]
     if not providers:
         raise MisconfigurationError(
@@ -604,6 +606,8 @@ def resolve_last(plugins: Iterable[Any]) -> Path | None:
         if path is not None:
             found.append(Path(os.fspath(path)))
     if not found:
+        if not warn:
+            return None
         where = ", ".join(str(getattr(p, "dirpath", None) or type(p).__name__) for p in providers)
         warnings.warn(
             f"ckpt_path='last' but no checkpoint has been written yet (looked in {where}); "
@@ -613,3 +617,42 @@ def resolve_last(plugins: Iterable[Any]) -> Path | None:
         )
         return None
     return newest(found) if len(found) > 1 else found[0]
+
+
+def resolve_best(plugins: Iterable[Any]) -> Path:
+    """The checkpoint ``ckpt_path="best"`` means: the ``best_model_path`` of the plugin
+    that saves checkpoints on a monitored value (``Checkpoint(dirpath, monitor=...)``).
+    Raises :class:`MisconfigurationError` when there is no such plugin, when several
+    could answer, or when it has saved no best checkpoint yet."""
+    savers = [p for p in plugins if hasattr(p, "best_model_path") and hasattr(p, "monitor")]
+    monitored = [p for p in savers if p.monitor is not None]
+    if not monitored:
+        extra = (
+            f" (the trainer's {', '.join(repr(p) for p in savers)} monitor nothing, so "
+            "they rank no checkpoint as best)"
+            if savers
+            else ""
+        )
+        raise MisconfigurationError(
+            "ckpt_path='best' needs a Checkpoint plugin that monitors a record, such as "
+            "loopbus.plugins.Checkpoint(dirpath, monitor='val/loss'), among the trainer's "
+            f"plugins{extra}; add one and fit first, or pass ckpt_path='last' or the path "
+            "of a checkpoint."
+        )
+    found = [(p, p.best_model_path) for p in monitored if p.best_model_path is not None]
+    if not found:
+        names = ", ".join(f"{p!r} (monitor {p.monitor!r})" for p in monitored)
+        raise MisconfigurationError(
+            f"ckpt_path='best' but {names} has saved no best checkpoint yet: it ranks the "
+            "checkpoints that fit saves on this trainer after a validation that put the "
+            "monitored record (a new Trainer knows nothing of an earlier one's best). Fit "
+            "with validation data first, or pass the path of a checkpoint."
+        )
+    if len(found) > 1:
+        listing = "; ".join(f"{p!r} (monitor {p.monitor!r}): {path}" for p, path in found)
+        raise MisconfigurationError(
+            f"ckpt_path='best' is ambiguous: several Checkpoint plugins have a best "
+            f"checkpoint ({listing}). Pass the one you mean, as "
+            "ckpt_path=plugin.best_model_path."
+        )
+    return Path(os.fspath(found[0][1]))

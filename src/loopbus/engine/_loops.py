@@ -57,7 +57,7 @@ from ._state import Stateful
 if TYPE_CHECKING:
     pass
 
-__all__ = ["EvaluationLoop", "FitLoop", "PredictionLoop", "TrainEpochLoop"]
+__all__ = ["EvaluationLoop", "FitLoop", "PredictionLoop", "SanityCheckLoop", "TrainEpochLoop"]
 
 _Tensor = torch.Tensor
 _UNSET: Any = object()
@@ -928,3 +928,36 @@ class PredictionLoop(EvaluationLoop):
     async def on_run_end(self, ctx: Scope) -> Any:
         await super().on_run_end(ctx)
         return ctx.detach("predictions")
+
+
+class SanityCheckLoop(EvaluationLoop):
+    """``fit``'s sanity check (``Trainer(num_sanity_val_steps=N)``): up to ``steps``
+    validation batches before the first training step, so that a broken
+    ``validation_step`` fails at once instead of after an epoch.
+
+    The trainer runs it on a bus of its own, to which only the module's handlers are
+    subscribed (its ``ValidationCompleted`` handler can reset its metrics; plugins never
+    see the run), and the records put during it are dropped, never published: no
+    logger, plugin or ``trainer.latest`` sees them. Its events name the loop
+    ``"sanity_check"``.
+    """
+
+    def __init__(self, steps: float) -> None:
+        super().__init__(stage="validate")
+        self.name = "sanity_check"
+        self.steps = steps
+
+    async def on_run_start(self, ctx: Scope, data: Any) -> None:
+        limit = _batch_limit(self.trainer.limit_val_batches, data, "limit_val_batches")
+        self._limit = min(limit, self.steps)
+        self._prepare_steps()
+        self._boundary = self._drop_records
+        self._start_fetching(ctx, data, iter(data))
+
+    async def _drop_records(self) -> None:
+        self.trainer.recorder.discard_pending()
+        await checkpoint()
+
+    async def on_run_end(self, ctx: Scope) -> Any:
+        self.trainer.recorder.discard_pending()
+        return None

@@ -28,7 +28,9 @@ class Plugin(PutMixin):
     first). ``ranks`` says on which processes of a distributed (DDP) run it acts:
     ``"all"`` (the default) or ``"zero"`` (rank 0 only: the built-in loggers, progress bar
     and stream server); on the other ranks the trainer neither sets it up nor subscribes
-    it (its state is still part of every checkpoint). A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
+    it (its state is still part of every checkpoint). ``writes_files`` declares that it
+    writes files (checkpoints, logs): ``Trainer(fast_dev_run=...)`` leaves such plugins
+    out. A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
     be checkpointed (under :attr:`state_key`).
     """
 
@@ -38,6 +40,7 @@ class Plugin(PutMixin):
     overflow: ClassVar[Literal["block", "drop"]] = "block"
     priority: ClassVar[int] = 0
     ranks: ClassVar[Literal["all", "zero"]] = "all"
+    writes_files: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

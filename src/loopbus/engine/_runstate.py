@@ -49,6 +49,7 @@ class RunState:
         "_epoch",
         "_pending_stop",
         "_resume",
+        "_sanity_checking",
         "_stage",
         "_step",
         "_stop_reason",
@@ -68,6 +69,10 @@ class RunState:
     stop_reason: str | None = property(  # type: ignore[assignment]
         attrgetter("_stop_reason"), doc="Why the stage was asked to stop, if it was."
     )
+    sanity_checking: bool = property(  # type: ignore[assignment]
+        attrgetter("_sanity_checking"),
+        doc="Whether fit is running its sanity check (``num_sanity_val_steps``).",
+    )
     resume: ResumePlan | None = property(  # type: ignore[assignment]
         attrgetter("_resume"), doc="The resume plan not yet consumed by the loops, if any."
     )
@@ -82,6 +87,7 @@ class RunState:
         # Under DDP a stop request waits here until the ranks agree (see confirm_stop).
         self._collective = False
         self._pending_stop: str | None = None
+        self._sanity_checking = False
 
     def __repr__(self) -> str:
         return (
@@ -107,9 +113,17 @@ class RunState:
 
     def end_stage(self) -> None:
         self._stage = None
+        self._sanity_checking = False
         self._resume = None
         self._collective = False
         self._pending_stop = None
+
+    def begin_sanity_check(self) -> None:
+        """``fit``'s sanity check (a few validation batches before training) starts."""
+        self._sanity_checking = True
+
+    def end_sanity_check(self) -> None:
+        self._sanity_checking = False
 
     # ------------------------------------------------------------ progress
     def step_completed(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import math
 import os
 import warnings
@@ -41,16 +42,25 @@ from ._checkpoint import (
     collect_state,
     load_checkpoint,
     load_state,
+    resolve_best,
     resolve_last,
     write_checkpoint,
 )
 from ._device import CudaBatchSource, pin_batch
 from ._loop import Loop
-from ._loops import EvaluationLoop, FitLoop, PredictionLoop, StepBoundary, StepPath
+from ._loops import (
+    EvaluationLoop,
+    FitLoop,
+    PredictionLoop,
+    SanityCheckLoop,
+    StepBoundary,
+    StepPath,
+)
 from ._module import Module
 from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
 from ._records import Publication, Recorder, bind_recorder
+from ._rng import capture_rng, restore_rng
 from ._runstate import RunState
 from ._scope import LeakCheck
 from ._state import Stateful
@@ -59,6 +69,8 @@ from ._strategy import Strategy, StrategyName, resolve_strategy
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
 
 Executor = Literal["inline", "thread"]
+
+_log = logging.getLogger("loopbus")
 
 _DEFAULT_PLUGINS: list[Callable[[], Plugin]] = []
 
@@ -275,8 +287,20 @@ class Trainer:
     Options (all keyword-only):
 
     * ``max_epochs`` / ``max_steps``: stop after this many epochs / optimizer steps
-      (default 1000 epochs when neither is given; ``-1`` means no limit, as in
-      Lightning).
+      (when neither is given: 1000 epochs, with a notice logged on rank 0; ``-1`` means
+      no limit, as in Lightning).
+    * ``num_sanity_val_steps``: validation batches run before ``fit``'s first training
+      step, so a broken ``validation_step`` fails in seconds (default 2; ``-1`` runs the
+      whole validation set, 0 turns it off). Its records are dropped (no logger, plugin
+      or ``trainer.latest`` sees them), it leaves the random generators as it found them,
+      and a ``fit`` resumed from a checkpoint taken mid-epoch skips it.
+    * ``fast_dev_run``: ``True`` (1) or N runs N batches of each stage (train, validation,
+      test, predict) and one epoch, with no sanity check, and leaves out the plugins
+      that write files (``Plugin.writes_files``: checkpoints, loggers), so nothing is
+      written; a notice says so. For a quick check that a script runs end to end.
+    * ``enable_model_summary``: whether the ``ModelSummary`` plugin (one of the default
+      plugins) prints its table of the module's layers when ``fit`` starts (default
+      True).
     * ``val_check_interval``: validate every N training batches; None (default) validates
       once at the end of every ``check_val_every_n_epoch``-th epoch.
     * ``limit_{train,val,test,predict}_batches``: an int (batches) or a float (fraction).
@@ -339,10 +363,39 @@ class Trainer:
         device_prefetch: int = 1,
         strategy: StrategyName = "auto",
         process_group_timeout: float = 1800.0,
+        num_sanity_val_steps: int = 2,
+        fast_dev_run: bool | int = False,
+        enable_model_summary: bool = True,
         **unknown: Any,
     ) -> None:
         if unknown:
             raise _unknown_options(unknown)
+        dev_run_hint = "True runs 1 batch of each stage, N runs N; False (0) turns it off"
+        if fast_dev_run is True or fast_dev_run is False:
+            fast_dev_run = int(fast_dev_run)
+        #: Batches of each stage under ``fast_dev_run`` (0: off).
+        self.fast_dev_run: int = check_int(
+            "fast_dev_run", fast_dev_run, minimum=0, hint=dev_run_hint
+        )
+        self.num_sanity_val_steps = check_int(
+            "num_sanity_val_steps",
+            num_sanity_val_steps,
+            minimum=-1,
+            hint="-1 runs the whole validation set, 0 turns the sanity check off",
+        )
+        if not isinstance(enable_model_summary, bool):
+            raise MisconfigurationError(
+                f"enable_model_summary must be True or False, got {enable_model_summary!r}."
+            )
+        self.enable_model_summary = enable_model_summary
+        defaulted_epochs = False
+        if self.fast_dev_run:
+            n = self.fast_dev_run
+            max_epochs, max_steps = 1, None
+            limit_train_batches = limit_val_batches = n
+            limit_test_batches = limit_predict_batches = n
+            val_check_interval, check_val_every_n_epoch = None, 1
+            self.num_sanity_val_steps = 0
         # -1 is Lightning's "no limit" (None here); asked for, it replaces the default.
         unlimited = False
         if max_epochs == -1 and type(max_epochs) is int:
@@ -352,7 +405,7 @@ class Trainer:
         check_int("max_epochs", max_epochs, minimum=0, allow_none=True)
         check_int("max_steps", max_steps, minimum=0, allow_none=True)
         if max_epochs is None and max_steps is None and not unlimited:
-            max_epochs = 1000
+            max_epochs, defaulted_epochs = 1000, True
         self.max_epochs: float = math.inf if max_epochs is None else max_epochs
         self.max_steps: float = math.inf if max_steps is None else max_steps
         self.val_check_interval = check_int(
@@ -426,6 +479,20 @@ class Trainer:
         #: How the run is spread over processes (one, or DDP); owns the DDP wrapper.
         self.strategy: Strategy = resolve_strategy(strategy, float(timeout))
         self.strategy.setup_environment(self.device)
+        if self.strategy.is_global_zero:
+            if defaulted_epochs:
+                _log.warning(
+                    "Trainer: neither max_epochs nor max_steps was given, so training stops "
+                    "after max_epochs=1000; pass max_epochs=-1 to train without a limit."
+                )
+            if self.fast_dev_run:
+                _log.warning(
+                    "Trainer(fast_dev_run=%d): runs %d batch(es) of each stage and one "
+                    "epoch, with no sanity check; plugins that write files (checkpoints, "
+                    "logs) are left out, so none are written.",
+                    self.fast_dev_run,
+                    self.fast_dev_run,
+                )
 
         if plugins is None:
             self.plugins: list[Plugin] = [factory() for factory in _DEFAULT_PLUGINS]
@@ -517,7 +584,14 @@ class Trainer:
         return self.strategy.is_global_zero
 
     def _acts_here(self, plugin: Plugin) -> bool:
+        if self.fast_dev_run and plugin.writes_files:
+            return False
         return plugin.ranks == "all" or self.strategy.is_global_zero
+
+    @property
+    def sanity_checking(self) -> bool:
+        """Whether ``fit`` is running its sanity check (see ``num_sanity_val_steps``)."""
+        return self.state.sanity_checking
 
     @property
     def should_stop(self) -> bool:
@@ -623,7 +697,47 @@ class Trainer:
         async with self._stage("fit", module, train_data=train_data):
             if ckpt_path is not None:
                 await self._resume(ckpt_path, ckpt_strict)
+            if val_data is not None:
+                await self._sanity_check(module, val_data)
             await self.fit_loop.run(train_data, val_data)
+
+    async def _sanity_check(self, module: Module, val_data: Any) -> None:
+        """Run ``num_sanity_val_steps`` validation batches before training, unseen by the
+        plugins (a bus of its own) and unrecorded (records dropped), and leave the random
+        generators as they were. Skipped when resuming mid-epoch."""
+        steps = self.num_sanity_val_steps
+        if not steps or self.limit_val_batches == 0 or self.fit_loop.epoch_loop.resumes_mid_epoch:
+            return
+        if self.recorder.pending:
+            await self.recorder.flush()  # what was put before belongs to the run
+        loop = SanityCheckLoop(math.inf if steps == -1 else steps)
+        bus = EventBus()
+        loop.attach(bus=bus, trainer=self, leak_check=self.leak_check)
+        subscriptions = bus.subscribe_methods(module, owner=type(module).__name__)
+        rng = capture_rng()
+        self.state.begin_sanity_check()
+        try:
+            async with bus.running(self.drain_timeout):
+                await loop.run(val_data)
+        except BaseException as exc:
+            grouped = isinstance(exc, BaseExceptionGroup)
+            error = _collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
+            if not isinstance(error, Exception):
+                raise  # cancelled, or several failures
+            error.add_note(
+                f"raised during fit's sanity check (num_sanity_val_steps={steps}), before "
+                "the first training step: validation_step or a validation handler fails."
+            )
+            if grouped:
+                raise error from error.__cause__
+            raise
+        finally:
+            self.state.end_sanity_check()
+            for sub in subscriptions:
+                sub.unsubscribe()
+            loop.teardown_tree()
+            self.recorder.discard_pending()
+            restore_rng(rng)
 
     async def _resume(self, ckpt_path: str | os.PathLike[str], strict: bool) -> None:
         if ckpt_path == "last":
@@ -769,31 +883,88 @@ class Trainer:
         self.strategy.barrier()
         return target
 
-    async def validate(self, module: Module, data: Any) -> dict[str, float | int | bool]:
+    async def validate(
+        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> dict[str, float | int | bool]:
         """One pass of ``validation_step`` over ``data``; returns the last value of each
-        record put during it."""
-        return await self._evaluate("validate", self.validate_loop, module, data)
+        record put during it. ``ckpt_path`` loads the module's weights first (see
+        :meth:`test`)."""
+        return await self._evaluate("validate", self.validate_loop, module, data, ckpt_path)
 
-    async def test(self, module: Module, data: Any) -> dict[str, float | int | bool]:
-        """One pass of ``test_step`` over ``data``; returns the last value of each record."""
-        return await self._evaluate("test", self.test_loop, module, data)
+    async def test(
+        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> dict[str, float | int | bool]:
+        """One pass of ``test_step`` over ``data``; returns the last value of each record.
 
-    async def predict(self, module: Module, data: Any) -> list[Any]:
-        """``predict_step`` over ``data``; returns the outputs in order."""
+        ``ckpt_path`` loads the module's weights (only those: not the optimizers or the
+        loops' state) before the pass: ``"best"`` is the best checkpoint of the
+        ``Checkpoint`` plugin that monitors a record (its ``best_model_path``; an error
+        without such a plugin or before it saved one), ``"last"`` the newest checkpoint
+        (as for ``fit``; an error if none was written), anything else a checkpoint file
+        or directory. None (default) uses the module as it is."""
+        return await self._evaluate("test", self.test_loop, module, data, ckpt_path)
+
+    async def predict(
+        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+    ) -> list[Any]:
+        """``predict_step`` over ``data``; returns the outputs in order. ``ckpt_path``
+        loads the module's weights first (see :meth:`test`)."""
         _check_data(data, "data")
         self._check_module(module, "predict", None)
         async with self._stage("predict", module):
+            if ckpt_path is not None:
+                await self._load_weights(ckpt_path)
             result: list[Any] = await self.predict_loop.run(data)
         return result
 
     async def _evaluate(
-        self, stage: str, loop: EvaluationLoop, module: Module, data: Any
+        self,
+        stage: str,
+        loop: EvaluationLoop,
+        module: Module,
+        data: Any,
+        ckpt_path: str | os.PathLike[str] | None = None,
     ) -> dict[str, float | int | bool]:
         _check_data(data, "data")
         self._check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
         async with self._stage(stage, module):
+            if ckpt_path is not None:
+                await self._load_weights(ckpt_path)
             await loop.run(data)
         return {name: record.value for name, record in self.stage_latest.items()}
+
+    async def _load_weights(self, ckpt_path: str | os.PathLike[str]) -> None:
+        """Load the module's weights (nothing else) from ``ckpt_path``: ``"best"``,
+        ``"last"`` or a path. The names are resolved once, on rank 0, and broadcast."""
+        path: str | os.PathLike[str] | None = ckpt_path
+        if ckpt_path in ("best", "last"):
+            found: Path | None = None
+            problem: str | None = None
+            if self.strategy.is_global_zero:
+                try:
+                    if ckpt_path == "best":
+                        found = resolve_best(self.plugins)
+                    else:
+                        found = resolve_last(self.plugins, warn=False)
+                        if found is None:
+                            problem = (
+                                "ckpt_path='last' but no checkpoint has been written yet, so "
+                                "there are no weights to load; fit first, or pass the path "
+                                "of a checkpoint."
+                            )
+                except MisconfigurationError as exc:
+                    problem = str(exc)
+            # Every rank raises the same error, or loads the same file.
+            found, problem = self.strategy.broadcast_object((found, problem))
+            if problem is not None:
+                raise MisconfigurationError(problem)
+            path = found
+        assert path is not None
+        state = await anyio.to_thread.run_sync(load_checkpoint, path)
+        module = self.module
+        assert module is not None
+        weights: dict[str, Any] = {k: state[k] for k in ("loopbus", "module") if k in state}
+        load_state({"module": ModulePart(module)}, weights, strict=True, source=str(path))
 
     def _check_module(self, module: Any, stage: str, method: str | None) -> None:
         if not isinstance(module, Module):

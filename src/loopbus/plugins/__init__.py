@@ -19,6 +19,7 @@ from ._precision import MixedPrecision as MixedPrecision
 from ._progress import ProgressBar as ProgressBar
 from ._stream import ServerStarted as ServerStarted
 from ._stream import StreamServer as StreamServer
+from ._summary import ModelSummary as ModelSummary
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._timer import Timer as Timer
 
@@ -30,6 +31,7 @@ __all__: list[str] = [
     "LearningRateMonitor",
     "Logger",
     "MixedPrecision",
+    "ModelSummary",
     "ProgressBar",
     "ServerStarted",
     "StreamServer",
@@ -43,5 +45,5 @@ __all__: list[str] = [
 # Trainer(precision="16-mixed" | "bf16-mixed") builds a MixedPrecision.
 register_precision("16-mixed", functools.partial(MixedPrecision, "16-mixed"))
 register_precision("bf16-mixed", functools.partial(MixedPrecision, "bf16-mixed"))
-# Trainer(plugins=None): a progress bar and nothing else (loggers are opt-in).
-set_default_plugins([ProgressBar])
+# Trainer(plugins=None): a progress bar and the model summary (loggers are opt-in).
+set_default_plugins([ProgressBar, ModelSummary])

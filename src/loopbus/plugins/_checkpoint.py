@@ -88,6 +88,8 @@ class Checkpoint(Plugin):
 
     #: After the other callbacks of the same event, so that their state is saved updated.
     priority: ClassVar[int] = -100
+    #: Left out by ``Trainer(fast_dev_run=...)``, which writes no checkpoint files.
+    writes_files: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -186,6 +188,17 @@ class Checkpoint(Plugin):
     def best_value(self) -> float | None:
         """The best monitored value so far, or None."""
         return self._best[0][0] if self._best else None
+
+    @property
+    def best_model_path(self) -> Path | None:
+        """Lightning's name of :attr:`best_checkpoint_path`: the file that
+        ``trainer.test(..., ckpt_path="best")`` (and ``validate``, ``predict``) loads."""
+        return self.best_checkpoint_path
+
+    @property
+    def best_model_score(self) -> float | None:
+        """Lightning's name of :attr:`best_value`."""
+        return self.best_value
 
     # ------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, stage: str) -> None:

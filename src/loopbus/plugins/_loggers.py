@@ -69,6 +69,8 @@ class Logger(Plugin):
     destination: ClassVar[str] = "loggers"
     #: Acts on rank 0 only in a distributed run.
     ranks: ClassVar[Literal["all", "zero"]] = "zero"
+    #: Left out by ``Trainer(fast_dev_run=...)``, which writes no log files.
+    writes_files: ClassVar[bool] = True
     mode: ClassVar[Literal["inline", "queued"]] = "queued"
 
     def __init__(

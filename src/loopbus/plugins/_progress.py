@@ -54,6 +54,12 @@ def _fmt_time(seconds: float) -> str:
     return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
 
 
+def epoch_text(epoch: int, max_epochs: float) -> str:
+    """``"Epoch 9/19"``: epochs are shown as ``trainer.current_epoch`` counts them, from 0
+    (as in records, events and checkpoint file names), over the last epoch's number."""
+    return f"Epoch {epoch}" + ("" if max_epochs == math.inf else f"/{int(max_epochs) - 1}")
+
+
 class _Run:
     """One run of a loop: when it started, when its count of completed iterations
     changed, and the time it was paused (validation inside a training epoch), which its
@@ -456,10 +462,7 @@ class ProgressBar(Plugin):
         trainer = self._trainer
         if trainer is None:
             return
-        max_epochs = trainer.max_epochs
-        parts = [
-            f"Epoch {event.epoch + 1}" + ("" if max_epochs == math.inf else f"/{int(max_epochs)}")
-        ]
+        parts = [epoch_text(event.epoch, trainer.max_epochs)]
         train = self._loops.get("train")
         if train is not None:
             n = train.progress.current.completed
@@ -485,14 +488,14 @@ class ProgressBar(Plugin):
     def _fit_completed(self, event: FitCompleted) -> None:
         if event.stopped:
             reason = event.reason or "stop requested"
-            self.write_line(f"Stopped at epoch {event.epoch + 1}, step {event.step}: {reason}")
+            self.write_line(f"Stopped at epoch {event.epoch}, step {event.step}: {reason}")
 
     @on(Teardown)
     def _teardown(self, event: Teardown) -> None:
         self._ended = event.reason if event.reason in ("completed", "stopped") else ""
         if event.reason in ("failed", "cancelled"):
             self.write_line(
-                f"{event.stage} {event.reason} at epoch {event.epoch + 1}, step {event.step}"
+                f"{event.stage} {event.reason} at epoch {event.epoch}, step {event.step}"
             )
 
 

@@ -23,6 +23,7 @@ from ._stream import ServerStarted as ServerStarted
 from ._stream import StreamServer as StreamServer
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._timer import Timer as Timer
+from ._wandb import WandbLogger as WandbLogger
 
 __all__: list[str] = [
     "CSVLogger",
@@ -39,6 +40,7 @@ __all__: list[str] = [
     "StreamServer",
     "TensorBoardLogger",
     "Timer",
+    "WandbLogger",
     "decode_records",
     "read_csv",
     "read_jsonl",

@@ -7,6 +7,7 @@ import functools
 from loopbus import register_precision, set_default_plugins
 
 from ._checkpoint import Checkpoint as Checkpoint
+from ._checkpoint import CheckpointSaved as CheckpointSaved
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._loggers import CSVLogger as CSVLogger
 from ._loggers import JSONLLogger as JSONLLogger
@@ -15,6 +16,7 @@ from ._loggers import decode_records as decode_records
 from ._loggers import read_csv as read_csv
 from ._loggers import read_jsonl as read_jsonl
 from ._lr_monitor import LearningRateMonitor as LearningRateMonitor
+from ._mlflow import MLflowLogger as MLflowLogger
 from ._precision import MixedPrecision as MixedPrecision
 from ._progress import ProgressBar as ProgressBar
 from ._stream import ServerStarted as ServerStarted
@@ -22,14 +24,17 @@ from ._stream import StreamServer as StreamServer
 from ._summary import ModelSummary as ModelSummary
 from ._tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._timer import Timer as Timer
+from ._wandb import WandbLogger as WandbLogger
 
 __all__: list[str] = [
     "CSVLogger",
     "Checkpoint",
+    "CheckpointSaved",
     "EarlyStopping",
     "JSONLLogger",
     "LearningRateMonitor",
     "Logger",
+    "MLflowLogger",
     "MixedPrecision",
     "ModelSummary",
     "ProgressBar",
@@ -37,6 +42,7 @@ __all__: list[str] = [
     "StreamServer",
     "TensorBoardLogger",
     "Timer",
+    "WandbLogger",
     "decode_records",
     "read_csv",
     "read_jsonl",

@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from loopbus import (
     CheckpointError,
+    Event,
     MisconfigurationError,
     Plugin,
     check_choice,
@@ -42,12 +43,27 @@ if TYPE_CHECKING:
 
     from loopbus import Trainer
 
-__all__ = ["Checkpoint"]
+__all__ = ["Checkpoint", "CheckpointSaved"]
 
 
 _MODES = {"min": "lower is better", "max": "higher is better"}
 _OFF = "None turns it off"
 _ALL = "None keeps them all"
+
+
+class CheckpointSaved(Event, frozen=True, kw_only=True):
+    """Published by :class:`Checkpoint` (on the rank that writes) once a checkpoint file
+    is durable: ``path`` is the file, ``step`` and ``epoch`` the run's position when it
+    was taken, ``best`` whether it entered the ``keep_best`` best (with a monitor), and
+    ``removed`` the files of older checkpoints deleted because they are no longer kept.
+    A background save is announced before the next save starts, or when ``fit``
+    completes; a ``fit`` that fails or is cancelled does not announce its last one."""
+
+    path: str
+    step: int
+    epoch: int
+    best: bool = False
+    removed: tuple[str, ...] = ()
 
 
 class Checkpoint(Plugin):
@@ -163,6 +179,7 @@ class Checkpoint(Plugin):
         self._record_sub: Subscription | None = None
         self._idle: anyio.Event | None = None
         self._error: BaseException | None = None
+        self._unannounced: CheckpointSaved | None = None
         self._saw_validation = False
 
     def __repr__(self) -> str:
@@ -207,6 +224,7 @@ class Checkpoint(Plugin):
         self._trainer = trainer
         self._error = None
         self._idle = None
+        self._unannounced = None
         self._saw_validation = False
         if trainer.is_global_zero:
             # Rank 0 alone writes, so it alone creates the directory and removes the
@@ -232,6 +250,7 @@ class Checkpoint(Plugin):
 
     async def stop(self, trainer: Trainer, stage: str) -> None:
         await self._wait_idle()
+        self._unannounced = None  # the bus has stopped delivering
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         if self._record_sub is not None:
@@ -328,6 +347,12 @@ class Checkpoint(Plugin):
 
     @on(FitCompleted)
     async def _on_end(self, event: FitCompleted) -> None:
+        await self._save_on_end()
+        # The last background save is announced while the bus still delivers.
+        await self._wait_idle()
+        await self._announce()
+
+    async def _save_on_end(self) -> None:
         trainer = self._trainer
         if trainer is None:
             return
@@ -404,14 +429,27 @@ class Checkpoint(Plugin):
                 f"{type(error).__name__}: {error}"
             ) from error
 
+    async def _announce(self) -> None:
+        saved, self._unannounced = self._unannounced, None
+        if saved is not None and self._trainer is not None:
+            await self._trainer.publish(saved)
+
     async def _save(self, kind: str, *, periodic: bool, best: float | None) -> None:
         trainer = self._trainer
         assert trainer is not None
         await self._wait_idle()
+        await self._announce()
         name = self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step)
         name += ".ckpt"
         evicted = self._register(name, periodic=periodic, best=best)
         self._last_saved = (trainer.global_step, kind)
+        saved = CheckpointSaved(
+            path=str(self.dirpath / name),
+            step=trainer.global_step,
+            epoch=trainer.current_epoch,
+            best=best is not None and any(n == name for _, n in self._best),
+            removed=tuple(str(self.dirpath / old) for old in evicted if old != name),
+        )
         # Every rank takes the state (under DDP that gathers every rank's generators);
         # rank 0 alone writes it.
         if self.background and self._task_group is not None:
@@ -419,13 +457,16 @@ class Checkpoint(Plugin):
             if not trainer.is_global_zero:
                 return
             self._idle = anyio.Event()
-            self._task_group.start_soon(self._write_in_background, state, name, evicted, self._idle)
+            self._task_group.start_soon(
+                self._write_in_background, state, name, evicted, self._idle, saved
+            )
         else:
             # The step waits, but the event loop stays free for other tasks meanwhile.
             state = trainer.state_dict()
             if not trainer.is_global_zero:
                 return
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
+            await trainer.publish(saved)
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
         write_checkpoint(state, self.dirpath / name, update_last=True)
@@ -434,10 +475,16 @@ class Checkpoint(Plugin):
                 remove_checkpoint(self.dirpath / old)
 
     async def _write_in_background(
-        self, state: dict[str, Any], name: str, evicted: list[str], done: anyio.Event
+        self,
+        state: dict[str, Any],
+        name: str,
+        evicted: list[str],
+        done: anyio.Event,
+        saved: CheckpointSaved,
     ) -> None:
         try:
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
+            self._unannounced = saved  # published from the run's own path (_announce)
         except Exception as exc:  # raised at the next save, or when fit ends
             self._error = exc
         finally:

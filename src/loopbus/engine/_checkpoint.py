@@ -579,8 +579,16 @@ def load_state(
         rng=_own_rng(parts.get("rng"), rng) if isinstance(rng, dict) else None,
         loader_restored="data/train" in parts and "data/train" not in skip,
         source=where,
+        created=_created(header),
     )
     return result, plan
+
+
+def _created(header: Mapping[str, Any]) -> float | None:
+    created = header.get("created")
+    if isinstance(created, (int, float)) and not isinstance(created, bool):
+        return float(created)
+    return None
 
 
 def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:

@@ -113,6 +113,7 @@ class Logger(Plugin):
         self._stage: str | None = None
         self._hparams: Mapping[str, Any] = _NO_HPARAMS
         self._resume_step: int | None = None
+        self._resume_time: float | None = None
         self._is_open = False
         self._error: BaseException | None = None
         self._error_raised = False
@@ -128,6 +129,14 @@ class Logger(Plugin):
         """The step of the checkpoint the running ``fit`` resumed from, or None (a fresh
         start, or another stage). Set before :meth:`open` is called."""
         return self._resume_step
+
+    @property
+    def resume_time(self) -> float | None:
+        """When the checkpoint the running ``fit`` resumed from was taken
+        (``time.time()``), if it says: a record of :attr:`resume_step` published later
+        (a validation that ran after the checkpoint) is written again by the resumed run.
+        """
+        return self._resume_time
 
     # ------------------------------------------------------------ to implement
     def open(self, stage: str) -> None:
@@ -155,7 +164,7 @@ class Logger(Plugin):
         self._stage = stage
         self._hparams = getattr(trainer.module, "hparams", _NO_HPARAMS)
         self._batch = []
-        self._resume_step = None
+        self._resume_step = self._resume_time = None
         self._error = None
         self._error_raised = False
         self._in_flight = None
@@ -183,7 +192,8 @@ class Logger(Plugin):
         if trainer is None or self._executor is None or self._is_open:
             return
         plan = trainer.state.resume
-        self._resume_step = None if plan is None else plan.step
+        if plan is not None:
+            self._resume_step, self._resume_time = plan.step, plan.created
         await self._run(self._open, "fit")
 
     def _open(self, stage: str) -> None:
@@ -355,27 +365,39 @@ def _prepare_file(path: Path, append: bool) -> None:
 
 
 def _continue_after(
-    path: Path, step: int, step_of: Callable[[bytes], int | None], *, header: int = 0
+    path: Path,
+    step: int,
+    taken: float | None,
+    parse: Callable[[bytes], tuple[int, float] | None],
+    *,
+    header: int = 0,
 ) -> None:
-    """Prepare ``path`` to continue a history from ``step`` (a resumed run): keep the
-    first ``header`` lines and every complete line of a step up to ``step``, drop those
-    of later steps and a torn last line. Rewritten (crash-safely) only when something is
-    dropped; a line whose step cannot be read is kept."""
+    """Prepare ``path`` to continue a history from a checkpoint at ``step`` taken at
+    time ``taken`` (a resumed run): keep the first ``header`` lines and every complete
+    line published before the checkpoint; drop the lines of later steps, those of
+    ``step`` itself published after ``taken``, and a torn last line. ``parse`` reads a
+    line's step and time (None: keep the line). The file is rewritten (crash-safely)
+    only when something is dropped."""
     path.parent.mkdir(parents=True, exist_ok=True)
     if not path.exists():
         path.write_bytes(b"")
         return
+
+    def after(line: bytes) -> bool:
+        parsed = parse(line)
+        if parsed is None:
+            return False
+        line_step, line_time = parsed
+        return line_step > step or (
+            line_step == step and taken is not None and line_time > taken
+        )
+
     with path.open("rb") as src:
         dropped = False
         for index, line in enumerate(src):
-            if not line.endswith(b"\n"):
-                dropped = True  # a torn last line
+            if not line.endswith(b"\n") or (index >= header and after(line)):
+                dropped = True  # a torn last line, or one to drop
                 break
-            if index >= header:
-                line_step = step_of(line)
-                if line_step is not None and line_step > step:
-                    dropped = True
-                    break
     if not dropped:
         return
 
@@ -384,11 +406,8 @@ def _continue_after(
             for index, line in enumerate(src):
                 if not line.endswith(b"\n"):
                     break
-                if index >= header:
-                    line_step = step_of(line)
-                    if line_step is not None and line_step > step:
-                        continue
-                dst.write(line)
+                if index < header or not after(line):
+                    dst.write(line)
 
     _replace_atomically(path, keep)
 
@@ -436,10 +455,11 @@ def _parse_cell(text: str) -> Value:
         return float(text)
 
 
-def _csv_step(line: bytes) -> int | None:
+def _csv_step_time(line: bytes) -> tuple[int, float] | None:
+    cells = line.split(b",", 3)
     try:
-        return int(line.split(b",", 1)[0])
-    except ValueError:
+        return int(cells[0]), float(cells[2])
+    except (ValueError, IndexError):
         return None
 
 
@@ -512,7 +532,7 @@ class CSVLogger(Logger):
         resume = self.resume_step
         if resume is not None:
             self._read_header()  # refuse a foreign file before changing it
-            _continue_after(self.path, resume, _csv_step, header=1)
+            _continue_after(self.path, resume, self.resume_time, _csv_step_time, header=1)
         else:
             _prepare_file(self.path, self._opened or self.file_mode == "a")
         if not self._opened:
@@ -695,7 +715,7 @@ class JSONLLogger(Logger):
     def open(self, stage: str) -> None:
         resume = self.resume_step
         if resume is not None:
-            _continue_after(self.path, resume, _jsonl_step)
+            _continue_after(self.path, resume, self.resume_time, _jsonl_step_time)
         else:
             _prepare_file(self.path, self._opened or self.file_mode == "a")
         self._opened = True
@@ -721,18 +741,20 @@ class JSONLLogger(Logger):
 _DECODER = msgspec.json.Decoder(PutRecord, strict=False)
 
 
-class _Step(msgspec.Struct):
+class _StepTime(msgspec.Struct):
     step: int = 0
+    time: float = 0.0
 
 
-_STEP_DECODER = msgspec.json.Decoder(_Step)
+_STEP_TIME_DECODER = msgspec.json.Decoder(_StepTime)
 
 
-def _jsonl_step(line: bytes) -> int | None:
+def _jsonl_step_time(line: bytes) -> tuple[int, float] | None:
     try:
-        return _STEP_DECODER.decode(line).step
+        decoded = _STEP_TIME_DECODER.decode(line)
     except msgspec.DecodeError:
         return None
+    return decoded.step, decoded.time
 
 
 def decode_records(lines: Iterable[bytes]) -> list[PutRecord]:

@@ -144,7 +144,7 @@ def test_cutting_a_log_is_crash_safe(tmp_path: Path, monkeypatch: pytest.MonkeyP
         raise OSError("power cut")
 
     # A crash before the rename: the file is as it was, no temporary is left behind.
-    monkeypatch.setattr(_loggers.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="power cut"):
         _loggers._continue_after(path, 2, None, _loggers._csv_step_time, header=1)
     assert path.read_bytes() == original

@@ -17,10 +17,10 @@ from loopbus.plugins import (
     CSVLogger,
     JSONLLogger,
     TensorBoardLogger,
-    _loggers,
     read_csv,
     read_jsonl,
 )
+from loopbus.plugins._loggers import _continue_after, _csv_step_time
 from tests.helpers import TinyModule, make_loader
 
 STEPS = 12  # 3 epochs of 4 batches, validation (4 batches) after each
@@ -146,15 +146,15 @@ def test_cutting_a_log_is_crash_safe(tmp_path: Path, monkeypatch: pytest.MonkeyP
     # A crash before the rename: the file is as it was, no temporary is left behind.
     monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="power cut"):
-        _loggers._continue_after(path, 2, None, _loggers._csv_step_time, header=1)
+        _continue_after(path, 2, None, _csv_step_time, header=1)
     assert path.read_bytes() == original
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
     monkeypatch.undo()
 
-    _loggers._continue_after(path, 2, None, _loggers._csv_step_time, header=1)
+    _continue_after(path, 2, None, _csv_step_time, header=1)
     assert path.read_bytes() == b"step,epoch,time,x\n1,0,1.0,1\n2,0,2.0,2\n"
     assert sorted(os.listdir(tmp_path)) == ["metrics.csv"]
     # Nothing after the step: the file is left alone (not even rewritten).
     before = path.stat().st_mtime_ns, path.stat().st_ino
-    _loggers._continue_after(path, 5, None, _loggers._csv_step_time, header=1)
+    _continue_after(path, 5, None, _csv_step_time, header=1)
     assert (path.stat().st_mtime_ns, path.stat().st_ino) == before

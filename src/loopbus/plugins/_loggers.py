@@ -426,13 +426,17 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def _have_yaml() -> bool:
+    return importlib.util.find_spec("yaml") is not None
+
+
 def write_hparams_file(directory: str | os.PathLike[str], hparams: Mapping[str, Any]) -> Path:
     """Write ``hparams`` to ``directory/hparams.yaml`` (with PyYAML installed), else to
     ``directory/hparams.json``, atomically; returns the path written."""
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
     plain = _plain(hparams)
-    if importlib.util.find_spec("yaml") is not None:
+    if _have_yaml():
         path, data = directory / "hparams.yaml", msgspec.yaml.encode(plain)
     else:
         path, data = directory / "hparams.json", msgspec.json.format(msgspec.json.encode(plain))

@@ -5,9 +5,11 @@ duplicates) in CSV, JSON lines and TensorBoard."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 import loopbus
@@ -76,6 +78,10 @@ async def test_a_resumed_fit_continues_every_log_without_loss_or_duplicates(
     first_rows = read_csv(out / "metrics.csv")
     ckpt = ckpts / f"epoch={(resume_step - 1) // 4}-step={resume_step}.ckpt"
     assert ckpt.exists(), sorted(os.listdir(ckpts))
+    # TensorBoard reads a directory's event files in name order, and a name holds the
+    # second it was created and a per-process counter: let the resumed run's file be
+    # named after the first run's as another process's would.
+    await anyio.sleep(1 - time.time() % 1 + 0.01)
     await fit(out, ckpts, ckpt_path=ckpt)
 
     # JSON lines: the same records as the uninterrupted run, in the same order...

@@ -326,6 +326,7 @@ async def test_stateful_parts_is_the_registry(tmp_path: Path) -> None:
         "run",
         "rng",
         "module",
+        "hparams",
         "optimizers/0",
         "lr_schedulers/0",
         "precision",

@@ -12,6 +12,7 @@ reads::
                            "parts": [key, ...]},
       "run":              {"step": int, "epoch": int},
       "module":           module.state_dict(),
+      "hparams":          {"values": module.hparams},  # save_hyperparameters()
       "optimizers/0":     {"class": "torch.optim.sgd.SGD", "state_dict": {...}},
       "lr_schedulers/0":  {"class": "...", "state_dict": {...}},
       "precision":        {"name": "32", "state_dict": {...}},
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CheckpointMismatch",
     "GradsPart",
+    "HparamsPart",
     "LoaderPart",
     "LoopPart",
     "ModulePart",
@@ -170,6 +172,21 @@ class ModulePart:
 
     def load_matching(self, saved: dict[str, Any]) -> None:
         self.module.load_state_dict(self._matching(saved)[0], strict=False)
+
+
+class HparamsPart:
+    """The module's hyperparameters (:attr:`Module.hparams`): plain values, for
+    ``Module.load_from_checkpoint`` and for reading. A resumed run keeps the arguments
+    its module was built with (loading changes nothing)."""
+
+    def __init__(self, module: Any) -> None:
+        self.module = module
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": dict(getattr(self.module, "hparams", {}))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        return None
 
 
 class _ClassedPart:
@@ -580,8 +597,16 @@ def load_state(
         rng=_own_rng(parts.get("rng"), rng) if isinstance(rng, dict) else None,
         loader_restored="data/train" in parts and "data/train" not in skip,
         source=where,
+        created=_created(header),
     )
     return result, plan
+
+
+def _created(header: Mapping[str, Any]) -> float | None:
+    created = header.get("created")
+    if isinstance(created, (int, float)) and not isinstance(created, bool):
+        return float(created)
+    return None
 
 
 def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:

@@ -9,7 +9,7 @@ checkpoint does not write into loops or the trainer either: it yields a
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from operator import attrgetter
 from typing import Any
 
@@ -27,6 +27,8 @@ class ResumePlan:
       the checkpoint, so the resumed epoch iterates it as it is instead of skipping
       the batches the epoch already consumed.
     * ``source``: where the checkpoint came from, for messages.
+    * ``created``: when the checkpoint was taken (``time.time()``), if it says; what a
+      run published later at ``step`` is not part of the resumed history.
     """
 
     step: int
@@ -34,6 +36,7 @@ class ResumePlan:
     rng: dict[str, Any] | None = None
     loader_restored: bool = False
     source: str = ""
+    created: float | None = None
 
 
 class RunState:
@@ -176,13 +179,7 @@ class RunState:
         plan = self._resume
         if plan is None or plan.rng is None:
             return None
-        self._resume = ResumePlan(
-            step=plan.step,
-            epoch=plan.epoch,
-            rng=None,
-            loader_restored=plan.loader_restored,
-            source=plan.source,
-        )
+        self._resume = replace(plan, rng=None)
         return plan.rng
 
     def finish_resume(self) -> None:

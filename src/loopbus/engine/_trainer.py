@@ -32,6 +32,7 @@ from ..events import (
 from ._checkpoint import (
     CheckpointMismatch,
     GradsPart,
+    HparamsPart,
     LoaderPart,
     LoopPart,
     ModulePart,
@@ -786,7 +787,7 @@ class Trainer:
 
     def stateful_parts(self) -> dict[str, Stateful]:
         """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
-        the run state, the generators, the module, each optimizer and scheduler, the
+        the run state, the generators, the module, its hyperparameters, each optimizer and scheduler, the
         precision, the loop tree, every stateful plugin, the training loader when it is
         stateful, gradients mid-accumulation, the latest records and every registered
         object. Built when a stage starts; a new dict each call."""
@@ -806,6 +807,7 @@ class Trainer:
             "run": self.state,
             "rng": RngPart(self.strategy),
             "module": ModulePart(module),
+            "hparams": HparamsPart(module),
         }
         for index, opt in enumerate(self.optimizers):
             parts[f"optimizers/{index}"] = OptimizerPart(opt)

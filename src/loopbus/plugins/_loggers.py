@@ -1,30 +1,40 @@
-"""Loggers: put records to files, written off the step's path.
+"""Loggers: put records to files, written off the event loop.
 
-Every logger is a queued subscriber of the records addressed to ``"loggers"``. Its
-handler only appends the record to a batch; a writer thread of its own writes the batch
-at most every ``flush_interval`` seconds (sooner when it is full), so neither the step nor
-the event loop ever waits on file I/O, and a slow destination overlaps with training.
-Back-pressure is the bus's: when the batch is full the handler waits for the writer, the
-subscription's queue fills, and then its ``overflow`` policy applies (``"block"``: the
-step waits, nothing is lost; ``"drop"``: the record is dropped and counted on the
-subscription).
+Every logger is a queued subscriber of the records addressed to ``"loggers"``: the step
+only hands a record to the subscription's bounded queue. The logger's handler adds it
+to a batch and, when the batch is full or ``flush_interval`` seconds have passed since
+the last write, writes the batch in a worker thread (``anyio.to_thread``) while the
+queue keeps filling; a timer writes a batch that would otherwise wait for the next
+record. Back-pressure is the bus's: while a write runs the queue fills, and then its
+``overflow`` policy applies (``"block"``: the step waits, nothing is lost; ``"drop"``:
+the record is dropped and counted on the subscription). When the stage ends, however
+it ends, one path writes what is left, flushes and closes.
 
 Writes are whole lines and each batch is flushed to the operating system, so a run that
 is killed leaves every fully written line readable; :func:`read_csv` and
-:func:`read_jsonl` ignore a torn last line.
+:func:`read_jsonl` ignore a torn last line. A file is rewritten only through a temporary
+file, ``fsync`` and an atomic rename, so a crash never loses what was written.
+
+Resuming (``fit(..., ckpt_path=...)``) continues the same files: the lines of steps
+after the checkpoint's are dropped (the resumed run writes them again), every earlier
+one is kept.
 """
 
 from __future__ import annotations
 
+import contextlib
 import csv
+import importlib.util
 import io
 import math
 import os
-import threading
+import tempfile
 import time
-from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as wait_futures
 from pathlib import Path
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 import anyio
@@ -32,6 +42,7 @@ import anyio.to_thread
 import msgspec
 
 from loopbus import Plugin, PutRecord, check_choice, check_int, check_number, on
+from loopbus.events import FitStarted
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -43,27 +54,34 @@ __all__ = ["CSVLogger", "JSONLLogger", "Logger", "decode_records", "read_csv", "
 Value = float | int | bool
 
 _OVERFLOWS = {"block": "the step waits for the logger", "drop": "drop and count"}
-_FILE_MODES = {"w": "start a new file", "a": "append to an existing one, as when resuming"}
+_FILE_MODES = {"w": "start a new file", "a": "append to an existing one"}
+_NO_HPARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
 class Logger(Plugin):
-    """Base of loggers: batches put records and writes them from a thread of its own.
+    """Base of loggers: batches put records and writes them off the event loop.
 
-    Subclasses implement :meth:`write` and, as needed, :meth:`open`, :meth:`flush` and
-    :meth:`close`. They run off the event loop (the writer thread, or a worker thread for
-    ``open`` and ``close``), one at a time, never concurrently with each other, so they
-    may block (a file, a socket, a database)::
+    Subclasses implement :meth:`write` and, as needed, :meth:`open`, :meth:`flush`,
+    :meth:`close` and :meth:`write_hparams`. They run in worker threads, one at a time,
+    never concurrently with each other, so they may block (a file, a socket, a
+    database)::
 
         class PrintLogger(Logger):
             def write(self, records):
                 for r in records:
                     print(f"step {r.step}: {r.name} = {r.value}")
 
-    The writer writes a batch at most every ``flush_interval`` seconds (sooner when it
-    holds ``buffer`` records), so a record waits about that long at most; ``buffer``
+    A batch is written when it holds ``buffer`` records or ``flush_interval`` seconds
+    after the previous write, so a record waits about that long at most; ``buffer``
     bounds both the subscription's queue and the batch; ``overflow`` is what a full queue
     does to the step (``"block"`` waits, ``"drop"`` drops and counts). Everything is
     written, flushed and closed when the stage ends, however it ends.
+
+    :meth:`open` is called when the stage starts; for ``fit`` once it is known whether
+    the run resumes from a checkpoint, which :attr:`resume_step` then tells (the
+    checkpoint's step; None for a fresh start): a logger that continues a history drops
+    what it wrote after that step. :meth:`write_hparams` follows with the module's
+    hyperparameters (:attr:`loopbus.Module.hparams`) when it saved any.
     """
 
     destination: ClassVar[str] = "loggers"
@@ -87,16 +105,20 @@ class Logger(Plugin):
         self.batch_size = check_int("buffer", buffer, owner=name)
         check_choice("overflow", overflow, _OVERFLOWS, owner=name)
         self.overflow_policy: Literal["block", "drop"] = overflow
-        self._pending: deque[PutRecord] = deque()
-        self._writer_idle = False
+        # Per stage. The batch is filled on the event loop and handed over whole.
+        self._batch: list[PutRecord] = []
+        self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: Future[None] | None = None
+        self._due = -math.inf
+        self._timer: anyio.CancelScope | None = None
+        self._trainer: Trainer | None = None
+        self._stage: str | None = None
+        self._hparams: Mapping[str, Any] = _NO_HPARAMS
+        self._resume_step: int | None = None
+        self._resume_time: float | None = None
         self._is_open = False
-        self._closing = False
         self._error: BaseException | None = None
         self._error_raised = False
-        lock = threading.Lock()
-        self._has_work = threading.Condition(lock)
-        self._has_room = threading.Condition(lock)
-        self._thread: threading.Thread | None = None
 
     def subscription_defaults(self) -> dict[str, Any]:
         defaults = super().subscription_defaults()
@@ -104,9 +126,28 @@ class Logger(Plugin):
         defaults["overflow"] = self.overflow_policy
         return defaults
 
+    @property
+    def resume_step(self) -> int | None:
+        """The step of the checkpoint the running ``fit`` resumed from, or None (a fresh
+        start, or another stage). Set before :meth:`open` is called."""
+        return self._resume_step
+
+    @property
+    def resume_time(self) -> float | None:
+        """When the checkpoint the running ``fit`` resumed from was taken
+        (``time.time()``), if it says: a record of :attr:`resume_step` published later
+        (a validation that ran after the checkpoint) is written again by the resumed run.
+        """
+        return self._resume_time
+
     # ------------------------------------------------------------ to implement
     def open(self, stage: str) -> None:
-        """Prepare the destination (called in a worker thread when a stage starts)."""
+        """Prepare the destination (worker thread). For ``fit`` it is called once the
+        resume is known: see :attr:`resume_step`."""
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        """Record the module's hyperparameters (worker thread, after :meth:`open`; only
+        when the module saved some with ``save_hyperparameters``)."""
 
     def write(self, records: Sequence[PutRecord]) -> None:
         """Write a batch of records, in the order they were put (worker thread)."""
@@ -117,44 +158,90 @@ class Logger(Plugin):
 
     def close(self) -> None:
         """Flush and release the destination at the end of the stage (worker thread,
-        or the calling thread when a stage is torn down before it started)."""
+        or the calling thread when a stage is torn down before it could stop)."""
 
     # ------------------------------------------------------------ machinery
     async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
-        await anyio.to_thread.run_sync(self.open, stage)
-        self._pending.clear()
-        self._closing = False
+        self._trainer = trainer
+        self._stage = stage
+        self._hparams = getattr(trainer.module, "hparams", _NO_HPARAMS)
+        self._batch = []
+        self._resume_step = self._resume_time = None
         self._error = None
         self._error_raised = False
-        self._writer_idle = False
-        self._thread = threading.Thread(
-            target=self._run_writer, name=f"loopbus {type(self).__name__} writer", daemon=True
-        )
-        self._thread.start()
+        self._in_flight = None
+        self._due = -math.inf
+        # One worker thread: writes (and open, close) run off the event loop, one at a
+        # time and in the order they were handed over.
+        self._executor = ThreadPoolExecutor(1, thread_name_prefix=f"loopbus-{type(self).__name__}")
+        if stage != "fit":
+            # fit opens at FitStarted, once it is known whether it resumes.
+            await self._run(self._open, stage)
+        self._timer = anyio.CancelScope()
+        task_group.start_soon(self._write_when_due, self._timer)
+
+    async def _run(self, func: Callable[..., Any], *args: Any) -> Any:
+        """Run ``func`` in the writer thread after what was handed over before; wait."""
+        assert self._executor is not None
+        future = self._executor.submit(func, *args)
+        await anyio.to_thread.run_sync(wait_futures, [future])
+        return future.result()
+
+    @on(FitStarted, mode="inline", priority=1000)
+    async def fit_started(self, event: FitStarted) -> None:
+        """Open the destination for ``fit``, continuing the history when it resumes."""
+        trainer = self._trainer
+        if trainer is None or self._executor is None or self._is_open:
+            return
+        plan = trainer.state.resume
+        if plan is not None:
+            self._resume_step, self._resume_time = plan.step, plan.created
+        await self._run(self._open, "fit")
+
+    def _open(self, stage: str) -> None:
+        self.open(stage)
         self._is_open = True
+        if self._hparams:
+            self.write_hparams(self._hparams)
 
     @on(PutRecord)
     async def receive(self, record: PutRecord) -> None:
-        """Add ``record`` to the writer's batch; wait while the batch is full."""
-        pending = self._pending
-        pending.append(record)  # atomic: the writer thread pops from the other end
-        if self._writer_idle or len(pending) >= self.batch_size:
-            await self._wake_writer()
+        """Add ``record`` to the batch; hand the batch to the writer thread when it is
+        full or due."""
+        batch = self._batch
+        batch.append(record)
+        if len(batch) >= self.batch_size or time.monotonic() >= self._due:
+            await self._hand_over()
 
-    async def _wake_writer(self) -> None:
+    async def _hand_over(self) -> None:
+        if not self._is_open:
+            return  # fit before FitStarted: kept until the destination is open
+        in_flight = self._in_flight
+        if in_flight is not None and not in_flight.done():
+            if len(self._batch) < self.batch_size:
+                return  # the writer is busy: the batch grows meanwhile
+            # Full while the writer is busy: wait for it. The queue fills meanwhile, and
+            # its overflow policy applies.
+            await anyio.to_thread.run_sync(wait_futures, [in_flight])
         self._raise_if_failed()
-        with self._has_work:
-            if self._error is None:
-                self._writer_idle = False  # one wake-up is enough
-            self._has_work.notify()
-        if len(self._pending) >= self.batch_size:
-            await anyio.to_thread.run_sync(self._wait_for_room)
-            self._raise_if_failed()
+        self._submit()
 
-    def _wait_for_room(self) -> None:
-        with self._has_room:
-            while len(self._pending) >= self.batch_size and self._error is None:
-                self._has_room.wait()
+    def _submit(self) -> None:
+        assert self._executor is not None
+        batch, self._batch = self._batch, []
+        self._in_flight = self._executor.submit(self._write_flushed, batch)
+        self._due = time.monotonic() + self.flush_interval
+
+    def _write_flushed(self, batch: list[PutRecord]) -> None:
+        """The writer thread: write and flush one batch; keep a failure for the event
+        loop to raise (at the next hand-over, or when the stage stops)."""
+        if self._error is not None:
+            return
+        try:
+            self.write(batch)
+            self.flush()
+        except Exception as exc:
+            self._error = exc
 
     def _raise_if_failed(self) -> None:
         error = self._error
@@ -162,74 +249,94 @@ class Logger(Plugin):
             self._error_raised = True
             raise RuntimeError(f"{type(self).__name__} could not write: {error}") from error
 
-    def _run_writer(self) -> None:
-        """The writer thread: a batch at most every ``flush_interval`` seconds, sooner when
-        it is full; it ends when the stage stops and everything is written."""
-        pending, popleft = self._pending, self._pending.popleft
-        has_work, has_room = self._has_work, self._has_room
-        interval, batch_size = self.flush_interval, self.batch_size
-        last = -math.inf
-        try:
+    async def _write_when_due(self, scope: anyio.CancelScope) -> None:
+        """Hand over a batch that no further record comes to hand over: checked every
+        ``flush_interval`` seconds (every 10 ms at most). Ends when the stage stops."""
+        period = max(self.flush_interval, 0.01)
+        with scope:
             while True:
-                with has_work:
-                    if not pending and not self._closing:
-                        # Idle: the next record's handler wakes us (and only that one).
-                        self._writer_idle = True
-                        while not pending and not self._closing:
-                            has_work.wait()
-                        self._writer_idle = False
-                    while not self._closing and len(pending) < batch_size:
-                        delay = last + interval - time.monotonic()
-                        if delay <= 0:
-                            break
-                        has_work.wait(delay)  # let a batch gather; a full one wakes us
-                    closing = self._closing
-                n = len(pending)
-                if not n and closing:
-                    return
-                batch = [popleft() for _ in range(n)]
-                with has_room:
-                    has_room.notify_all()
-                last = time.monotonic()
-                self.write(batch)
-                self.flush()
-        except BaseException as exc:
-            with has_work:
-                self._error = exc
-                self._writer_idle = True  # every record now takes the path that reports it
-                pending.clear()
-                has_room.notify_all()
+                await anyio.sleep(period)
+                in_flight = self._in_flight
+                if (
+                    self._batch
+                    and self._is_open
+                    and (in_flight is None or in_flight.done())
+                    and self._error is None
+                ):
+                    self._submit()
 
     async def stop(self, trainer: Trainer, stage: str) -> None:
-        if not self._is_open:
+        # The bus drained the queue: every record it accepted is in a batch or written.
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        executor, self._executor = self._executor, None
+        if executor is None:
             return
-        with self._has_work:
-            self._closing = True
-            self._has_work.notify()
-        thread = self._thread
-        if thread is not None:
-            await anyio.to_thread.run_sync(thread.join)
-            self._thread = None
-        self._is_open = False
-        await anyio.to_thread.run_sync(self.close)
+        future = executor.submit(self._finish)
+        executor.shutdown(wait=False)
+        await anyio.to_thread.run_sync(wait_futures, [future])
+        future.result()
         self._raise_if_failed()
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
-        if not self._is_open:
-            return
-        # The stage ended before stop() could run: finish writing here.
-        self._is_open = False
-        thread = self._thread
-        if thread is not None:
-            with self._has_work:
-                self._closing = True
-                self._has_work.notify()
-            thread.join()
-            self._thread = None
-        self.close()
+        # After stop() this finds nothing left to do; if the stage ended before stop()
+        # could run, the same path finishes here.
+        executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=True)
+        self._finish()
+        self._trainer = None
+        self._stage = None
+
+    def _finish(self) -> None:
+        """The one shutdown path: write what is left, flush, close. Idempotent."""
+        batch, self._batch = self._batch, []
+        try:
+            if batch and self._error is None:
+                if not self._is_open and self._stage is not None:
+                    self._open(self._stage)
+                self._write_flushed(batch)
+        except Exception as exc:
+            self._error = exc
+        finally:
+            if self._is_open:
+                self._is_open = False
+                self.close()
 
 
 # ---------------------------------------------------------------- shared file helpers
+def _fsync_dir(directory: Path) -> None:
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:  # a platform without directory handles
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _replace_atomically(path: Path, fill: Callable[[io.BufferedWriter], object]) -> None:
+    """Write ``path`` anew through a temporary file in its directory: ``fill`` writes
+    it, then fsync and an atomic rename. A crash at any point leaves the old file (or
+    none) and at most a stray temporary, never a half-written ``path``."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            fill(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    _fsync_dir(path.parent)
+
+
 def _prepare_file(path: Path, append: bool) -> None:
     """Create the parent directory; truncate (``append=False``), or cut a torn last line
     left by a killed run (``append=True``) so new lines start on a line of their own."""
@@ -259,9 +366,84 @@ def _prepare_file(path: Path, append: bool) -> None:
         f.truncate(0)
 
 
+def _continue_after(
+    path: Path,
+    step: int,
+    taken: float | None,
+    parse: Callable[[bytes], tuple[int, float] | None],
+    *,
+    header: int = 0,
+) -> None:
+    """Prepare ``path`` to continue a history from a checkpoint at ``step`` taken at
+    time ``taken`` (a resumed run): keep the first ``header`` lines and every complete
+    line published before the checkpoint; drop the lines of later steps, those of
+    ``step`` itself published after ``taken``, and a torn last line. ``parse`` reads a
+    line's step and time (None: keep the line). The file is rewritten (crash-safely)
+    only when something is dropped."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not path.exists():
+        path.write_bytes(b"")
+        return
+
+    def after(line: bytes) -> bool:
+        parsed = parse(line)
+        if parsed is None:
+            return False
+        line_step, line_time = parsed
+        return line_step > step or (
+            line_step == step and taken is not None and line_time > taken
+        )
+
+    with path.open("rb") as src:
+        dropped = False
+        for index, line in enumerate(src):
+            if not line.endswith(b"\n") or (index >= header and after(line)):
+                dropped = True  # a torn last line, or one to drop
+                break
+    if not dropped:
+        return
+
+    def keep(dst: io.BufferedWriter) -> None:
+        with path.open("rb") as src:
+            for index, line in enumerate(src):
+                if not line.endswith(b"\n"):
+                    break
+                if index < header or not after(line):
+                    dst.write(line)
+
+    _replace_atomically(path, keep)
+
+
 def _complete_text(path: str | os.PathLike[str]) -> bytes:
     data = Path(path).read_bytes()
     return data[: data.rfind(b"\n") + 1]
+
+
+def _plain(value: Any) -> Any:
+    """Hyperparameters as YAML/JSON take them: tuples as lists, mappings as dicts."""
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _have_yaml() -> bool:
+    return importlib.util.find_spec("yaml") is not None
+
+
+def write_hparams_file(directory: str | os.PathLike[str], hparams: Mapping[str, Any]) -> Path:
+    """Write ``hparams`` to ``directory/hparams.yaml`` (with PyYAML installed), else to
+    ``directory/hparams.json``, atomically; returns the path written."""
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    plain = _plain(hparams)
+    if _have_yaml():
+        path, data = directory / "hparams.yaml", msgspec.yaml.encode(plain)
+    else:
+        path, data = directory / "hparams.json", msgspec.json.format(msgspec.json.encode(plain))
+    _replace_atomically(path, lambda f: f.write(data))
+    return path
 
 
 # ---------------------------------------------------------------- CSV
@@ -279,6 +461,14 @@ def _parse_cell(text: str) -> Value:
         return float(text)
 
 
+def _csv_step_time(line: bytes) -> tuple[int, float] | None:
+    cells = line.split(b",", 3)
+    try:
+        return int(cells[0]), float(cells[2])
+    except (ValueError, IndexError):
+        return None
+
+
 class CSVLogger(Logger):
     """Writes one row per step: the records put at that step, a column per name.
 
@@ -292,9 +482,12 @@ class CSVLogger(Logger):
     rewritten once through a temporary file and an atomic rename: the new header, then
     every old row unchanged but for one empty cell per new column. Columns are only ever
     appended, so an old row keeps each value under the same heading; a crash during the
-    rewrite leaves the old file intact. With ``mode="a"`` (resuming) an existing file's
-    columns are kept and new rows appended. Read it back with :func:`read_csv` (or
-    pandas).
+    rewrite leaves the old file intact.
+
+    ``mode="w"`` starts a new file with the first stage, ``mode="a"`` appends to an
+    existing one; a resumed ``fit`` (``ckpt_path=...``) always continues the file,
+    dropping the rows of steps after the checkpoint's. The module's hyperparameters go
+    to ``hparams.yaml`` beside it. Read it back with :func:`read_csv` (or pandas).
     """
 
     def __init__(
@@ -323,24 +516,41 @@ class CSVLogger(Logger):
     def __repr__(self) -> str:
         return f"CSVLogger({str(self.path)!r})"
 
+    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+        if not self._opened and self.file_mode == "a":
+            # Refuse another program's file before the stage runs (nothing written yet).
+            await anyio.to_thread.run_sync(self._read_header)
+        await super().start(trainer, stage, task_group)
+
+    def _read_header(self) -> list[str]:
+        if not self.path.exists() or not self.path.stat().st_size:
+            return []
+        with self.path.open(newline="", encoding="utf-8") as f:
+            header = next(csv.reader(f), [])
+        if list(header[: len(_FIXED)]) != list(_FIXED):
+            raise ValueError(
+                f"{self.path} does not start with the header {','.join(_FIXED)}, so it was "
+                "not written by CSVLogger; choose another file or mode='w'."
+            )
+        return header
+
     def open(self, stage: str) -> None:
-        append = self._opened or self.file_mode == "a"
-        _prepare_file(self.path, append)
+        resume = self.resume_step
+        if resume is not None:
+            self._read_header()  # refuse a foreign file before changing it
+            _continue_after(self.path, resume, self.resume_time, _csv_step_time, header=1)
+        else:
+            _prepare_file(self.path, self._opened or self.file_mode == "a")
         if not self._opened:
-            self._columns, self._column_of, self._header_written = [], {}, False
-            if append and self.path.stat().st_size:
-                with self.path.open(newline="", encoding="utf-8") as f:
-                    header = next(csv.reader(f), [])
-                if list(header[: len(_FIXED)]) != list(_FIXED):
-                    raise ValueError(
-                        f"{self.path} does not start with the header {','.join(_FIXED)}, so "
-                        "it was not written by CSVLogger; choose another file or mode='w'."
-                    )
-                self._columns = list(header[len(_FIXED) :])
-                self._column_of = {c: c for c in self._columns}
-                self._header_written = True
+            header = self._read_header()
+            self._columns = list(header[len(_FIXED) :])
+            self._column_of = {c: c for c in self._columns}
+            self._header_written = bool(header)
         self._opened = True
         self._file = self.path.open("a", newline="", encoding="utf-8")
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        write_hparams_file(self.path.parent, hparams)
 
     def _column(self, name: str, new: list[str]) -> str:
         column = name.replace("\r", " ").replace("\n", " ")
@@ -481,6 +691,10 @@ class JSONLLogger(Logger):
     Non-finite floats, which JSON cannot represent, are written as the strings ``"nan"``,
     ``"inf"`` and ``"-inf"``. :func:`read_jsonl` decodes the file back into
     :class:`PutRecord` objects equal to the ones that were put.
+
+    ``mode`` and resuming work as for :class:`CSVLogger` (a resumed ``fit`` continues
+    the file, dropping the lines of steps after the checkpoint's), and so do the
+    hyperparameters (``hparams.yaml`` beside the file).
     """
 
     def __init__(
@@ -505,9 +719,16 @@ class JSONLLogger(Logger):
         return f"JSONLLogger({str(self.path)!r})"
 
     def open(self, stage: str) -> None:
-        _prepare_file(self.path, self._opened or self.file_mode == "a")
+        resume = self.resume_step
+        if resume is not None:
+            _continue_after(self.path, resume, self.resume_time, _jsonl_step_time)
+        else:
+            _prepare_file(self.path, self._opened or self.file_mode == "a")
         self._opened = True
         self._file = self.path.open("ab")
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        write_hparams_file(self.path.parent, hparams)
 
     def write(self, records: Sequence[PutRecord]) -> None:
         assert self._file is not None
@@ -524,6 +745,22 @@ class JSONLLogger(Logger):
 
 
 _DECODER = msgspec.json.Decoder(PutRecord, strict=False)
+
+
+class _StepTime(msgspec.Struct):
+    step: int = 0
+    time: float = 0.0
+
+
+_STEP_TIME_DECODER = msgspec.json.Decoder(_StepTime)
+
+
+def _jsonl_step_time(line: bytes) -> tuple[int, float] | None:
+    try:
+        decoded = _STEP_TIME_DECODER.decode(line)
+    except msgspec.DecodeError:
+        return None
+    return decoded.step, decoded.time
 
 
 def decode_records(lines: Iterable[bytes]) -> list[PutRecord]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,6 +15,21 @@ from ._loggers import Logger
 __all__ = ["TensorBoardLogger"]
 
 
+def _flatten(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """TensorBoard's hparams take numbers, strings and bools: nested mappings become
+    ``outer/inner`` names, lists and None their text."""
+    flat: dict[str, Any] = {}
+    for key, value in hparams.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{name}/"))
+        elif isinstance(value, (bool, int, float, str)):
+            flat[name] = value
+        else:
+            flat[name] = str(value)
+    return flat
+
+
 class TensorBoardLogger(Logger):
     """Writes every put record as a TensorBoard scalar (tag = record name, x = step,
     wall time = the record's time) to event files in ``log_dir``::
@@ -22,8 +37,14 @@ class TensorBoardLogger(Logger):
         trainer = Trainer(plugins=[ProgressBar(), TensorBoardLogger("runs/exp1")])
         # then: tensorboard --logdir runs
 
+    A resumed ``fit`` (``ckpt_path=...``) continues the same run: its event file starts
+    with TensorBoard's purge marker (``SummaryWriter(purge_step=...)``), so the scalars
+    of steps after the checkpoint's that an earlier process wrote are hidden, and each
+    step shows once. The module's hyperparameters (``save_hyperparameters``) appear in
+    TensorBoard's HParams view of the same run.
+
     Needs the ``tensorboard`` package: ``pip install 'loopbus[tensorboard]'``. Like every
-    :class:`Logger` it writes from a worker thread, flushed at least every
+    :class:`Logger` it writes from worker threads, flushed at least every
     ``flush_interval`` seconds and at the end of each stage.
     """
 
@@ -51,7 +72,20 @@ class TensorBoardLogger(Logger):
         from torch.utils.tensorboard import SummaryWriter
 
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._writer = SummaryWriter(log_dir=str(self.log_dir))
+        resume = self.resume_step
+        # TensorBoard hides the earlier events of steps >= purge_step: those after the
+        # checkpoint's step, which the resumed run writes again.
+        purge_step = None if resume is None else resume + 1
+        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+
+    def write_hparams(self, hparams: Mapping[str, Any]) -> None:
+        from torch.utils.tensorboard.summary import hparams as hparams_summaries
+
+        # Into this run's own event file (SummaryWriter.add_hparams would start a
+        # sub-run in another directory).
+        file_writer = self._writer.file_writer
+        for summary in hparams_summaries(_flatten(hparams), {}):  # type: ignore[no-untyped-call]
+            file_writer.add_summary(summary)
 
     def write(self, records: Sequence[PutRecord]) -> None:
         add_scalar = self._writer.add_scalar

@@ -188,3 +188,31 @@ def test_module_is_still_a_plain_torch_module() -> None:
         "layer.2.weight",
         "layer.2.bias",
     }
+
+
+async def test_a_checkpoint_without_the_hparams_part_still_resumes_strictly(
+    tmp_path: Path,
+) -> None:
+    """Checkpoints written before the part existed lack it: no mismatch."""
+    class Plain(Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = torch.nn.Linear(2, 1)
+
+        def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+            return self.w(batch).sum()
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    data = [torch.ones(1, 2) for _ in range(4)]
+    trainer = Trainer(max_steps=2, plugins=[], device="cpu")
+    await trainer.fit(Plain(), data)
+    path = tmp_path / "old.ckpt"
+    trainer.save_checkpoint(path)
+    state = loopbus.load_checkpoint(path)
+    del state["hparams"]  # as an older version wrote it
+    loopbus.write_checkpoint(state, path)
+    resumed = Trainer(max_steps=4, plugins=[], device="cpu")
+    await resumed.fit(Plain(), data, ckpt_path=path)
+    assert resumed.global_step == 4

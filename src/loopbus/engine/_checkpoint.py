@@ -179,6 +179,9 @@ class HparamsPart:
     ``Module.load_from_checkpoint`` and for reading. A resumed run keeps the arguments
     its module was built with (loading changes nothing)."""
 
+    #: Checkpoints written before this part existed lack it: that is no mismatch.
+    optional = True
+
     def __init__(self, module: Any) -> None:
         self.module = module
 
@@ -537,11 +540,13 @@ def _check(
     lists = {"missing": missing, "unexpected": unexpected, "mismatched": mismatched}
     for key, part in parts.items():
         if key not in state:
+            skip.add(key)
+            if getattr(part, "optional", False):
+                continue  # a part older checkpoints lack, with nothing to restore
             missing.append(
                 f"{key}: this run has it but the checkpoint has no state for it"
                 + _MISSING_HINTS.get(key, "")
             )
-            skip.add(key)
             continue
         explain = getattr(part, "explain_mismatch", None)
         if explain is None:

@@ -108,7 +108,8 @@ async def test_a_stale_record_says_which_epoch_it_is_from() -> None:
     assert len(lines) == 3
     assert "val/loss" not in lines[0]  # no validation yet
     assert re.search(r"val/loss [\d.]+(  |$)", lines[1])  # this epoch's: unmarked
-    assert re.search(r"val/loss [\d.]+ \(epoch 2\)", lines[2])  # epoch 2's, shown in 3
+    # Epoch 1's (0-based, as the "Epoch N/M" text counts), shown in epoch 2's line.
+    assert re.search(r"val/loss [\d.]+ \(epoch 1\)", lines[2])
     assert "(epoch" not in lines[2].split("val/loss")[0]  # train/loss is current
 
 
@@ -137,7 +138,7 @@ async def test_summary_lines_wrap_between_parts_at_80_columns() -> None:
     await trainer.fit(ManyMetrics(), make_loader(n=32))
     text = ANSI.sub("", out.getvalue()).replace("\r", "\n")
     lines = text.splitlines()
-    start = next(i for i, line in enumerate(lines) if line.startswith("Epoch 1/2 | "))
+    start = next(i for i, line in enumerate(lines) if line.startswith("Epoch 0/1 | "))
     summary = [lines[start]]
     for line in lines[start + 1 :]:
         if not line.startswith("  "):

@@ -360,7 +360,7 @@ class ProgressBar(Plugin):
                 continue
             text = f"{name} {_fmt(record.value)}"
             if epoch is not None and record.epoch < epoch:
-                text += f" (epoch {record.epoch + 1})"
+                text += f" (epoch {record.epoch})"  # 0-based, as "Epoch N/M" is
             parts.append(text)
         return parts
 

@@ -32,7 +32,7 @@ def test_engine_names_load_on_first_use() -> None:
         "print(Trainer.__module__, loopbus.plugins.StreamServer.__module__, "
         "[type(p).__name__ for p in Trainer().plugins])"
     )
-    assert run(code) == "loopbus loopbus.plugins ['ProgressBar']"
+    assert run(code) == "loopbus loopbus.plugins ['ProgressBar', 'ModelSummary']"
 
 
 def test_importing_the_plugins_first_still_names_them_publicly() -> None:

@@ -147,7 +147,7 @@ class WandbLogger(Logger):
         self.init_kwargs = dict(init_kwargs or {})
         self._run_id: str | None = id
         self._fixed_run = id is not None
-        self._run: Any = None
+        self._wandb_run: Any = None
         self._params: dict[str, Any] = {}
         self._failed = False
         # One W&B call at a time: the writer thread and the checkpoint handler's.
@@ -170,7 +170,7 @@ class WandbLogger(Logger):
         if self._fixed_run or not isinstance(run_id, str) or run_id == self._run_id:
             return
         with self._lock:
-            if self._run is not None:  # started before the resume: leave it as it was
+            if self._wandb_run is not None:  # started before the resume: leave it as it was
                 self._finish_run()
             self._run_id = run_id
 
@@ -194,7 +194,7 @@ class WandbLogger(Logger):
 
     def close(self) -> None:
         with self._lock:
-            if self._run is not None:
+            if self._wandb_run is not None:
                 self._finish_run()
 
     # ------------------------------------------------------------ W&B calls (threads)
@@ -204,7 +204,7 @@ class WandbLogger(Logger):
 
     def _ensure_run(self) -> None:
         """Start or resume the run (with the lock held)."""
-        if self._run is not None:
+        if self._wandb_run is not None:
             return
         import wandb
 
@@ -227,13 +227,13 @@ class WandbLogger(Logger):
             reinit="create_new",
             **{k: v for k, v in kwargs.items() if v is not None},
         )
-        self._run = run
+        self._wandb_run = run
         self._run_id = run.id
         if self._params:
             run.config.update(self._params, allow_val_change=True)
 
     def _finish_run(self) -> None:
-        run, self._run = self._run, None
+        run, self._wandb_run = self._wandb_run, None
         run.finish(exit_code=1 if self._failed else 0)
 
     def write(self, records: Sequence[PutRecord]) -> None:
@@ -250,7 +250,7 @@ class WandbLogger(Logger):
             rows.append((step, row))
         with self._lock:
             self._ensure_run()
-            log = self._run.log
+            log = self._wandb_run.log
             for step, data in rows:
                 log(data, step=step)
 
@@ -261,7 +261,7 @@ class WandbLogger(Logger):
     def _log_checkpoint(self, event: CheckpointSaved) -> None:
         with self._lock:
             self._ensure_run()
-            run = self._run
+            run = self._wandb_run
             run.summary[LAST_CHECKPOINT_KEY] = event.path
             if event.best:
                 run.summary[BEST_CHECKPOINT_KEY] = event.path

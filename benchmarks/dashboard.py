@@ -126,7 +126,10 @@ def train(steps: int, records: int, data: Any, path: str, watched: bool) -> tupl
     server = StreamServer(host=None, path=path, announce=False)
     window = Window(server, 1 if watched else 0)
     trainer = Trainer(max_steps=steps, plugins=[server, window], leak_check=None, device="cpu")
-    loopbus.run(trainer.fit, BenchModule(records), data)
+    try:
+        loopbus.run(trainer.fit, BenchModule(records), data)
+    finally:
+        server.close()  # the server serves for the trainer's lifetime: free its path
     return window.wall, window.cpu
 
 

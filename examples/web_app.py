@@ -14,15 +14,21 @@ The API (JSON in and out):
     DELETE /runs/{id}          cancel it (?graceful=1: a stop request instead, which lets
                                the current step finish and fires FitCompleted)
     GET    /runs/{id}/events   its put records as Server-Sent Events, then an "end" event
-    GET    /                   a page drawing live loss and accuracy charts from that stream
+    GET    /                   the loopbus dashboard page (docs/dashboard.md): a chart per
+                               record name, one series per run, with a form above it
+                               that starts and cancels runs
+    GET    /events, /status    the dashboard's stream and table of runs; /static/...: its files
 
 How it stays responsive: each run is a task in the app's task group awaiting
 ``trainer.fit``; with ``executor="thread"`` the steps run in a worker thread, so the event
 loop that serves the requests only does the short work between steps. A run's records
 reach the browsers without ever making the step wait: a queued subscriber (drop policy,
-counted in ``dropped``) appends each encoded record to the run's log, and every
-Server-Sent Events client reads that log at its own pace from its own position. A slow
-browser only falls behind; on reconnecting, ``Last-Event-ID`` resumes where it stopped.
+counted in ``dropped``) appends each encoded record to the run's log and hands it to the
+run's feed of the app's ``loopbus.dashboard.Hub``, which batches what the runs sent into
+one message every 0.1 s for the dashboard page. Every Server-Sent Events client (of
+``/runs/{id}/events`` or of the page) reads its log at its own pace from its own
+position. A slow browser only falls behind; on reconnecting, ``Last-Event-ID`` resumes
+where it stopped.
 """
 
 from __future__ import annotations
@@ -43,10 +49,12 @@ import torch
 from anyio.abc import TaskGroup
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import HTMLResponse, Response, StreamingResponse
+from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from loopbus import PutRecord, Trainer
+from loopbus.dashboard import Hub, RunFeed, routes
+from loopbus.events import EpochCompleted
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the digits example sits next to this file
@@ -72,10 +80,12 @@ class RunConfig(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class Run:
-    """One training run: its trainer, its state and the log of its encoded records."""
+    """One training run: its trainer, its state, the log of its encoded records and its
+    feed on the dashboard page."""
 
-    def __init__(self, config: RunConfig) -> None:
-        self.id = uuid.uuid4().hex[:8]
+    def __init__(self, config: RunConfig, feed: RunFeed) -> None:
+        self.id = feed.label
+        self.feed = feed
         self.config = config
         self.state = "starting"
         self.error: str | None = None
@@ -98,6 +108,7 @@ class Run:
             buffer=4096,
             destination="external",
         )
+        self._epochs = self.trainer.subscribe(EpochCompleted, self._on_epoch)
 
     @property
     def finished(self) -> bool:
@@ -125,6 +136,7 @@ class Run:
             with self._scope:
                 self.state = "running"
                 self.started = time.time()
+                self.feed.started("fit", 0, 0)
                 try:
                     module, train, val = await anyio.to_thread.run_sync(self._build)
                     await self.trainer.fit(module, train, val)
@@ -140,7 +152,13 @@ class Run:
             raise
         finally:
             self._subscription.unsubscribe()
+            self._epochs.unsubscribe()
             self.ended = time.time()
+            self.feed.stage_ended("fit", self.state, self.trainer.global_step)
+            if self.error is not None:
+                self.feed.set_state("failed", self.error)
+            else:
+                self.feed.set_state("ended", self.state)
             self._notify()
 
     def _build(self) -> tuple[DigitsNet, Any, Any]:
@@ -164,7 +182,12 @@ class Run:
     def _on_record(self, record: PutRecord) -> None:
         self.latest[record.name] = record.value
         self.log.append(_encode(record))
+        self.feed.record(record.name, record.value, record.step, record.epoch)
         self._notify()
+
+    def _on_epoch(self, event: EpochCompleted) -> None:
+        # Inline, once an epoch: a boundary on the page's charts.
+        self.feed.epoch_ended(event.epoch, event.step)
 
     def _notify(self) -> None:
         self._changed.set()
@@ -193,17 +216,19 @@ class Run:
 
 
 class Runs:
-    """The app's runs, trained as tasks of its task group."""
+    """The app's runs, trained as tasks of its task group, each a series on ``hub``'s
+    page."""
 
-    def __init__(self, task_group: TaskGroup) -> None:
+    def __init__(self, task_group: TaskGroup, hub: Hub) -> None:
         self._tg = task_group
+        self.hub = hub
         self.runs: dict[str, Run] = {}
 
     def active(self) -> int:
         return sum(not run.finished for run in self.runs.values())
 
     def start(self, config: RunConfig) -> Run:
-        run = Run(config)
+        run = Run(config, self.hub.add_run(uuid.uuid4().hex[:8]))
         self.runs[run.id] = run
         self._tg.start_soon(run.train, name=f"training run {run.id}")
         return run
@@ -224,10 +249,6 @@ def _find(request: Request) -> Run | Response:
     if run is None:
         return _json({"error": f"no run {request.path_params['run_id']!r}"}, 404)
     return run
-
-
-async def index(request: Request) -> Response:
-    return HTMLResponse((HERE / "web_app.html").read_text(encoding="utf-8"))
 
 
 async def list_runs(request: Request) -> Response:
@@ -282,23 +303,75 @@ async def run_events(request: Request) -> Response:
     )
 
 
+#: Placed above the dashboard's charts: a form that starts a run (POST /runs) and a
+#: cancel button for each run that trains (DELETE /runs/{id}), kept up to date from the
+#: page's "loopbus:status" event (the runs' labels are their ids).
+CONTROLS = """
+<form id="start" class="controls">
+  <label>epochs <input name="epochs" type="number" min="1" max="10000" value="100"></label>
+  <label>learning rate <input name="lr" type="number" step="any" min="0" value="0.003"></label>
+  <label>executor
+    <select name="executor"><option>thread</option><option>inline</option></select></label>
+  <button type="submit">Start a run</button>
+  <output id="start-result"></output>
+  <span id="cancel"></span>
+</form>
+<script>
+(() => {
+  const form = document.getElementById("start");
+  const result = document.getElementById("start-result");
+  form.addEventListener("submit", async (e) => {
+    e.preventDefault();
+    const body = {
+      epochs: Number(form.epochs.value),
+      lr: Number(form.lr.value),
+      executor: form.executor.value,
+    };
+    const response = await fetch("runs", { method: "POST", body: JSON.stringify(body) });
+    const answer = await response.json();
+    result.textContent = response.ok ? `started ${answer.id}` : answer.error;
+    result.dataset.run = response.ok ? answer.id : "";
+  });
+  document.addEventListener("loopbus:status", (e) => {
+    const training = e.detail.filter((run) => run.state === "connected");
+    const box = document.getElementById("cancel");
+    if (box.dataset.runs === training.map((run) => run.label).join()) return;
+    box.dataset.runs = training.map((run) => run.label).join();
+    box.replaceChildren(...training.map((run) => {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.textContent = `cancel ${run.label}`;
+      button.onclick = () => fetch(`runs/${run.label}`, { method: "DELETE" });
+      return button;
+    }));
+  });
+})();
+</script>
+"""
+TITLE = "loopbus: live training of the digits example"
+
+
 def create_app() -> Starlette:
+    hub = Hub()
+
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         async with anyio.create_task_group() as tg:
-            app.state.runs = Runs(tg)
+            tg.start_soon(hub.run, name="dashboard flush")
+            app.state.runs = Runs(tg, hub)
             yield
             # Shutting down: cancel what still trains (its teardown events still fire).
             tg.cancel_scope.cancel()
 
     return Starlette(
         routes=[
-            Route("/", index),
             Route("/runs", list_runs, methods=["GET"]),
             Route("/runs", start_run, methods=["POST"]),
             Route("/runs/{run_id}", get_run, methods=["GET"]),
             Route("/runs/{run_id}", cancel_run, methods=["DELETE"]),
             Route("/runs/{run_id}/events", run_events, methods=["GET"]),
+            # The dashboard's page (with the form above), /events, /status and /static.
+            *routes(hub, title=TITLE, controls=CONTROLS),
         ],
         lifespan=lifespan,
     )

@@ -1,6 +1,7 @@
 """The example web app (examples/web_app.py), served by uvicorn in a subprocess on a free
 loopback port: runs over HTTP, records over Server-Sent Events, cancellation, and the
-live page in a real (headless) Chromium."""
+live page (the loopbus dashboard's, with the app's form above it) in a real (headless)
+Chromium."""
 
 from __future__ import annotations
 
@@ -233,9 +234,12 @@ async def test_a_failing_run_is_reported_and_the_others_go_on(
         return build(self)
 
     monkeypatch.setattr(web_app.Run, "_build", broken_build)
+    from loopbus.dashboard import Hub
+
+    hub = Hub()
     with anyio.fail_after(60):
         async with anyio.create_task_group() as tg:
-            runs = web_app.Runs(tg)
+            runs = web_app.Runs(tg, hub)
             bad = runs.start(web_app.RunConfig(epochs=1, seed=13))
             good = runs.start(web_app.RunConfig(epochs=1, executor="inline"))
             for run in (bad, good):
@@ -245,6 +249,23 @@ async def test_a_failing_run_is_reported_and_the_others_go_on(
     assert bad.error == "RuntimeError: no data today"
     assert good.state == "completed"
     assert good.info()["step"] == BATCHES_PER_EPOCH
+
+    # Both are series of the app's dashboard, labelled with their ids, in their end state.
+    assert [feed.label for feed in hub.runs] == [bad.id, good.id]
+    assert (bad.feed.state, bad.feed.detail) == ("failed", "RuntimeError: no data today")
+    assert (good.feed.state, good.feed.detail) == ("ended", "completed")
+    assert good.feed.records == len(good.log)
+    assert hub.flush() == len(good.log)
+    _, messages = hub.read(0)
+    (message,) = messages
+    parts = {part["run"]: part for part in json.loads(message)["parts"]}
+    assert [m["kind"] for m in parts[bad.feed.index]["markers"]] == ["stage"]
+    part = parts[good.feed.index]
+    steps, values = part["records"]["train/loss"]
+    assert steps == list(range(1, BATCHES_PER_EPOCH + 1))
+    assert values == [json.loads(r)["value"] for r in good.log if b"train/loss" in r]
+    kinds = [(m["kind"], m["step"]) for m in part["markers"]]
+    assert kinds == [("epoch", BATCHES_PER_EPOCH), ("stage", BATCHES_PER_EPOCH)]
 
 
 # ---------------------------------------------------------------- a real browser
@@ -267,14 +288,16 @@ def _chromium() -> str | None:
     reason="Playwright is not installed (pip install playwright; it drives the installed "
     "Chromium, no browser download needed)",
 )
-def test_the_page_draws_live_charts_in_a_browser(server: str, tmp_path: Path) -> None:
+def test_the_page_starts_a_run_and_charts_it_live_in_a_browser(server: str, tmp_path: Path) -> None:
+    """The page is the dashboard's: its form starts a run, every record name of the run
+    gets a chart whose points grow while it trains, and the cancel button stops it."""
     from playwright import sync_api
 
     executable = _chromium()
     assert executable is not None
 
-    run = _start(server, epochs=2000)
     errors: list[str] = []
+    run_id = ""
     try:
         with sync_api.sync_playwright() as playwright:
             browser = playwright.chromium.launch(
@@ -289,27 +312,59 @@ def test_the_page_draws_live_charts_in_a_browser(server: str, tmp_path: Path) ->
                 ],
             )
             try:
-                page = browser.new_page()
+                page = browser.new_page(viewport={"width": 1280, "height": 900})
                 page.on("pageerror", lambda exc: errors.append(str(exc)))
-                page.goto(f"{server}/?run={run['id']}")
+                page.on("console", lambda m: errors.append(m.text) if m.type == "error" else None)
+                page.goto(f"{server}/")
+                page.wait_for_selector("#connection.live", timeout=30_000)
+                # The form sits above the charts, and starts a run.
+                assert page.locator("#start + script ~ #runs").count() == 1
+                page.fill("#start input[name=epochs]", "2000")
+                page.click("#start button[type=submit]")
                 page.wait_for_function(
-                    "Number(document.querySelector('#loss-chart').dataset.points) > 10"
-                    " && Number(document.querySelector('#acc-chart').dataset.points) > 0",
+                    "document.querySelector('#start-result').dataset.run", timeout=10_000
+                )
+                run_id = page.get_attribute("#start-result", "data-run") or ""
+                assert _state(server, run_id)["config"]["epochs"] == 2000
+                # The server is shared with the tests above: the run is one row of several.
+                row = f"#runs tr:has(td:text-is('{run_id}'))"
+                page.wait_for_selector(row, timeout=10_000)
+
+                # Points appear while the run trains, on a chart per record name.
+                page.wait_for_function(
+                    "Number(document.querySelector('.chart[data-name=\"train/loss\"]')"
+                    "?.dataset.points) > 10 && Number(document.querySelector("
+                    "'.chart[data-name=\"val/acc\"]')?.dataset.points) > 0",
+                    timeout=60_000,
+                )
+                chart = ".chart[data-name='train/loss']"
+                before = int(page.get_attribute(chart, "data-points") or 0)
+                page.wait_for_function(
+                    f'Number(document.querySelector("{chart}").dataset.points) > {before}',
                     timeout=30_000,
                 )
-                loss_points = int(page.get_attribute("#loss-chart", "data-points") or 0)
-                polyline = page.get_attribute("#loss-chart polyline", "points") or ""
-                assert loss_points > 10
-                assert len(polyline.split()) > 10
-                assert page.locator("#loss-chart circle.point").count() > 0
-                assert page.locator("#acc-chart circle.point").count() > 0
-                assert page.text_content("#watched") == run["id"]
-                page.wait_for_selector(f"#runs td:text-is('{run['id']}')", timeout=5_000)
+                state = _state(server, run_id)
+                assert state["state"] == "running"
+                names = page.eval_on_selector_all(
+                    ".chart[data-name]", "nodes => nodes.map((n) => n.dataset.name)"
+                )
+                assert sorted(names) == sorted(state["latest"])
+                assert page.locator(f"{chart} canvas").count() == 1
+                assert page.get_attribute(row, "data-state") == "connected"
+
+                # The run's cancel button cancels it; the table follows.
+                page.click(f"#cancel button:text-is('cancel {run_id}')")
+                _wait_for(
+                    lambda: _state(server, run_id)["state"] == "cancelled", 15, "the cancellation"
+                )
+                page.wait_for_selector(f"{row}[data-state=ended]", timeout=10_000)
+                assert page.locator("#cancel button").count() == 0
                 screenshot = tmp_path / "web_app.png"
                 page.screenshot(path=str(screenshot), full_page=True)
                 assert screenshot.stat().st_size > 1000
             finally:
                 browser.close()
     finally:
-        httpx.delete(f"{server}/runs/{run['id']}", timeout=10)
+        if run_id:
+            httpx.delete(f"{server}/runs/{run_id}", timeout=10)
     assert errors == []

@@ -78,6 +78,42 @@ async def test_a_server_without_a_trainer() -> None:
         await server.serve()
 
 
+async def test_items_handed_over_together_keep_each_client_s_order_and_numbers() -> None:
+    """One flush hands many records (of several names, to clients with different
+    filters, between events) to the clients' queues in runs: each client still gets its
+    own items in order, numbered without gaps, and new clients are welcomed at the step
+    and epoch of the last item."""
+    sent = [record(f"{'ab'[i % 2]}/{i % 5}", i, float(i)) for i in range(400)]
+    async with Server(flush_interval=10.0) as server:  # everything in one hand-over
+        address = server.address
+        assert address is not None
+        async with (
+            loopbus.connect(address, topics=["records", "events"]) as everything,
+            loopbus.connect(address, names=["a/*"]) as some,
+            loopbus.connect(address, topics=["events"]) as events,
+        ):
+            await anyio.sleep(0.05)  # the first hand-over (at once) is done
+            server.publish_record(record("a/0", 0))
+            await anyio.sleep(0.05)
+            for r in sent[:200]:
+                server.publish_record(r)
+            server.publish_event(EpochEnded(epoch=0, step=199, time=0.0))
+            for r in sent[200:]:
+                server.publish_record(r)
+            await server.aclose("done")
+            assert (server.step, server.epoch) == (399, 0)
+            with anyio.fail_after(30):
+                items = [item async for item in everything]
+                a_items = [item async for item in some]
+                e_items = [item async for item in events]
+    expected = [streamed(r) for r in sent]
+    epoch_end = EpochEnded(epoch=0, step=199, time=0.0)
+    assert items == [streamed(record("a/0", 0)), *expected[:200], epoch_end, *expected[200:]]
+    assert a_items == [streamed(record("a/0", 0))] + [r for r in expected if r.name[0] == "a"]
+    assert e_items == [epoch_end]
+    assert everything.gaps == some.gaps == 0
+
+
 async def test_a_server_in_its_own_thread_takes_records_from_this_one() -> None:
     server = Server(flush_interval=0.0)
     server.start_in_thread()

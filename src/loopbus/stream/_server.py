@@ -63,7 +63,6 @@ from ._wire import (
     Subscribed,
     Welcome,
     append_frame,
-    record_fields,
 )
 
 if TYPE_CHECKING:
@@ -589,34 +588,64 @@ class Server:
         self._pump_event = anyio.Event()
 
     def _distribute(self) -> None:
-        """Encode each waiting item once and queue it for every client that wants it."""
+        """Encode each waiting item once and queue it for every client that wants it.
+
+        The per-record path: consecutive items going to the same clients are gathered in
+        one list and each client's queue is extended once per list (not appended to once
+        per item), and the step and epoch are taken from the last item only."""
         pending = self._pending
         popleft = pending.popleft
         encode = self._encode
         routes = self._routes
         event_types = _EVENT_TYPES
+        raw_type = msgspec.Raw
+        # (clients, items for them): one entry per run of items with the same clients.
+        runs: list[tuple[tuple[Connection, ...], list[msgspec.Raw]]] = []
+        targets: tuple[Connection, ...] = ()
+        items: list[msgspec.Raw] = []
+        last = None
         while pending:
-            item = popleft()
+            item = last = popleft()
             if isinstance(item, event_types):
                 self._note(item)
-                targets = self._event_clients
-                if not targets:
+                wanted = self._event_clients
+                if not wanted:
                     continue
-                raw = msgspec.Raw(encode(item))
+                raw = raw_type(encode(item))
             else:
-                self.step = item.step
-                self.epoch = item.epoch
                 if not self._record_clients:
                     continue
-                targets = routes.get(item.name)  # type: ignore[assignment]
-                if targets is None:
-                    targets = self._route(item.name)
-                if not targets:
+                wanted = routes.get(item.name)  # type: ignore[assignment]
+                if wanted is None:
+                    wanted = self._route(item.name)
+                if not wanted:
                     continue
-                raw = msgspec.Raw(encode(record_fields(item)))
-            for client in targets:
-                client.queue.append(raw)
-                client.next_seq += 1
+                # record_fields(item), inlined: this runs once per record.
+                raw = raw_type(
+                    encode(
+                        (
+                            "R",
+                            item.name,
+                            item.value,
+                            item.step,
+                            item.epoch,
+                            item.time,
+                            item.source,
+                        )
+                    )
+                )
+            if wanted is not targets and wanted != targets:  # (each name has its own tuple)
+                targets = wanted
+                items = []
+                runs.append((targets, items))
+            items.append(raw)
+        if last is not None and not isinstance(last, event_types):
+            self.step = last.step
+            self.epoch = last.epoch
+        for clients, batch in runs:
+            for client in clients:
+                client.queue.extend(batch)
+                client.next_seq += len(batch)
         for client in self._client_list:
             if client.queue:
                 client.notify()

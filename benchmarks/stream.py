@@ -124,7 +124,7 @@ def spawn_clients(address: str, n: int, sessions: int = 1) -> subprocess.Popen[s
 class Gate(Plugin):
     """Starts the clients when the server listens; holds the run until they subscribed."""
 
-    priority = 100
+    delivery = loopbus.Delivery(priority=100)
 
     def __init__(self, server: StreamServer, clients: int, spawn: bool = True) -> None:
         self.server = server
@@ -154,7 +154,7 @@ class Gate(Plugin):
 class Producer(Plugin):
     """Publishes ``n`` records on the bus as fast as it can, once the clients are in."""
 
-    priority = -100  # after the gate
+    delivery = loopbus.Delivery(priority=-100)  # after the gate
 
     def __init__(self, n: int) -> None:
         self.n = n

@@ -124,8 +124,7 @@ class SlowFileLogger(Plugin):
     """A queued logger that is slower than the step, so records wait in its queue; it
     owns a file from setup to teardown."""
 
-    destination = "loggers"
-    mode = "queued"
+    delivery = loopbus.Delivery(destination="loggers", mode="queued")
 
     def __init__(self, path: Path) -> None:
         self.path = path

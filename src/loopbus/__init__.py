@@ -46,6 +46,7 @@ from .stream import connect as connect
 if TYPE_CHECKING:
     from . import plugins as plugins
     from .engine import CheckpointMismatch as CheckpointMismatch
+    from .engine import Delivery as Delivery
     from .engine import EvaluationLoop as EvaluationLoop
     from .engine import FitLoop as FitLoop
     from .engine import Loop as Loop
@@ -77,6 +78,7 @@ __version__ = "0.1.0"
 #: The names re-exported from ``loopbus.engine``, imported on first use.
 _ENGINE_NAMES = (
     "CheckpointMismatch",
+    "Delivery",
     "EvaluationLoop",
     "FitLoop",
     "Loop",
@@ -108,6 +110,7 @@ __all__ = [
     "DESTINATIONS",
     "CheckpointError",
     "CustomEvent",
+    "Delivery",
     "CheckpointMismatch",
     "EvaluationLoop",
     "Event",

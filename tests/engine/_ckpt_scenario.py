@@ -97,7 +97,7 @@ def make_data(loader: str, n_train: int = N_TRAIN, batch: int = BATCH) -> tuple[
 class Killer(Plugin):
     """SIGKILLs the process at a chosen point, after every other handler of the event."""
 
-    priority = -1000
+    delivery = loopbus.Delivery(priority=-1000)
 
     def __init__(self, when: str, at: int) -> None:
         self.when = when
@@ -132,7 +132,7 @@ class SaveAtStep(Plugin):
     """Saves a checkpoint when the run reaches ``step``, after the module's own handlers
     of the same event."""
 
-    priority = -100
+    delivery = loopbus.Delivery(priority=-100)
 
     def __init__(self, path: Any, step: int) -> None:
         self.path = path

@@ -86,7 +86,7 @@ class SaveAt(Plugin):
     """Saves a checkpoint at the n-th TrainBatchCompleted (counted over the run) or at the
     end of an epoch, then lets ``crash_after`` more batches run and raises."""
 
-    priority = -50
+    delivery = loopbus.Delivery(priority=-50)
 
     def __init__(
         self,

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import Module, Plugin, Trainer, on
 from loopbus.events import EpochCompleted, PutRecord, ValidationCompleted
 from tests.helpers import TinyModule, make_loader
@@ -90,7 +91,7 @@ class EpochAccuracy(Module):
 class NewBest(Plugin):
     """Runs after the module's handler (lower priority) and reads ``trainer.latest``."""
 
-    priority = -10
+    delivery = loopbus.Delivery(priority=-10)
 
     def __init__(self) -> None:
         self.seen: list[tuple[int, float]] = []

@@ -54,7 +54,7 @@ class SaveAt(Plugin):
     worker processes running until the loader is garbage collected, which can take the
     shutdown's timeout.)"""
 
-    priority = -50
+    delivery = loopbus.Delivery(priority=-50)
 
     def __init__(self, path: Path, *, batch: int | None = None, epoch: int | None = None):
         self.path = path

@@ -136,7 +136,7 @@ class Boom(Plugin):
 
 
 class QueuedBoom(Plugin):
-    mode = "queued"
+    delivery = loopbus.Delivery(mode="queued")
 
     @on(TrainBatchCompleted, once=3)
     async def explode(self, event: TrainBatchCompleted) -> None:

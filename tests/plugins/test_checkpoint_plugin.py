@@ -276,7 +276,7 @@ async def test_a_failed_background_write_fails_fit(
 
 
 class Stopwatch(Plugin):
-    """Times the Checkpoint plugin's handler (``Checkpoint.priority`` is -100): just
+    """Times the Checkpoint plugin's handler (``Checkpoint.delivery.priority`` is -100): just
     before it (-99) wait until the previous write is complete, time a host copy of the
     state on its own, start the clock; just after it (-101) stop the clock."""
 

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import HandlerError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.events import FitCompleted, FitStarted, TrainBatchCompleted, ValidationCompleted
 from loopbus.plugins import CSVLogger, JSONLLogger, Logger, TensorBoardLogger, read_csv, read_jsonl
@@ -25,7 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 class Captured(Plugin):
     """An inline subscriber in the loggers' role: the records the loggers were sent."""
 
-    destination = "loggers"
+    delivery = loopbus.Delivery(destination="loggers")
 
     def __init__(self) -> None:
         self.records: list[PutRecord] = []

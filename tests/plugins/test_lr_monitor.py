@@ -5,13 +5,14 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import Plugin, PutRecord, Trainer, on
 from loopbus.plugins import LearningRateMonitor
 from tests.helpers import TinyModule, make_loader
 
 
 class Records(Plugin):
-    destination = "loggers"
+    delivery = loopbus.Delivery(destination="loggers")
 
     def __init__(self) -> None:
         self.seen: list[PutRecord] = []

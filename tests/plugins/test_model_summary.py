@@ -130,7 +130,7 @@ async def test_enable_model_summary_false_turns_it_off() -> None:
 def test_it_is_a_default_plugin_acting_on_rank_zero() -> None:
     plugins = Trainer(max_epochs=1, device="cpu").plugins
     assert [type(p) for p in plugins] == [ProgressBar, ModelSummary]
-    assert ModelSummary.ranks == "zero"
+    assert ModelSummary.delivery.ranks == "zero"
     assert Trainer(max_epochs=1, plugins=[], device="cpu").plugins == []
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import MisconfigurationError, Plugin, PutRecord, Trainer, on
 from loopbus.plugins import Checkpoint, CheckpointSaved, WandbLogger
 from tests.helpers import TinyModule, make_loader
@@ -37,7 +38,7 @@ def _wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 class Captured(Plugin):
     """The records the loggers were sent, in order, and the checkpoints announced."""
 
-    destination = "loggers"
+    delivery = loopbus.Delivery(destination="loggers")
 
     def __init__(self) -> None:
         self.records: list[PutRecord] = []

@@ -15,6 +15,7 @@ from ._loops import FitLoop as FitLoop
 from ._loops import PredictionLoop as PredictionLoop
 from ._loops import TrainEpochLoop as TrainEpochLoop
 from ._module import Module as Module
+from ._plugin import Delivery as Delivery
 from ._plugin import Plugin as Plugin
 from ._precision import Precision as Precision
 from ._precision import register_precision as register_precision
@@ -41,6 +42,7 @@ __all__ = [
     "Loop",
     "LoopEvents",
     "Module",
+    "Delivery",
     "Plugin",
     "Precision",
     "PredictionLoop",

@@ -587,7 +587,7 @@ class Trainer:
     def _acts_here(self, plugin: Plugin) -> bool:
         if self.fast_dev_run and plugin.writes_files:
             return False
-        return plugin.ranks == "all" or self.strategy.is_global_zero
+        return plugin.delivery.ranks == "all" or self.strategy.is_global_zero
 
     @property
     def sanity_checking(self) -> bool:

@@ -18,6 +18,7 @@ import anyio.to_thread
 
 from loopbus import (
     CheckpointError,
+    Delivery,
     Event,
     MisconfigurationError,
     Plugin,
@@ -103,7 +104,7 @@ class Checkpoint(Plugin):
     """
 
     #: After the other callbacks of the same event, so that their state is saved updated.
-    priority: ClassVar[int] = -100
+    delivery = Delivery(priority=-100)
     #: Left out by ``Trainer(fast_dev_run=...)``, which writes no checkpoint files.
     writes_files: ClassVar[bool] = True
 
@@ -141,7 +142,7 @@ class Checkpoint(Plugin):
         if monitor is None and self.every_n_steps is None and self.every_n_epochs is None:
             self.every_n_epochs = 1
         self.monitor = monitor
-        self.monitor_mode: Literal["min", "max"] = mode
+        self.mode: Literal["min", "max"] = mode
         self.keep_last = check_int(
             "keep_last", keep_last, allow_none=True, owner="Checkpoint", hint=_ALL
         )
@@ -260,6 +261,16 @@ class Checkpoint(Plugin):
         self._task_group = None
 
     # ------------------------------------------------------------ state
+    @property
+    def monitor_mode(self) -> Literal["min", "max"]:
+        """Deprecated: :attr:`mode`."""
+        warnings.warn(
+            "Checkpoint.monitor_mode is deprecated; read checkpoint.mode.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.mode
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "recent": list(self._recent),
@@ -267,7 +278,7 @@ class Checkpoint(Plugin):
             "last": self._last,
             "last_saved": list(self._last_saved) if self._last_saved is not None else None,
             "monitor": self.monitor,
-            "mode": self.monitor_mode,
+            "mode": self.mode,
             "monitor_value": self._monitor_value,
             "monitor_fresh": self._monitor_fresh,
             "validated": self._validated,
@@ -275,7 +286,7 @@ class Checkpoint(Plugin):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved_monitor = state_dict.get("monitor")
-        if saved_monitor != self.monitor or state_dict.get("mode") != self.monitor_mode:
+        if saved_monitor != self.monitor or state_dict.get("mode") != self.mode:
             # Best values of another metric (or order) mean nothing here: start afresh.
             self._best = []
             self._monitor_value = None
@@ -398,7 +409,7 @@ class Checkpoint(Plugin):
         return agreed
 
     def _better(self, a: float, b: float) -> bool:
-        return a < b if self.monitor_mode == "min" else a > b
+        return a < b if self.mode == "min" else a > b
 
     def _register(self, name: str, *, periodic: bool, best: float | None) -> list[str]:
         """Record a save of ``name``; return the files no longer kept."""
@@ -411,7 +422,7 @@ class Checkpoint(Plugin):
                 self._recent = self._recent[-self.keep_last :]
         if best is not None:
             ranked = [(v, n) for v, n in self._best if n != name] + [(best, name)]
-            ranked.sort(key=lambda item: item[0], reverse=self.monitor_mode == "max")
+            ranked.sort(key=lambda item: item[0], reverse=self.mode == "max")
             self._best = ranked if self.keep_best is None else ranked[: self.keep_best]
         self._last = name
         kept = set(self._recent) | {n for _, n in self._best} | {name}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from typing import TYPE_CHECKING, Any, Literal
 
 from loopbus import (
@@ -76,8 +77,8 @@ class EarlyStopping(Plugin):
             )
         check_choice("mode", mode, _MODES, owner="EarlyStopping")
         self.monitor = monitor
-        #: ``"min"`` or ``"max"`` (``mode`` on a plugin is its delivery mode).
-        self.monitor_mode = mode
+        #: ``"min"`` or ``"max"``: whether lower or higher values are better.
+        self.mode: Literal["min", "max"] = mode
         self.patience = check_int(
             "patience", patience, minimum=0, owner="EarlyStopping", hint=_PATIENCE
         )
@@ -104,14 +105,14 @@ class EarlyStopping(Plugin):
 
     def __repr__(self) -> str:
         return (
-            f"EarlyStopping({self.monitor!r}, mode={self.monitor_mode!r}, patience={self.patience}, "
+            f"EarlyStopping({self.monitor!r}, mode={self.mode!r}, patience={self.patience}, "
             f"min_delta={self.min_delta})"
         )
 
     @property
     def state_key(self) -> str:
         """Includes the monitor and mode, so several early stoppings can be checkpointed."""
-        return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.monitor_mode!r}}}"
+        return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
     def setup(self, trainer: Trainer, stage: str) -> None:
         self._trainer = trainer
@@ -123,7 +124,7 @@ class EarlyStopping(Plugin):
         self._fitting = False
 
     def _improves(self, value: float, reference: float) -> bool:
-        if self.monitor_mode == "min":
+        if self.mode == "min":
             return value < reference - self.min_delta
         return value > reference + self.min_delta
 
@@ -135,13 +136,13 @@ class EarlyStopping(Plugin):
         value = float(record.value)
         self.checks += 1
         reason = None
-        better = "below" if self.monitor_mode == "min" else "above"
-        worse = "above" if self.monitor_mode == "min" else "below"
+        better = "below" if self.mode == "min" else "above"
+        worse = "above" if self.mode == "min" else "below"
         if self.check_finite and not math.isfinite(value):
             reason = f"{self.monitor} = {value} is not finite"
         elif self.stopping_threshold is not None and (
             value <= self.stopping_threshold
-            if self.monitor_mode == "min"
+            if self.mode == "min"
             else value >= self.stopping_threshold
         ):
             reason = (
@@ -150,7 +151,7 @@ class EarlyStopping(Plugin):
             )
         elif self.divergence_threshold is not None and (
             value > self.divergence_threshold
-            if self.monitor_mode == "min"
+            if self.mode == "min"
             else value < self.divergence_threshold
         ):
             reason = (
@@ -196,10 +197,20 @@ class EarlyStopping(Plugin):
             "destinations including 'callbacks'), fix the name, or pass strict=False."
         )
 
+    @property
+    def monitor_mode(self) -> Literal["min", "max"]:
+        """Deprecated: :attr:`mode`."""
+        warnings.warn(
+            "EarlyStopping.monitor_mode is deprecated; read earlystopping.mode.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.mode
+
     def state_dict(self) -> dict[str, Any]:
         return {
             "monitor": self.monitor,
-            "mode": self.monitor_mode,
+            "mode": self.mode,
             "wait_count": self.wait_count,
             "best_score": self.best_score,
             "best_step": self.best_step,
@@ -209,10 +220,10 @@ class EarlyStopping(Plugin):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         saved = (state_dict.get("monitor"), state_dict.get("mode"))
-        if saved != (self.monitor, self.monitor_mode):
+        if saved != (self.monitor, self.mode):
             raise ValueError(
                 f"this EarlyStopping state was saved for monitor={saved[0]!r}, mode={saved[1]!r}, "
-                f"but this plugin monitors {self.monitor!r} in mode {self.monitor_mode!r}; give the "
+                f"but this plugin monitors {self.monitor!r} in mode {self.mode!r}; give the "
                 "restored plugin the same monitor and mode, or start its state afresh."
             )
         self.wait_count = int(state_dict["wait_count"])

@@ -30,6 +30,7 @@ import math
 import os
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
@@ -41,7 +42,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from loopbus import Plugin, PutRecord, check_choice, check_int, check_number, on
+from loopbus import Delivery, Plugin, PutRecord, check_choice, check_int, check_number, on
 from loopbus.events import FitStarted
 
 if TYPE_CHECKING:
@@ -84,12 +85,10 @@ class Logger(Plugin):
     hyperparameters (:attr:`loopbus.Module.hparams`) when it saved any.
     """
 
-    destination: ClassVar[str] = "loggers"
-    #: Acts on rank 0 only in a distributed run.
-    ranks: ClassVar[Literal["all", "zero"]] = "zero"
+    #: Queued, for the loggers destination, on rank 0 only in a distributed run.
+    delivery = Delivery(destination="loggers", mode="queued", ranks="zero")
     #: Left out by ``Trainer(fast_dev_run=...)``, which writes no log files.
     writes_files: ClassVar[bool] = True
-    mode: ClassVar[Literal["inline", "queued"]] = "queued"
 
     def __init__(
         self,
@@ -104,7 +103,8 @@ class Logger(Plugin):
         )
         self.batch_size = check_int("buffer", buffer, owner=name)
         check_choice("overflow", overflow, _OVERFLOWS, owner=name)
-        self.overflow_policy: Literal["block", "drop"] = overflow
+        # This logger's queue: the batch size, and what a full one does.
+        self.delivery = type(self).delivery.replace(buffer=self.batch_size, overflow=overflow)
         # Per stage. The batch is filled on the event loop and handed over whole.
         self._batch: list[PutRecord] = []
         self._executor: ThreadPoolExecutor | None = None
@@ -120,11 +120,15 @@ class Logger(Plugin):
         self._error: BaseException | None = None
         self._error_raised = False
 
-    def subscription_defaults(self) -> dict[str, Any]:
-        defaults = super().subscription_defaults()
-        defaults["buffer"] = self.batch_size
-        defaults["overflow"] = self.overflow_policy
-        return defaults
+    @property
+    def overflow_policy(self) -> Literal["block", "drop"]:
+        """Deprecated: ``delivery.overflow``."""
+        warnings.warn(
+            "Logger.overflow_policy is deprecated; read logger.delivery.overflow.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.delivery.overflow
 
     @property
     def resume_step(self) -> int | None:
@@ -503,7 +507,7 @@ class CSVLogger(Logger):
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="CSVLogger")
         self.path = Path(save_dir) / filename
-        self.file_mode = mode
+        self.mode = mode
         self._opened = False
         self._file: io.TextIOWrapper | None = None
         self._columns: list[str] = []
@@ -517,7 +521,7 @@ class CSVLogger(Logger):
         return f"CSVLogger({str(self.path)!r})"
 
     async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
-        if not self._opened and self.file_mode == "a":
+        if not self._opened and self.mode == "a":
             # Refuse another program's file before the stage runs (nothing written yet).
             await anyio.to_thread.run_sync(self._read_header)
         await super().start(trainer, stage, task_group)
@@ -540,7 +544,7 @@ class CSVLogger(Logger):
             self._read_header()  # refuse a foreign file before changing it
             _continue_after(self.path, resume, self.resume_time, _csv_step_time, header=1)
         else:
-            _prepare_file(self.path, self._opened or self.file_mode == "a")
+            _prepare_file(self.path, self._opened or self.mode == "a")
         if not self._opened:
             header = self._read_header()
             self._columns = list(header[len(_FIXED) :])
@@ -710,7 +714,7 @@ class JSONLLogger(Logger):
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="JSONLLogger")
         self.path = Path(save_dir) / filename
-        self.file_mode = mode
+        self.mode = mode
         self._opened = False
         self._file: io.BufferedWriter | None = None
         self._encoder = msgspec.json.Encoder()
@@ -723,7 +727,7 @@ class JSONLLogger(Logger):
         if resume is not None:
             _continue_after(self.path, resume, self.resume_time, _jsonl_step_time)
         else:
-            _prepare_file(self.path, self._opened or self.file_mode == "a")
+            _prepare_file(self.path, self._opened or self.mode == "a")
         self._opened = True
         self._file = self.path.open("ab")
 

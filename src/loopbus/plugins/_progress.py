@@ -12,7 +12,7 @@ import os
 import sys
 import time
 from collections import deque
-from typing import IO, TYPE_CHECKING, Any, ClassVar, Literal
+from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 from rich.console import Console
@@ -20,7 +20,7 @@ from rich.errors import LiveError
 from rich.progress import BarColumn, Progress, TaskID, TextColumn
 from rich.table import Table
 
-from loopbus import Loop, MisconfigurationError, Plugin, check_number, on
+from loopbus import Delivery, Loop, MisconfigurationError, Plugin, check_number, on
 from loopbus.events import EpochCompleted, FitCompleted, RunCompleted, RunStarted, Teardown
 
 if TYPE_CHECKING:
@@ -169,7 +169,7 @@ class ProgressBar(Plugin):
     """
 
     #: Acts on rank 0 only in a distributed run.
-    ranks: ClassVar[Literal["all", "zero"]] = "zero"
+    delivery = Delivery(ranks="zero")
 
     def __init__(
         self,

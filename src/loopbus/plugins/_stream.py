@@ -86,10 +86,8 @@ class StreamServer(loopbus.Plugin):
     :attr:`dropped`, :attr:`errors`.
     """
 
-    destination = "external"
-    #: Acts on rank 0 only in a distributed run.
-    ranks = "zero"
-    mode = "inline"
+    #: Inline, for the external destination, on rank 0 only in a distributed run.
+    delivery = loopbus.Delivery(destination="external", mode="inline", ranks="zero")
 
     def __init__(
         self,

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import IO, TYPE_CHECKING, ClassVar, Literal
+from typing import IO, TYPE_CHECKING
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from loopbus import MisconfigurationError, Plugin
+from loopbus import Delivery, MisconfigurationError, Plugin
 
 if TYPE_CHECKING:
     from loopbus import Trainer
@@ -106,7 +106,7 @@ class ModelSummary(Plugin):
     """
 
     #: Printed once, by rank 0, in a distributed run.
-    ranks: ClassVar[Literal["all", "zero"]] = "zero"
+    delivery = Delivery(ranks="zero")
 
     def __init__(self, *, file: IO[str] | None = None, console: Console | None = None) -> None:
         if file is not None and console is not None:

@@ -139,7 +139,7 @@ class WandbLogger(Logger):
         self.project = project
         self.name = name
         self.dir = None if dir is None else Path(os.fspath(dir))
-        self.wandb_mode = mode
+        self.mode = mode
         self.group = group
         self.tags = None if tags is None else list(tags)
         self.log_params = bool(log_params)
@@ -214,7 +214,7 @@ class WandbLogger(Logger):
             "group": self.group,
             "tags": self.tags,
             "dir": None if self.dir is None else str(self.dir),
-            "mode": self.wandb_mode,
+            "mode": self.mode,
             **self.init_kwargs,
         }
         if self.dir is not None:

@@ -36,7 +36,15 @@ from typing import Any
 
 import torch
 
-__all__ = ["CudaBatchSource", "copy_stream", "move_batch", "pin_batch"]
+__all__ = [
+    "CudaBatchSource",
+    "Readback",
+    "Reading",
+    "copy_stream",
+    "move_batch",
+    "pin_batch",
+    "readback_for",
+]
 
 _Tensor = torch.Tensor
 
@@ -217,3 +225,82 @@ class CudaBatchSource:
     def close(self) -> None:
         self._ready.clear()
         self._inner.close()
+
+
+# ------------------------------------------------------------------ reading put values
+class Reading:
+    """Values of put tensors on their way to the host: :meth:`ready` says (without
+    waiting) whether the copy finished, :meth:`values` returns the Python numbers
+    (waiting for the copy if it has not)."""
+
+    __slots__ = ("_event", "_hosts", "_size")
+
+    def __init__(self, hosts: list[tuple[list[int], _Tensor]], event: Any, size: int) -> None:
+        self._hosts = hosts
+        self._event = event
+        self._size = size
+
+    def ready(self) -> bool:
+        return bool(self._event.query())
+
+    def values(self) -> list[Any]:
+        self._event.synchronize()  # at once when ready() said so
+        out: list[Any] = [None] * self._size
+        for indices, host in self._hosts:
+            for i, number in zip(indices, host.tolist(), strict=True):
+                out[i] = number
+        return out
+
+
+class Readback:
+    """Reads put tensors of one CUDA device on the host without making the host wait:
+    the tensors of each dtype are stacked into one (one kernel), copied device-to-host
+    with ``non_blocking=True`` into pinned memory (the caching host allocator recycles
+    those buffers once their copy is done: a ring without a fixed size) on a side
+    stream that first waits on the compute stream, and an event marks the copy."""
+
+    __slots__ = ("_device", "_stream")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+        self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+
+    def start(self, tensors: list[_Tensor]) -> Reading:
+        stream = self._stream
+        stream.wait_stream(torch.cuda.current_stream(self._device))
+        groups: dict[Any, list[int]] = {}
+        for i, tensor in enumerate(tensors):
+            groups.setdefault(tensor.dtype, []).append(i)
+        hosts: list[tuple[list[int], _Tensor]] = []
+        with torch.cuda.stream(stream):
+            for dtype, indices in groups.items():
+                parts = []
+                for i in indices:
+                    tensor = tensors[i]
+                    # Made on the compute stream, read here: not recycled before that.
+                    tensor.record_stream(stream)
+                    value = tensor.detach()
+                    if value.layout is not torch.strided:
+                        value = value.to_dense()
+                    parts.append(value.reshape(()))
+                stacked = torch.stack(parts)
+                host = torch.empty(stacked.shape, dtype=dtype, pin_memory=True)
+                host.copy_(stacked, non_blocking=True)
+                hosts.append((indices, host))
+            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+            event.record(stream)
+        return Reading(hosts, event, len(tensors))
+
+
+_READBACKS: dict[torch.device, Readback] = {}
+
+
+def readback_for(device: torch.device) -> Readback | None:
+    """The :class:`Readback` of ``device``, or None where reading a value does not
+    make the host wait for a device (the CPU)."""
+    if device.type != "cuda":
+        return None
+    readback = _READBACKS.get(device)
+    if readback is None:
+        readback = _READBACKS[device] = Readback(device)
+    return readback

@@ -364,8 +364,8 @@ class StepBoundary:
 
     async def __call__(self) -> None:
         recorder = self.recorder
-        if recorder.pending:
-            await recorder.flush()
+        if recorder.pending or recorder.inflight:
+            await recorder.flush_step()
         if perf_counter() >= self._next_yield:
             await checkpoint()
             self._next_yield = perf_counter() + self.interval
@@ -710,8 +710,9 @@ class TrainEpochLoop(_DataLoop):
             and self._validation_enabled(ctx)
         ):
             await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
-        if trainer.recorder.pending:
-            await trainer.recorder.flush()
+        recorder = trainer.recorder
+        if recorder.pending or recorder.inflight:
+            await recorder.flush()
         self._in_epoch = False
 
     def on_save_checkpoint(self) -> dict[str, Any]:
@@ -781,14 +782,16 @@ class FitLoop(Loop[None]):
 
     async def on_advance_end(self, ctx: Scope) -> None:
         trainer = self.trainer
-        if trainer.recorder.pending:
-            await trainer.recorder.flush()
+        recorder = trainer.recorder
+        if recorder.pending or recorder.inflight:
+            await recorder.flush()
         trainer.step_lr_schedulers("epoch")
 
     async def on_run_end(self, ctx: Scope) -> None:
         trainer = self.trainer
-        if trainer.recorder.pending:
-            await trainer.recorder.flush()
+        recorder = trainer.recorder
+        if recorder.pending or recorder.inflight:
+            await recorder.flush()
 
     def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
         if event_type is FitCompleted:
@@ -894,8 +897,9 @@ class EvaluationLoop(_DataLoop):
 
     async def on_run_end(self, ctx: Scope) -> Any:
         trainer = self.trainer
-        if trainer.recorder.pending:
-            await trainer.recorder.flush()
+        recorder = trainer.recorder
+        if recorder.pending or recorder.inflight:
+            await recorder.flush()
         return None
 
 

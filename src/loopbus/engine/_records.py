@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import numbers
 import time
+from collections import deque
 from collections.abc import Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
 from ..events import DESTINATIONS, Event, EventBus, PutRecord
+from . import _device
 
 if TYPE_CHECKING:
     from ._trainer import Trainer
@@ -367,6 +369,49 @@ class Publication:
         return self._recorder.flush().__await__()
 
 
+class _Deferred:
+    """One step flush whose device values are on their way to the host."""
+
+    __slots__ = ("_indices", "_reading", "_values", "epoch", "routed", "step")
+
+    def __init__(
+        self,
+        routed: list[tuple[Pending, Any]],
+        step: int,
+        epoch: int,
+        readback: _device.Readback | None,
+    ) -> None:
+        self.routed = routed
+        self.step = step
+        self.epoch = epoch
+        self._values: list[Any] | None = None
+        self._reading: _device.Reading | None = None
+        # The items whose values are read back from the device.
+        self._indices = [
+            i
+            for i, ((_, value, _, _), _) in enumerate(routed)
+            if isinstance(value, _Tensor) and _device.readback_for(value.device) is readback
+        ]
+        if readback is not None and self._indices:
+            self._reading = readback.start([routed[i][0][1] for i in self._indices])
+
+    def ready(self) -> bool:
+        reading = self._reading
+        return reading is None or reading.ready()
+
+    def values(self) -> list[Any]:
+        """The items' values as Python numbers (events as they are)."""
+        if self._values is not None:
+            return self._values
+        raw = [item[1] for item, _ in self.routed]
+        reading = self._reading
+        if reading is not None:
+            for i, number in zip(self._indices, reading.values(), strict=True):
+                raw[i] = number
+        self._values = _resolve(raw)  # CPU tensors, one read per dtype
+        return self._values
+
+
 class Recorder:
     """The trainer's pending put records (and published events), and the latest record
     of each name.
@@ -377,19 +422,35 @@ class Recorder:
     value across stages until a record of the same name replaces it.
     """
 
-    __slots__ = ("bus", "earlier", "latest", "pending", "trainer")
+    __slots__ = (
+        "_delivering",
+        "bus",
+        "earlier",
+        "inflight",
+        "lag",
+        "latest",
+        "pending",
+        "trainer",
+    )
 
-    def __init__(self, trainer: Trainer, bus: EventBus) -> None:
+    def __init__(self, trainer: Trainer, bus: EventBus, lag: int = 4) -> None:
         self.trainer = trainer
         self.bus = bus
         self.pending: list[Pending] = []
         self.latest: dict[str, PutRecord | tuple[Any, ...]] = {}
         self.earlier: dict[str, PutRecord] = {}
+        #: How many step flushes whose device values are still being copied to the
+        #: host may wait before the oldest is read anyway (waiting for its copy).
+        self.lag = lag
+        #: Step flushes waiting for their device values, oldest first (see flush_step).
+        self.inflight: deque[_Deferred] = deque()
+        self._delivering = 0
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones
         (they stay until a record of the same name replaces them)."""
         self.pending.clear()
+        self.inflight.clear()
         if self.latest:
             earlier = self.earlier
             for name, record in self.stage_records().items():
@@ -400,6 +461,9 @@ class Recorder:
     def discard_pending(self) -> None:
         """Drop what was put or published but not flushed (a cancelled or failed stage)."""
         self.pending.clear()
+        self.inflight.clear()
+
+
 
     def queue_event(self, event: Event) -> Publication:
         """Queue ``event`` for delivery at the next flush, after what is pending."""
@@ -408,6 +472,8 @@ class Recorder:
 
     # The latest records are part of a checkpoint (a resumed run's monitors see them).
     def state_dict(self) -> dict[str, Any]:
+        # Records still on their way from the device belong to the state saved now.
+        self._settle_inflight()
         return {
             name: {
                 "value": record.value,
@@ -438,18 +504,74 @@ class Recorder:
 
     async def flush(self) -> None:
         """Convert and deliver the pending records and published events, in the order
-        they were put or published."""
+        they were put or published, after the step flushes still waiting for their
+        device values (reading those now, waiting for their copies if need be)."""
+        inflight = self.inflight
+        if inflight and not self._delivering:
+            while inflight:
+                await self._deliver_deferred(inflight.popleft())
         pending = self.pending
         if not pending:
             return
         self.pending = []
         state = self.trainer.state
-        step = state.step
-        epoch = state.epoch
-        now = 0.0
-        bus = self.bus
-        route = bus.route
-        deliver = bus.deliver_record
+        routed = self._route(pending, state.step, state.epoch)
+        if routed:
+            values = _resolve([item[1] for item, _ in routed])
+            await self._deliver(routed, values, state.step, state.epoch)
+
+    async def flush_step(self) -> None:
+        """The flush at a step boundary. Where put values live on a device whose reads
+        make the host wait (CUDA), their copies to the host start now and the records
+        are delivered once the copies are done, checked without waiting at every step
+        boundary, and at the latest when more than :attr:`lag` step flushes wait (then
+        the oldest is read, waiting for its copy). Any other flush delivers everything
+        first, so records always arrive in the order they were put, with the step and
+        epoch of their step. On the CPU this is :meth:`flush`."""
+        inflight = self.inflight
+        pending = self.pending
+        if pending:
+            readback = None
+            for item in pending:
+                value = item[1]
+                if type(value) is _Tensor or isinstance(value, _Tensor):
+                    readback = _device.readback_for(value.device)
+                    if readback is not None:
+                        break
+            if readback is None and not inflight:
+                await self.flush()
+                return
+            self.pending = []
+            state = self.trainer.state
+            step, epoch = state.step, state.epoch
+            routed = self._route(pending, step, epoch)
+            if routed:
+                inflight.append(_Deferred(routed, step, epoch, readback))
+        while inflight and (len(inflight) > self.lag or inflight[0].ready()):
+            await self._deliver_deferred(inflight.popleft())
+
+    async def _deliver_deferred(self, batch: _Deferred) -> None:
+        self._delivering += 1
+        try:
+            await self._deliver(batch.routed, batch.values(), batch.step, batch.epoch)
+        finally:
+            self._delivering -= 1
+
+    def _settle_inflight(self) -> None:
+        """Read the values of the waiting step flushes into ``latest`` (not delivered:
+        their handlers still get them, in order, at the next flush)."""
+        latest = self.latest
+        for batch in self.inflight:
+            for ((name, _, destinations, source), entries), value in zip(
+                batch.routed, batch.values(), strict=True
+            ):
+                if entries is not None:
+                    latest[name] = (name, value, batch.step, batch.epoch, source, destinations)
+
+    def _route(self, pending: list[Pending], step: int, epoch: int) -> list[tuple[Pending, Any]]:
+        """The entries each pending item goes to; records nobody listens to are kept
+        unread in ``latest`` (read when someone asks: :meth:`latest_records`)."""
+        route = self.bus.route
         latest = self.latest
         routed: list[tuple[Pending, Any]] = []
         for item in pending:
@@ -462,9 +584,15 @@ class Recorder:
             else:  # nobody listens: kept unread until someone asks (latest_records)
                 name, value, _, source = item
                 latest[name] = (name, value, step, epoch, source, destinations)
-        if not routed:
-            return
-        values = _resolve([item[1] for item, _ in routed])
+        return routed
+
+    async def _deliver(
+        self, routed: list[tuple[Pending, Any]], values: list[Any], step: int, epoch: int
+    ) -> None:
+        now = 0.0
+        bus = self.bus
+        deliver = bus.deliver_record
+        latest = self.latest
         for ((name, _, destinations, source), entries), value in zip(routed, values, strict=True):
             if entries is None:  # an event from trainer.publish
                 await bus.publish(value)

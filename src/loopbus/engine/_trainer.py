@@ -325,6 +325,12 @@ class Trainer:
       Random draws in the loading code then share torch's global generator with the
       step from another thread: give the dataset its own ``torch.Generator`` to keep
       runs reproducible. Checkpoints save the position of the last batch trained on.
+    * ``put_lag``: on a CUDA device, tensors put during a step are copied to the host
+      without the host waiting, and their records are delivered once the copy is done
+      (checked at every step boundary) or, at the latest, when more than ``put_lag``
+      steps' records wait (default 4; 0: at once, a host sync per step). Every other
+      boundary (epoch, validation, stage end) delivers everything first. See
+      ``docs/performance.md``.
     * ``device_prefetch``: on a CUDA device, how many batches are copied to the device
       ahead of the step, on a side stream, while the step computes (default 1; 0 moves
       each batch in its own iteration on the compute stream). Unpinned batches are
@@ -362,6 +368,7 @@ class Trainer:
         drain_timeout: float = 10.0,
         prefetch: int = 0,
         device_prefetch: int = 1,
+        put_lag: int = 4,
         strategy: StrategyName = "auto",
         process_group_timeout: float = 1800.0,
         num_sanity_val_steps: int = 2,
@@ -466,6 +473,12 @@ class Trainer:
             minimum=0,
             hint="0 moves each batch on the compute stream; N >= 1 copies up to N ahead",
         )
+        self.put_lag = check_int(
+            "put_lag",
+            put_lag,
+            minimum=0,
+            hint="how many steps' records may wait for their values to reach the host",
+        )
         self.drain_timeout = float(drain_timeout)
         check_choice(
             "strategy",
@@ -508,7 +521,7 @@ class Trainer:
                 )
 
         self.bus = EventBus()
-        self.recorder = Recorder(self, self.bus)
+        self.recorder = Recorder(self, self.bus, self.put_lag)
         self.bus.attach_records(self.recorder)
         self.fit_loop = FitLoop()
         self.validate_loop = EvaluationLoop(stage="validate")
@@ -709,7 +722,7 @@ class Trainer:
         steps = self.num_sanity_val_steps
         if not steps or self.limit_val_batches == 0 or self.fit_loop.epoch_loop.resumes_mid_epoch:
             return
-        if self.recorder.pending:
+        if self.recorder.pending or self.recorder.inflight:
             await self.recorder.flush()  # what was put before belongs to the run
         loop = SanityCheckLoop(math.inf if steps == -1 else steps)
         bus = EventBus()

@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import CustomEvent, Event, Plugin, Publication, Trainer, on
 from loopbus.events import PutRecord, Teardown, TrainBatchCompleted
 from tests.helpers import TinyModule, make_loader
@@ -117,7 +118,7 @@ async def test_publish_from_a_sync_handler_reaches_later_handlers() -> None:
     order: list[str] = []
 
     class First(Plugin):
-        priority = 10
+        delivery = loopbus.Delivery(priority=10)
 
         @on(TrainBatchCompleted, once=1)
         def first(self, event: TrainBatchCompleted) -> None:

@@ -68,55 +68,41 @@ def launched_distributed() -> bool:
     return world > 1 and ("RANK" in env or "LOCAL_RANK" in env)
 
 
-class _CarryStop(torch.autograd.Function):
-    """The identity on the loss whose backward gives the stop flag parameter the value
-    "a stop was asked on this rank" (1.0 or 0.0) as its gradient: DDP then averages it
-    with every other gradient, so each rank learns whether any rank asked without a
-    collective of its own."""
-
-    @staticmethod
-    def forward(ctx: Any, loss: torch.Tensor, flag: torch.Tensor, asked: Any) -> torch.Tensor:
-        ctx.asked = asked
-        ctx.flag_dtype = flag.dtype
-        ctx.flag_device = flag.device
-        return loss.view_as(loss)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> Any:
-        value = 1.0 if ctx.asked() else 0.0
-        return grad, torch.full((1,), value, dtype=ctx.flag_dtype, device=ctx.flag_device), None
-
-
 class TrainingStepAdapter(torch.nn.Module):
     """A module whose ``forward(batch, ctx)`` is ``module.training_step(batch, ctx)``:
     wrapped in DDP, it routes the training step through DDP's forward (which is what
     makes DDP synchronise gradients) without touching the module's own ``forward``.
 
-    With ``asked``, the loss the step returns passes through :class:`_CarryStop`, and
-    the one-element parameter :attr:`stop_flag` carries this rank's stop request in
-    DDP's gradient all-reduce."""
+    With ``asked``, the one-element parameter :attr:`stop_flag` carries this rank's
+    stop request in DDP's gradient all-reduce: the loss the step returns gets
+    ``stop_flag * c`` added, with ``c`` 1.0 when this rank asked to stop and 0.0 when not,
+    so the gradient of ``stop_flag`` is ``c``; ``stop_flag`` stays 0 (no optimizer
+    holds it), so the loss keeps its value."""
 
     def __init__(self, module: Module, asked: Callable[[], bool] | None = None) -> None:
         super().__init__()
         self.module = module
         self._asked = asked
         # Only when it is used in every step (DDP requires every parameter to be).
+        device = _device_of(module)
         self.stop_flag: torch.nn.Parameter | None = (
-            None
-            if asked is None
-            else torch.nn.Parameter(torch.zeros(1, device=_device_of(module)))
+            None if asked is None else torch.nn.Parameter(torch.zeros((), device=device))
         )
+        # The two values of c, made once (no host-to-device copy per step).
+        self._no = torch.zeros((), device=device)
+        self._yes = torch.ones((), device=device)
 
     def forward(self, batch: Any, ctx: Any) -> Any:
         output = self.module.training_step(batch, ctx)
         asked, flag = self._asked, self.stop_flag
         if asked is None or flag is None or output is None:
             return output
+        carry = flag * (self._yes if asked() else self._no)
         if isinstance(output, torch.Tensor):
-            return _CarryStop.apply(output, flag, asked)  # type: ignore[no-untyped-call]
+            return output + carry.to(output.dtype)
         if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-            loss = _CarryStop.apply(output["loss"], flag, asked)  # type: ignore[no-untyped-call]
-            return {**output, "loss": loss}
+            loss = output["loss"]
+            return {**output, "loss": loss + carry.to(loss.dtype)}
         return output  # the loop reports what is wrong with it
 
 
@@ -348,7 +334,7 @@ class DDPStrategy(Strategy):
         if grad is not None:
             flag.grad = None  # the strategy's own adapter: read once
         if grad is not None and grad.device.type == "cuda":
-            host = torch.empty(1, dtype=grad.dtype, pin_memory=True)
+            host = torch.empty((), dtype=grad.dtype, pin_memory=True)
             host.copy_(grad, non_blocking=True)
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record()
@@ -356,10 +342,10 @@ class DDPStrategy(Strategy):
             if earlier is None:
                 return None
             earlier[1].synchronize()  # the step before this one: done by now
-            return bool(earlier[0][0] > 0)
+            return bool(earlier[0].item() > 0)
         if grad is None:
             return None
-        return bool(grad[0] > 0)
+        return bool(grad.item() > 0)
 
     def _agree_on_stop(self, state: RunState) -> None:
         """A rank asked to stop: every rank learns who and why, and stops."""

@@ -19,8 +19,8 @@ worker waits for the interpreter's switch interval (``sys.getswitchinterval()``,
 default). ``--switch-interval`` sets it for the run (loopbus never changes it itself);
 docs/performance.md shows both.
 
-The CUDA cases (side-stream host-to-device copies against compute, GPU busy fraction)
-need a GPU and are not part of this script yet.
+The CUDA cases (side-stream host-to-device copies against compute, sync-free put, GPU
+busy fraction) need a GPU: ``benchmarks/gpu.py``.
 """
 
 from __future__ import annotations

@@ -36,6 +36,8 @@ class FakeReading:
 
 
 class FakeReadback:
+    device_type = "cpu"  # it reads back the CPU tensors put
+
     def __init__(self, ready_after: int | None) -> None:
         self.ready_after = ready_after  # None: never ready unless waited for
         self.started = 0

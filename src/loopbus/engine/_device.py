@@ -259,10 +259,12 @@ class Readback:
     those buffers once their copy is done: a ring without a fixed size) on a side
     stream that first waits on the compute stream, and an event marks the copy."""
 
-    __slots__ = ("_device", "_stream")
+    __slots__ = ("_device", "_stream", "device_type")
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        #: The type of device whose tensors it reads (``"cuda"``).
+        self.device_type = device.type
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def start(self, tensors: list[_Tensor]) -> Reading:

@@ -353,19 +353,22 @@ def _run_boxed(box: list[Any]) -> None:
 
 class StepBoundary:
     """What runs after every step of a stage: flush the step's records, and at most every
-    ``yield_interval`` seconds let other tasks run. One per stage, owned by the trainer."""
+    ``yield_interval`` seconds let other tasks run. One per stage, owned by the trainer.
+    The flush is chosen once: the recorder's step flush where put values are read back
+    from a device without waiting (CUDA), its plain flush elsewhere."""
 
-    __slots__ = ("_next_yield", "interval", "recorder")
+    __slots__ = ("_flush", "_next_yield", "interval", "recorder")
 
     def __init__(self, recorder: Any, interval: float) -> None:
         self.recorder = recorder
         self.interval = interval
         self._next_yield = perf_counter() + interval
+        self._flush = recorder.flush if recorder.readback is None else recorder.flush_step
 
     async def __call__(self) -> None:
         recorder = self.recorder
         if recorder.pending or recorder.inflight:
-            await recorder.flush_step()
+            await self._flush()
         if perf_counter() >= self._next_yield:
             await checkpoint()
             self._next_yield = perf_counter() + self.interval

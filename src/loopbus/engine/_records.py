@@ -387,11 +387,15 @@ class _Deferred:
         self._values: list[Any] | None = None
         self._reading: _device.Reading | None = None
         # The items whose values are read back from the device.
-        self._indices = [
-            i
-            for i, ((_, value, _, _), _) in enumerate(routed)
-            if isinstance(value, _Tensor) and _device.readback_for(value.device) is readback
-        ]
+        self._indices = (
+            []
+            if readback is None
+            else [
+                i
+                for i, ((_, value, _, _), _) in enumerate(routed)
+                if isinstance(value, _Tensor) and value.device.type == readback.device_type
+            ]
+        )
         if readback is not None and self._indices:
             self._reading = readback.start([routed[i][0][1] for i in self._indices])
 
@@ -430,6 +434,7 @@ class Recorder:
         "lag",
         "latest",
         "pending",
+        "readback",
         "trainer",
     )
 
@@ -445,6 +450,14 @@ class Recorder:
         #: Step flushes waiting for their device values, oldest first (see flush_step).
         self.inflight: deque[_Deferred] = deque()
         self._delivering = 0
+        #: How this stage's device reads put values without waiting (None: the CPU,
+        #: where reading is immediate); see :meth:`use_device`.
+        self.readback: _device.Readback | None = None
+
+    def use_device(self, device: Any) -> None:
+        """Set the stage's device: on CUDA, :meth:`flush_step` reads put values back
+        without making the host wait."""
+        self.readback = _device.readback_for(device)
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones
@@ -530,17 +543,8 @@ class Recorder:
         epoch of their step. On the CPU this is :meth:`flush`."""
         inflight = self.inflight
         pending = self.pending
+        readback = self.readback
         if pending:
-            readback = None
-            for item in pending:
-                value = item[1]
-                if type(value) is _Tensor or isinstance(value, _Tensor):
-                    readback = _device.readback_for(value.device)
-                    if readback is not None:
-                        break
-            if readback is None and not inflight:
-                await self.flush()
-                return
             self.pending = []
             state = self.trainer.state
             step, epoch = state.step, state.epoch

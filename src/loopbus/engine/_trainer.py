@@ -1113,6 +1113,7 @@ class Trainer:
         bind_recorder(module, self.recorder, type(module).__name__)
         self.recorder.reset()
         device = self.device
+        self.recorder.use_device(device)
         module.to(device)
         self.precision.setup(device)
         forward: Any = None

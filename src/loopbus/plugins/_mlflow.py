@@ -15,7 +15,7 @@ from loopbus.events import FitStarted, Teardown
 
 from ._checkpoint import CheckpointSaved
 from ._loggers import Logger
-from ._tracking import as_number, run_params
+from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:
     from loopbus import Trainer
@@ -54,7 +54,7 @@ def _text(value: Any, limit: int) -> str:
     return str(value)[:limit]
 
 
-class MLflowLogger(Logger):
+class MLflowLogger(TrackedRun, Logger):
     """Logs a run to MLflow: each put record as a metric (key = record name, step =
     ``record.step``, timestamp = ``record.time``), the module's hyperparameters
     (``module.hparams``) and the trainer's main options (``trainer/...``) as params, and
@@ -150,23 +150,10 @@ class MLflowLogger(Logger):
     def __repr__(self) -> str:
         return f"MLflowLogger(experiment_name={self.experiment_name!r}, run_id={self._run_id!r})"
 
-    @property
-    def run_id(self) -> str | None:
-        """The MLflow run's id: None until the first stage opens the run."""
-        return self._run_id
-
     # ------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self._run_id}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        run_id = state_dict.get("run_id")
-        if self._fixed_run or not isinstance(run_id, str) or run_id == self._run_id:
-            return
-        with self._lock:
-            if self._active:  # opened before the resume: leave it as it was
-                self._end_run("FINISHED")
-            self._run_id = run_id
+    def _leave_run(self) -> None:
+        if self._active:
+            self._end_run("FINISHED")
 
     # ------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, stage: str) -> None:

@@ -4,6 +4,7 @@ record's value reaches a tracker that stores numbers."""
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,38 @@ _TRAINER_OPTIONS = (
     "executor",
     "prefetch",
 )
+
+
+class TrackedRun:
+    """What the tracker loggers share about their run: its id, kept in every checkpoint
+    so that a resumed ``fit`` continues the same run. The logger sets ``_run_id``,
+    ``_fixed_run`` (an id given by the user wins over a checkpoint's) and ``_lock`` (one
+    tracker call at a time), and says how to leave a run opened before the resume."""
+
+    _run_id: str | None
+    _fixed_run: bool
+    _lock: threading.Lock
+
+    @property
+    def run_id(self) -> str | None:
+        """The tracker's run id: None until the first stage opens the run (unless one
+        was given)."""
+        return self._run_id
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run_id": self._run_id}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        run_id = state_dict.get("run_id")
+        if self._fixed_run or not isinstance(run_id, str) or run_id == self._run_id:
+            return
+        with self._lock:
+            self._leave_run()  # opened before the resume: leave it as it was
+            self._run_id = run_id
+
+    def _leave_run(self) -> None:
+        """Close the run if one is open (called with ``_lock`` held)."""
+        raise NotImplementedError
 
 
 def flatten(mapping: Mapping[Any, Any], prefix: str = "", sep: str = "/") -> dict[str, Any]:

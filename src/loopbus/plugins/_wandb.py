@@ -16,7 +16,7 @@ from loopbus.events import FitStarted, Teardown
 
 from ._checkpoint import CheckpointSaved
 from ._loggers import Logger
-from ._tracking import as_number, run_params
+from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:
     from loopbus import Trainer
@@ -48,7 +48,7 @@ def _value(value: Any) -> Any:
     return str(value) if number is None else number
 
 
-class WandbLogger(Logger):
+class WandbLogger(TrackedRun, Logger):
     """Logs a run to Weights & Biases: each put record into the run's history at its
     step (``run.log({name: value}, step=record.step)``), the module's hyperparameters
     (``module.hparams``) and the trainer's main options (``trainer/...``) into the run's
@@ -156,23 +156,10 @@ class WandbLogger(Logger):
     def __repr__(self) -> str:
         return f"WandbLogger(project={self.project!r}, id={self._run_id!r})"
 
-    @property
-    def run_id(self) -> str | None:
-        """The W&B run's id: None until the first stage starts the run (or ``id=``)."""
-        return self._run_id
-
     # ------------------------------------------------------------ state
-    def state_dict(self) -> dict[str, Any]:
-        return {"run_id": self._run_id}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        run_id = state_dict.get("run_id")
-        if self._fixed_run or not isinstance(run_id, str) or run_id == self._run_id:
-            return
-        with self._lock:
-            if self._wandb_run is not None:  # started before the resume: leave it as it was
-                self._finish_run()
-            self._run_id = run_id
+    def _leave_run(self) -> None:
+        if self._wandb_run is not None:
+            self._finish_run()
 
     # ------------------------------------------------------------ lifecycle
     def setup(self, trainer: Trainer, stage: str) -> None:

@@ -615,6 +615,23 @@ class Recorder:
             latest[name] = record
             await deliver(entries, record)
 
+    def last_value(self, name: str) -> Any:
+        """The value last put under ``name`` (None: never), including one put in the
+        running step and not delivered yet (a tensor is read on the host: on an
+        accelerator, a sync). For a step-interval scheduler that monitors a record the
+        step puts."""
+        for item in reversed(self.pending):
+            if item[0] == name and item[2] is not EVENT_ENTRY:
+                value = item[1]
+                return value.item() if isinstance(value, _Tensor) else value
+        for batch in reversed(self.inflight):
+            pairs = list(zip(batch.routed, batch.values(), strict=True))
+            for (item, entries), value in reversed(pairs):
+                if item[0] == name and entries is not None:
+                    return value
+        record = self.latest_records().get(name)
+        return None if record is None else record.value
+
     def latest_records(self) -> dict[str, PutRecord]:
         """The last record of each name, of this stage or an earlier one (values read on
         the host now if still unread)."""

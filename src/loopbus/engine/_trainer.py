@@ -1211,11 +1211,10 @@ class Trainer:
             if config.monitor is None:
                 config.scheduler.step()
                 continue
-            latest = self.recorder.latest_records()
-            record = latest.get(config.monitor)
-            if record is None:
+            value = self.recorder.last_value(config.monitor)
+            if value is None:
                 raise MisconfigurationError(
                     f"the LR scheduler monitors {config.monitor!r}, but no record of that name "
-                    f"was put; put names so far: {sorted(latest)}."
+                    f"was put; put names so far: {sorted(self.recorder.latest_records())}."
                 )
-            config.scheduler.step(record.value)
+            config.scheduler.step(value)

@@ -119,7 +119,7 @@ async def test_a_terminal_gets_bars_with_rate_eta_and_records() -> None:
     assert re.search(rf"Epochs {drawn}0/2", text)
     assert re.search(rf"Epochs {drawn}1/2  [\d.]+ it/s", text)
     assert re.search(
-        rf"Train {drawn}\d+/10  [\d.]+ it/s  [\d.]+s  eta [\d.]+s  train/loss [\d.]+", text
+        rf"Train {drawn}\d+/10  [\d.]+ it/s  [\d.]+m?s  eta [\d.]+m?s  train/loss [\d.]+", text
     )
     assert "bar/only 1.25" in text
     assert "hidden" not in text

@@ -166,3 +166,17 @@ async def test_a_starting_status_is_drawn_before_the_first_batch() -> None:
     trainer = Trainer(max_epochs=1, plugins=[ProgressBar(console=console)], device="cpu")
     await trainer.fit(FirstBatchSlow(), make_loader(n=32))
     assert "Starting fit…" in drawn_before_first_batch[0]
+
+
+def test_short_times_read_in_milliseconds() -> None:
+    from loopbus.plugins._progress import _fmt_time
+
+    assert [_fmt_time(t) for t in (0.0, 0.0128, 0.094, 0.4, 59.94, 75, 3725)] == [
+        "0s",
+        "13ms",
+        "94ms",
+        "0.4s",
+        "59.9s",
+        "1:15",
+        "1:02:05",
+    ]

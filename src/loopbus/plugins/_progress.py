@@ -47,6 +47,8 @@ def _fmt(value: float | int | bool) -> str:
 
 
 def _fmt_time(seconds: float) -> str:
+    if seconds < 0.095:  # would read "0.0s": milliseconds instead
+        return f"{seconds * 1000:.0f}ms" if seconds >= 0.0005 else "0s"
     if seconds < 60:
         return f"{seconds:.1f}s"
     minutes, secs = divmod(int(seconds), 60)

@@ -142,6 +142,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--manual", action="store_true", help="manual optimization")
+    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "single"])
     parser.add_argument("--stop-rank", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
     parser.add_argument("--stop-in", choices=["handler", "step", "validation"], default="handler")
@@ -176,6 +177,7 @@ def main() -> None:
         val_check_interval=5 if args.stop_in == "validation" else None,
         plugins=plugins,
         process_group_timeout=args.timeout,
+        strategy=args.strategy,
     )
     loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)
     stop_reason, step = trainer.stop_reason, trainer.global_step
@@ -187,6 +189,8 @@ def main() -> None:
         "rank": rank,
         "world_size": trainer.world_size,
         "strategy": trainer.strategy.name,
+        "device": str(trainer.device),
+        "backend": torch.distributed.get_backend() if torch.distributed.is_initialized() else None,
         "step": step,
         "epoch": trainer.current_epoch,
         "stop_reason": stop_reason,

@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 import torch
 
-import loopbus
-from loopbus import MisconfigurationError, Plugin, PutRecord, Trainer, on
-from loopbus.plugins import Checkpoint, CheckpointSaved, MLflowLogger
+from loopbus import MisconfigurationError, PutRecord, Trainer
+from loopbus.plugins import Checkpoint, MLflowLogger
 from tests.helpers import TinyModule, make_loader
+from tests.plugins.tracking_helpers import Captured
 
 pytest.importorskip("mlflow")
 pytest.importorskip("sqlalchemy")
@@ -33,24 +33,6 @@ pytestmark = [
     # MLflow's SQLAlchemy models use a loader strategy that SQLAlchemy 2.1 deprecates.
     pytest.mark.filterwarnings("ignore:The ``noload`` loader strategy is deprecated"),
 ]
-
-
-class Captured(Plugin):
-    """The records the loggers were sent, in order."""
-
-    delivery = loopbus.Delivery(destination="loggers")
-
-    def __init__(self) -> None:
-        self.records: list[PutRecord] = []
-        self.saved: list[CheckpointSaved] = []
-
-    @on(PutRecord)
-    def keep(self, record: PutRecord) -> None:
-        self.records.append(record)
-
-    @on(CheckpointSaved)
-    def keep_saved(self, event: CheckpointSaved) -> None:
-        self.saved.append(event)
 
 
 class HparamsModule(TinyModule):

@@ -16,10 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-import loopbus
-from loopbus import MisconfigurationError, Plugin, PutRecord, Trainer, on
-from loopbus.plugins import Checkpoint, CheckpointSaved, WandbLogger
+from loopbus import MisconfigurationError, PutRecord, Trainer
+from loopbus.plugins import Checkpoint, WandbLogger
 from tests.helpers import TinyModule, make_loader
+from tests.plugins.tracking_helpers import Captured
 
 pytest.importorskip("wandb")
 
@@ -33,24 +33,6 @@ def _wandb_offline(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
     for var in ("WANDB_CONFIG_DIR", "WANDB_CACHE_DIR", "WANDB_DATA_DIR", "WANDB_ARTIFACT_DIR"):
         monkeypatch.setenv(var, str(tmp_path / "wandb-home" / var.lower()))
-
-
-class Captured(Plugin):
-    """The records the loggers were sent, in order, and the checkpoints announced."""
-
-    delivery = loopbus.Delivery(destination="loggers")
-
-    def __init__(self) -> None:
-        self.records: list[PutRecord] = []
-        self.saved: list[CheckpointSaved] = []
-
-    @on(PutRecord)
-    def keep(self, record: PutRecord) -> None:
-        self.records.append(record)
-
-    @on(CheckpointSaved)
-    def keep_saved(self, event: CheckpointSaved) -> None:
-        self.saved.append(event)
 
 
 class HparamsModule(TinyModule):

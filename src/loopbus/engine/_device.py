@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -41,6 +41,7 @@ __all__ = [
     "Readback",
     "Reading",
     "copy_stream",
+    "map_batch",
     "move_batch",
     "pin_batch",
     "readback_for",
@@ -64,6 +65,40 @@ class _Opaque(Exception):
     """A batch holds an object whose device tensors cannot be reached."""
 
 
+def map_batch(
+    batch: Any, tensor: Callable[[_Tensor], Any], other: Callable[[Any], Any] | None = None
+) -> Any:
+    """``batch`` rebuilt with ``tensor(t)`` for every tensor ``t`` in it, its structure
+    intact: tuples, lists, dicts (any ``Mapping`` type that can be built from pairs),
+    namedtuples and dataclasses are walked; any other value goes to ``other`` (kept as
+    it is without one)."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, _Tensor):
+            return tensor(value)
+        if isinstance(value, tuple):
+            items = [walk(v) for v in value]
+            if hasattr(value, "_fields"):  # a namedtuple
+                return type(value)(*items)
+            return type(value)(items)
+        if isinstance(value, list):
+            return type(value)(walk(v) for v in value)
+        if isinstance(value, Mapping):
+            pairs = [(k, walk(v)) for k, v in value.items()]
+            try:
+                return type(value)(pairs)  # type: ignore[call-arg]
+            except TypeError:
+                return dict(pairs)
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            changes = {
+                f.name: walk(getattr(value, f.name)) for f in dataclasses.fields(value) if f.init
+            }
+            return dataclasses.replace(value, **changes)
+        return value if other is None else other(value)
+
+    return walk(batch)
+
+
 def move_batch(
     batch: Any,
     device: torch.device,
@@ -72,73 +107,39 @@ def move_batch(
     opaque_ok: bool = True,
 ) -> Any:
     """``batch`` with every tensor moved to ``device`` (``non_blocking=True``), its
-    structure intact: tensors, tuples, lists, dicts (any ``Mapping`` type that can be
-    built from pairs), namedtuples, dataclasses, and objects with a ``.to()`` method.
-    The device tensors made are appended to ``made``. With ``opaque_ok=False`` an
-    object moved by its own ``.to()`` raises :class:`_Opaque` instead (its tensors
-    cannot be collected)."""
-    if isinstance(batch, _Tensor):
-        moved = batch.to(device, non_blocking=True)
+    structure intact (see :func:`map_batch`); objects with a ``.to()`` method move
+    themselves. The device tensors made are appended to ``made``. With
+    ``opaque_ok=False`` an object moved by its own ``.to()`` raises :class:`_Opaque`
+    instead (its tensors cannot be collected)."""
+
+    def move(t: _Tensor) -> _Tensor:
+        moved = t.to(device, non_blocking=True)
         if made is not None:
             made.append(moved)
         return moved
-    if isinstance(batch, tuple):
-        items = [move_batch(b, device, made, opaque_ok=opaque_ok) for b in batch]
-        if hasattr(batch, "_fields"):  # a namedtuple
-            return type(batch)(*items)
-        return type(batch)(items)
-    if isinstance(batch, list):
-        return type(batch)(move_batch(b, device, made, opaque_ok=opaque_ok) for b in batch)
-    if isinstance(batch, Mapping):
-        pairs = [(k, move_batch(v, device, made, opaque_ok=opaque_ok)) for k, v in batch.items()]
-        try:
-            return type(batch)(pairs)  # type: ignore[call-arg]
-        except TypeError:
-            return dict(pairs)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: move_batch(getattr(batch, f.name), device, made, opaque_ok=opaque_ok)
-            for f in dataclasses.fields(batch)
-            if f.init
-        }
-        return dataclasses.replace(batch, **changes)
-    to = getattr(batch, "to", None)
-    if callable(to) and not isinstance(batch, (str, bytes, type)):
+
+    def move_object(value: Any) -> Any:
+        to = getattr(value, "to", None)
+        if not callable(to) or isinstance(value, (str, bytes, type)):
+            return value
         if not opaque_ok:
             raise _Opaque
         try:
             return to(device, non_blocking=True)
         except TypeError:  # a .to() without non_blocking
             return to(device)
-    return batch
+
+    return map_batch(batch, move, move_object)
+
+
+def _pin(t: _Tensor) -> _Tensor:
+    return t.pin_memory() if t.device.type == "cpu" and not t.is_pinned() else t
 
 
 def pin_batch(batch: Any) -> Any:
     """``batch`` with every CPU tensor in pinned (page-locked) memory; tensors already
     pinned are kept as they are."""
-    if isinstance(batch, _Tensor):
-        if batch.device.type == "cpu" and not batch.is_pinned():
-            return batch.pin_memory()
-        return batch
-    if isinstance(batch, tuple):
-        items = [pin_batch(b) for b in batch]
-        if hasattr(batch, "_fields"):
-            return type(batch)(*items)
-        return type(batch)(items)
-    if isinstance(batch, list):
-        return type(batch)(pin_batch(b) for b in batch)
-    if isinstance(batch, Mapping):
-        pairs = [(k, pin_batch(v)) for k, v in batch.items()]
-        try:
-            return type(batch)(pairs)  # type: ignore[call-arg]
-        except TypeError:
-            return dict(pairs)
-    if dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        changes = {
-            f.name: pin_batch(getattr(batch, f.name)) for f in dataclasses.fields(batch) if f.init
-        }
-        return dataclasses.replace(batch, **changes)
-    return batch
+    return map_batch(batch, _pin)
 
 
 class CudaBatchSource:

@@ -624,11 +624,7 @@ class Recorder:
             if item[0] == name and item[2] is not EVENT_ENTRY:
                 value = item[1]
                 return value.item() if isinstance(value, _Tensor) else value
-        for batch in reversed(self.inflight):
-            pairs = list(zip(batch.routed, batch.values(), strict=True))
-            for (item, entries), value in reversed(pairs):
-                if item[0] == name and entries is not None:
-                    return value
+        self._settle_inflight()  # values on their way from the device, read now
         record = self.latest_records().get(name)
         return None if record is None else record.value
 

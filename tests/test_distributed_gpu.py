@@ -1,0 +1,46 @@
+"""DDP on GPUs under torchrun (NCCL): one process per GPU (at most two), the stop flag
+carried in the gradient all-reduce and read from the device without a sync (one step
+later than on the CPU). Skipped without CUDA."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_distributed import _launch, _ok, _same, _summary, _weights
+
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.slow,
+]
+
+NPROC = min(2, torch.cuda.device_count()) if torch.cuda.is_available() else 0
+
+
+def test_ddp_on_gpus_with_nccl(tmp_path: Path) -> None:
+    _ok(_launch(tmp_path, "--epochs", "2", "--strategy", "ddp", nproc=NPROC))
+    summaries = [_summary(tmp_path, rank) for rank in range(NPROC)]
+    for rank, s in enumerate(summaries):
+        assert (s["strategy"], s["world_size"], s["backend"]) == ("ddp", NPROC, "nccl")
+        assert s["device"] == f"cuda:{rank}"
+        assert s["val_acc"] > 0.8
+    if NPROC == 2:
+        assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_a_stop_on_gpus_lands_at_the_same_step_everywhere(tmp_path: Path) -> None:
+    rank = NPROC - 1
+    _ok(
+        _launch(
+            tmp_path,
+            "--epochs", "2", "--strategy", "ddp", "--stop-rank", str(rank), "--stop-at", "10",
+            nproc=NPROC,
+        )
+    )  # fmt: skip
+    steps = {_summary(tmp_path, r)["step"] for r in range(NPROC)}
+    # Asked after step 10's backward: carried by step 11's, whose averaged flag is
+    # copied to the host without waiting and read at the next boundary: step 12.
+    assert steps == {12}
+    assert _summary(tmp_path, rank)["stop_reason"] == f"rank {rank} asked at step 10"

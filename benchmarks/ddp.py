@@ -15,9 +15,20 @@ Run plainly, the script launches itself under ``torch.distributed.run`` (a free 
 checks that they end with bit-identical weights (same seeds, same sampler); then rounds
 alternate the two loops (the order swaps every round), each timed between barriers, and
 rank 0 prints the per-round times, the median of the per-round ratios and the number of
-rounds. It also times a bare blocking all-reduce of one integer; ``--breakdown`` adds,
-to every round, the hand-written loop doing such an all-reduce after every step (what a
-stop check with a collective of its own per step costs, for comparison).
+rounds. The headline is that median of wall-time ratios: set-up, data loading, every
+step and every stall are in it.
+
+Before every timed run each rank collects garbage (outside the timing): the trainers of
+earlier rounds die in reference cycles, and a full collection of a heap with torch
+loaded takes 100-200 ms, which would land on whichever run came next (one fit per
+process in real use has no such debris). Both loops also note the time at the start of
+every step (one ``perf_counter`` and one ``append``, the same in both), from which rank
+0 prints the median step time of each loop: the steady-state cost per step, which
+sheds the shared machine's stalls that the wall-time ratio keeps.
+
+It also times a bare blocking all-reduce of one integer; ``--breakdown`` adds, to every
+round, the hand-written loop doing such an all-reduce after every step (what a stop
+check with a collective of its own per step costs, for comparison).
 
     ./dev bench ddp                                 # defaults below
     ./dev bench ddp --steps 2000 --rounds 15 --hidden 128
@@ -29,7 +40,9 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import os
+import random
 import socket
 import statistics
 import subprocess
@@ -55,8 +68,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=1500, help="optimizer steps per run")
-    parser.add_argument("--rounds", type=int, default=10, help="timed rounds (pairs)")
+    parser.add_argument("--steps", type=int, default=1000, help="optimizer steps per run")
+    parser.add_argument("--rounds", type=int, default=20, help="timed rounds (pairs)")
     parser.add_argument("--hidden", type=int, default=64, help="width of the hidden layers")
     parser.add_argument(
         "--epoch-steps", type=int, default=500, help="steps per epoch (sets the data size)"
@@ -93,6 +106,10 @@ def make_dataset(samples: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+# When each step started (both loops note it the same way), for the steady-state figure.
+STAMPS: list[float] = []
+
+
 def hand_written(
     dataset: TensorDataset, steps: int, hidden: int, stop_check: bool = False
 ) -> torch.nn.Module:
@@ -107,9 +124,11 @@ def hand_written(
     net.train()
     flag = torch.zeros(1, dtype=torch.int32)
     n, epoch = 0, 0
+    stamp, now = STAMPS.append, time.perf_counter
     while n < steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
+            stamp(now())
             loss = F.cross_entropy(model(x), y)
             loss.backward()
             opt.step()
@@ -138,6 +157,7 @@ class BenchModule(Module):
     forward = MLP.forward
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        STAMPS.append(time.perf_counter())
         x, y = batch
         loss = F.cross_entropy(self(x), y)
         self.put("loss", loss)
@@ -157,12 +177,21 @@ def with_loopbus(dataset: TensorDataset, steps: int, hidden: int, backend: str) 
 
 # ---------------------------------------------------------------- measurement
 def timed(fn: Callable[[], Any]) -> float:
-    """Wall time of ``fn`` on every rank, between barriers (so: until the last rank ends)."""
+    """Wall time of ``fn`` on every rank, between barriers (so: until the last rank ends),
+    after a garbage collection outside the timing."""
+    gc.collect()
+    STAMPS.clear()
     dist.barrier()
     start = time.perf_counter()
     fn()
     dist.barrier()
     return time.perf_counter() - start
+
+
+def median_step_us() -> float:
+    """The median time between the starts of consecutive steps of the last timed run
+    (this rank's), in microseconds."""
+    return statistics.median(b - a for a, b in itertools.pairwise(STAMPS)) * 1e6
 
 
 def allreduce_us(n: int = 2000) -> float:
@@ -177,6 +206,14 @@ def allreduce_us(n: int = 2000) -> float:
         int(flag.item())
     dist.barrier()
     return (time.perf_counter() - start) / n * 1e6
+
+
+def median_interval(values: list[float], n: int = 2000) -> tuple[float, float]:
+    """A 95% bootstrap interval of the median of ``values`` (resampled with a fixed seed):
+    how far the headline could move with another draw of the machine's noise."""
+    rng = random.Random(0)
+    medians = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return medians[int(0.025 * n)], medians[int(0.975 * n) - 1]
 
 
 def cpu_model() -> str:
@@ -232,11 +269,15 @@ def worker(args: argparse.Namespace) -> None:
         runs["hand+stop"] = lambda: hand_written(dataset, steps, hidden, stop_check=True)
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
+    step_medians: dict[str, list[float]] = {name: [] for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names[1:]}
     for i in range(args.rounds):
         # The order rotates from round to round, so that drift favours no loop.
         order = names[i % len(names) :] + names[: i % len(names)]
-        took = {name: timed(runs[name]) for name in order}
+        took = {}
+        for name in order:
+            took[name] = timed(runs[name])
+            step_medians[name].append(median_step_us())
         line = f"round {i + 1:>2}: hand {took['hand'] * 1e3:8.1f} ms"
         for name in names:
             times[name].append(took[name])
@@ -254,6 +295,15 @@ def worker(args: argparse.Namespace) -> None:
         f"loopbus {statistics.median(times['loopbus']) * 1e3:.1f} ms, ratio {ratio:.3f}x "
         f"(per-round {min(lb):.3f}-{max(lb):.3f}); target <= {TARGET:.2f}x: "
         f"{'met' if ratio <= TARGET else 'NOT met'}"
+    )
+    low, high = median_interval(lb)
+    say(f"95% bootstrap interval of that median: {low:.3f}x-{high:.3f}x")
+    hand_step = statistics.median(step_medians["hand"])
+    lb_step = statistics.median(step_medians["loopbus"])
+    say(
+        f"steady state (rank 0, median time from one step's start to the next's): hand "
+        f"{hand_step:.0f} us, loopbus {lb_step:.0f} us = {lb_step / hand_step:.3f}x "
+        f"(+{lb_step - hand_step:.0f} us a step)"
     )
     if args.breakdown:
         sync = statistics.median(ratios["hand+stop"])

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import torch
 
-from loopbus import HandlerError, Trainer, on
+from loopbus import CheckpointError, HandlerError, Trainer, on
 from loopbus.events import ValidationCompleted
 from loopbus.plugins import EarlyStopping, ProgressBar
 from tests.helpers import TinyModule, make_loader
@@ -137,6 +137,36 @@ def test_a_state_for_another_monitor_is_refused() -> None:
         ValueError, match=r"saved for monitor='val/loss', mode='min'.*monitors 'val/acc'"
     ):
         EarlyStopping("val/acc", mode="max").load_state_dict(state)
+
+
+async def test_resuming_with_another_monitor_is_refused_before_anything_loads(
+    tmp_path: Any,
+) -> None:
+    module = TinyModule()
+    trainer = Trainer(max_epochs=1, plugins=[EarlyStopping("train/loss")], device="cpu")
+    await trainer.fit(module, make_loader())
+    path = await trainer.save_checkpoint_async(tmp_path / "es.ckpt")
+
+    fresh = TinyModule()
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    stopper = EarlyStopping("train/loss", mode="max")
+    other = Trainer(max_epochs=2, plugins=[stopper], device="cpu")
+    with pytest.raises(
+        CheckpointError,
+        match=r"(?s)missing from the checkpoint: plugins/EarlyStopping.*'mode': 'max'.*"
+        r"in the checkpoint but not in this run: plugins/EarlyStopping.*'mode': 'min'",
+    ):
+        await other.fit(fresh, make_loader(), ckpt_path=path)
+    # Found by the check before loading: the weights are untouched.
+    assert all(torch.equal(before[k], v) for k, v in fresh.state_dict().items())
+
+    # With ckpt_strict=False the rest resumes and the stopper starts afresh.
+    stopper = EarlyStopping("train/loss", mode="max")
+    other = Trainer(max_epochs=2, plugins=[stopper], device="cpu")
+    with pytest.warns(UserWarning, match="ckpt_strict=False"):
+        await other.fit(fresh, make_loader(), ckpt_path=path, ckpt_strict=False)
+    assert other.global_step == 8  # the second epoch ran after the resumed first
+    assert stopper.best_step > 4  # its own best, from the resumed epoch: it started afresh
 
 
 async def test_strict_reports_a_monitor_that_is_never_put() -> None:

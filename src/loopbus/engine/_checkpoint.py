@@ -19,7 +19,8 @@ reads::
       "loops/fit":        {"progress": ..., "state": ..., "loops": {...}}, ...
       "plugins/<key>":    plugin.state_dict(), ...
       "data/train":       {"position": loader.state_dict(),  # only when the loader is
-                           "generators": [...]},              # stateful
+                           "generators": [...]},              # stateful (position None:
+                                                              # a new epoch is next)
       "rng":              {"python": ..., "torch": ..., "numpy": ..., "cuda": [...]},
       "grads":            {parameter name: gradient},  # empty unless mid-accumulation
       "records":          {name: {"value": ..., "step": ..., ...}},
@@ -352,20 +353,27 @@ class LoopPart:
 class LoaderPart:
     """A stateful training loader: its position as of the last batch trained on
     (``position()``, from the batch source; never a batch fetched ahead) and the
-    states of the ``torch.Generator`` objects it shuffles with."""
+    states of the ``torch.Generator`` objects it shuffles with. Between epochs, after
+    an epoch that ended before the loader ran out (``fresh()``), the position is None:
+    the next epoch starts from its beginning, so the loader is not repositioned."""
 
-    def __init__(self, loader: Any, position: Any) -> None:
+    def __init__(self, loader: Any, position: Any, fresh: Any = None) -> None:
         self.loader = loader
         self.position = position
+        self.fresh = fresh
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position()
-        if position is None:
+        if position is None and not (self.fresh is not None and self.fresh()):
             position = self.loader.state_dict()
         # Taken after the position: taking that may build the iterator, which draws.
         return {"position": position, "generators": loader_generator_states(self.loader)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["position"] is None:
+            # Saved between epochs after one cut short: a new epoch starts afresh.
+            restore_loader_generators(self.loader, state.get("generators"))
+            return
         self.loader.load_state_dict(state["position"])
         # Loaders such as StatefulDataLoader build the restored iterator lazily, and
         # building one draws from torch's generator: do it now, without moving the
@@ -378,7 +386,8 @@ class LoaderPart:
         restore_loader_generators(self.loader, state.get("generators"))
 
     def explain_mismatch(self, saved: Any) -> list[Problem]:
-        if not isinstance(saved, Mapping) or not isinstance(saved.get("position"), Mapping):
+        position = saved.get("position", ()) if isinstance(saved, Mapping) else ()
+        if position is not None and not isinstance(position, Mapping):
             return [Problem("mismatched", "the checkpoint's entry is not a loader position")]
         return []
 

@@ -223,6 +223,9 @@ class CudaBatchSource:
     def position(self) -> dict[str, Any] | None:
         return self._recorded
 
+    def exhausted(self) -> bool:
+        return not self._ready and self._inner.exhausted()
+
     def close(self) -> None:
         self._ready.clear()
         self._inner.close()

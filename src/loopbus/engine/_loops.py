@@ -88,6 +88,10 @@ class BatchSource:
         self._recorded: dict[str, Any] | None = None
         self._pending: dict[str, Any] | None = None
 
+    def exhausted(self) -> bool:
+        """Whether the iterator is known to have run out (a look-ahead found its end)."""
+        return self.next is _END
+
     def close(self) -> None:
         """Release what the source holds (nothing to stop for an inline source)."""
 
@@ -416,6 +420,10 @@ class TrainEpochLoop(_DataLoop):
         self._epoch_rng: dict[str, Any] | None = None
         self._in_epoch = False
         self._resume_in_epoch = True
+        # Whether the last epoch ended before its loader ran out (a stop, max_steps,
+        # limit_train_batches): the loader's own position is then mid-epoch, and the
+        # next epoch starts from the beginning, not from there.
+        self._cut_short = False
         # Chosen when the epoch starts (see _choose_step).
         self._step: Callable[[Any, Scope], Any] = self.training_step
         # What the steps call for the forward (the module's training_step, or DDP's
@@ -496,6 +504,14 @@ class TrainEpochLoop(_DataLoop):
         ctx = self.run_ctx
         source = ctx.get("source") if ctx is not None else None
         return None if source is None else source.position()
+
+    @property
+    def next_epoch_fresh(self) -> bool:
+        """Between epochs, whether the last epoch ended before its loader ran out: a
+        checkpoint then saves no loader position (the loader's own is mid-epoch), and
+        the resumed run starts the next epoch from its beginning, as this one would."""
+        in_epoch = self._resume_in_epoch if self._restarting else self._in_epoch
+        return self._cut_short and not in_epoch
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
         """An iterator over ``data``, positioned after the batches this epoch already
@@ -716,6 +732,8 @@ class TrainEpochLoop(_DataLoop):
         recorder = trainer.recorder
         if recorder.pending or recorder.inflight:
             await recorder.flush()
+        source = ctx.get("source")
+        self._cut_short = source is not None and not source.exhausted()
         self._in_epoch = False
 
     def on_save_checkpoint(self) -> dict[str, Any]:
@@ -723,11 +741,13 @@ class TrainEpochLoop(_DataLoop):
             # Loaded but not resumed yet: still the loaded position.
             "in_epoch": self._resume_in_epoch if self._restarting else self._in_epoch,
             "epoch_rng": self._epoch_rng,
+            "cut_short": self._cut_short,
         }
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
         self._resume_in_epoch = bool(state.get("in_epoch", True))
         self._epoch_rng = state.get("epoch_rng")
+        self._cut_short = bool(state.get("cut_short", False))
 
 
 class FitLoop(Loop[None]):

@@ -843,7 +843,10 @@ class Trainer:
             parts[key] = plugin
         data = self._train_data
         if isinstance(data, Stateful):
-            parts["data/train"] = LoaderPart(data, self.fit_loop.epoch_loop.loader_position)
+            epoch_loop = self.fit_loop.epoch_loop
+            parts["data/train"] = LoaderPart(
+                data, epoch_loop.loader_position, lambda: epoch_loop.next_epoch_fresh
+            )
         parts["grads"] = GradsPart(module)
         parts["records"] = self.recorder
         for name, obj in self._registered.items():

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -152,6 +153,9 @@ def main() -> None:
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-at", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60, help="process_group_timeout")
+    parser.add_argument(
+        "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
+    )
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -160,7 +164,14 @@ def main() -> None:
     module = ManualNet() if args.manual else Net()
     if args.stop_in == "step" and args.stop_rank >= 0:
         module.stop_in_step = (args.stop_rank, args.stop_at)
-    train = DataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
+    if args.loader == "stateful":
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", "'set_vital' is deprecated")
+            train: Any = StatefulDataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
+    else:
+        train = DataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
     val = DataLoader(data(N_VAL, 1), batch_size=128)
     # Directories named after the rank the process starts as (shared ones work too):
     # the tests check that only rank 0's appear.

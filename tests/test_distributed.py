@@ -237,12 +237,27 @@ def test_a_hung_rank_times_the_others_out(tmp_path: Path) -> None:
     ],
 )
 def test_killed_job_resumes_bit_identical(tmp_path: Path, kill_at: str) -> None:
+    _kill_and_resume(tmp_path, kill_at)
+
+
+@pytest.mark.slow
+def test_killed_job_with_a_stateful_loader_resumes_bit_identical(tmp_path: Path) -> None:
+    """torchdata's StatefulDataLoader stays stateful under DDP (sharded by loopbus): the
+    checkpoint holds its position, and the resumed job continues from there."""
+    pytest.importorskip("torchdata")
+    _kill_and_resume(tmp_path, "25", "--loader", "stateful")
+    (last,) = (tmp_path / "killed" / "ckpt_rank0").glob("*.ckpt")
+    assert loopbus.load_checkpoint(last)["data/train"]["position"] is not None
+
+
+def _kill_and_resume(tmp_path: Path, kill_at: str, *options: str) -> None:
     full, killed = tmp_path / "full", tmp_path / "killed"
-    _ok(_launch(full, "--epochs", "2", "--ckpt", "10"))
-    proc = _launch(killed, "--epochs", "2", "--ckpt", "10", "--kill-at", kill_at)
+    common = ("--epochs", "2", "--ckpt", "10", *options)
+    _ok(_launch(full, *common))
+    proc = _launch(killed, *common, "--kill-at", kill_at)
     assert proc.returncode != 0
     assert not (killed / "summary_rank0.json").exists()
-    _ok(_launch(killed, "--epochs", "2", "--ckpt", "10", "--resume"))
+    _ok(_launch(killed, *common, "--resume"))
     for rank in (0, 1):
         assert _same(_weights(full, rank), _weights(killed, rank))
     assert _summary(killed, 0)["step"] == _summary(full, 0)["step"] == 32

@@ -65,6 +65,7 @@ from ._rng import (
     restore_loader_generators,
     restore_rng,
     rng_preserved,
+    set_sampler_epoch,
 )
 from ._runstate import ResumePlan
 
@@ -357,10 +358,14 @@ class LoaderPart:
     an epoch that ended before the loader ran out (``fresh()``), the position is None:
     the next epoch starts from its beginning, so the loader is not repositioned."""
 
-    def __init__(self, loader: Any, position: Any, fresh: Any = None) -> None:
+    def __init__(self, loader: Any, position: Any, fresh: Any = None, epoch: Any = None) -> None:
         self.loader = loader
         self.position = position
         self.fresh = fresh
+        #: The epoch being resumed (the run part loads first): a sampler whose order
+        #: depends on it (DistributedSampler) is set to it before the restored
+        #: iterator is built.
+        self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position()
@@ -374,6 +379,8 @@ class LoaderPart:
             # Saved between epochs after one cut short: a new epoch starts afresh.
             restore_loader_generators(self.loader, state.get("generators"))
             return
+        if self.epoch is not None:
+            set_sampler_epoch(self.loader, self.epoch())
         self.loader.load_state_dict(state["position"])
         # Loaders such as StatefulDataLoader build the restored iterator lazily, and
         # building one draws from torch's generator: do it now, without moving the

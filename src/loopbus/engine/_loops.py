@@ -50,7 +50,13 @@ from ..events import (
 )
 from ._device import move_batch
 from ._loop import Loop, LoopEvents
-from ._rng import capture_epoch_rng, capture_rng, restore_epoch_rng, restore_rng
+from ._rng import (
+    capture_epoch_rng,
+    capture_rng,
+    restore_epoch_rng,
+    restore_rng,
+    set_sampler_epoch,
+)
 from ._scope import Scope
 from ._state import Stateful
 
@@ -790,15 +796,7 @@ class FitLoop(Loop[None]):
             if resume_rng is not None:
                 restore_rng(resume_rng)
             state.finish_resume()
-        data = ctx.train_data
-        for sampler in (
-            getattr(data, "sampler", None),
-            getattr(getattr(data, "batch_sampler", None), "sampler", None),
-        ):
-            set_epoch = getattr(sampler, "set_epoch", None)
-            if callable(set_epoch):
-                set_epoch(state.epoch)
-                break
+        set_sampler_epoch(ctx.train_data, state.epoch)
 
     async def advance(self, ctx: Scope) -> None:
         await self.epoch_loop.run(ctx.train_data, ctx.val_data, parent_ctx=ctx)

@@ -94,6 +94,19 @@ def loader_generators(data: Any) -> list[torch.Generator]:
     return found
 
 
+def set_sampler_epoch(data: Any, epoch: int) -> None:
+    """Call ``set_epoch(epoch)`` on the sampler of ``data`` (or of its batch sampler) that
+    has one, such as a ``DistributedSampler``: its order depends on the epoch."""
+    for sampler in (
+        getattr(data, "sampler", None),
+        getattr(getattr(data, "batch_sampler", None), "sampler", None),
+    ):
+        set_epoch = getattr(sampler, "set_epoch", None)
+        if callable(set_epoch):
+            set_epoch(epoch)
+            return
+
+
 def capture_epoch_rng(data: Any) -> dict[str, Any]:
     """What a plain loader's order depends on, taken right before ``iter(data)``."""
     return {

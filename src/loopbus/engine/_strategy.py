@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, RandomSampler
+from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from .._exceptions import MisconfigurationError
 
@@ -285,20 +285,31 @@ class DDPStrategy(Strategy):
             return data
         if _distributed_sampler(data) is not None:
             return data  # the user shards already
-        if data.batch_sampler is not None and type(data.batch_sampler) is not BatchSampler:
+        if data.batch_size is None:
+            # Built with batch_sampler=...: how it batches is the user's, not ours to redo.
             raise MisconfigurationError(
-                f"under DDP the training loader has a custom batch_sampler "
-                f"({type(data.batch_sampler).__name__}) loopbus cannot shard; give it a "
-                "DistributedSampler yourself."
+                f"under DDP the training loader has its own batch_sampler "
+                f"({type(data.batch_sampler).__name__}), which loopbus cannot shard: build "
+                "it over a DistributedSampler yourself (loopbus then calls its set_epoch), "
+                "or give the loader batch_size and sampler/shuffle instead."
             )
         sampler: DistributedSampler[Any] = DistributedSampler(
             data.dataset,
             num_replicas=self.world_size,
             rank=self.global_rank,
-            shuffle=isinstance(data.sampler, RandomSampler),
+            shuffle=_shuffles(data.sampler),
             drop_last=data.drop_last,
         )
-        return DataLoader(
+        # The same kind of loader: torchdata's StatefulDataLoader stays stateful (its
+        # position is then checkpointed and restored in O(1)); any other subclass
+        # becomes a plain DataLoader with the same options.
+        cls = type(data) if _is_torchdata_loader(data) else DataLoader
+        extra = {
+            name: getattr(data, name)
+            for name in ("in_order", "snapshot_every_n_steps")
+            if cls is not DataLoader and hasattr(data, name)
+        }
+        return cls(
             data.dataset,
             batch_size=data.batch_size,
             sampler=sampler,
@@ -313,6 +324,7 @@ class DDPStrategy(Strategy):
             prefetch_factor=data.prefetch_factor,
             persistent_workers=data.persistent_workers,
             pin_memory_device=data.pin_memory_device,
+            **extra,
         )
 
     def _stop_process_group(self) -> Any:
@@ -410,6 +422,19 @@ def _leave_process_group() -> None:
 def _env_int(name: str, default: int) -> int:
     value = os.environ.get(name)
     return int(value) if value is not None and value.isdigit() else default
+
+
+def _is_torchdata_loader(data: DataLoader[Any]) -> bool:
+    return type(data).__module__.startswith("torchdata.")
+
+
+def _shuffles(sampler: Any) -> bool:
+    """Whether a loader's sampler shuffles: torch's RandomSampler, or torchdata's (a
+    class of its own, not a subclass)."""
+    cls = type(sampler)
+    return isinstance(sampler, RandomSampler) or (
+        cls.__name__ == "RandomSampler" and cls.__module__.startswith("torchdata.")
+    )
 
 
 def _distributed_sampler(data: DataLoader[Any]) -> DistributedSampler[Any] | None:

@@ -845,7 +845,10 @@ class Trainer:
         if isinstance(data, Stateful):
             epoch_loop = self.fit_loop.epoch_loop
             parts["data/train"] = LoaderPart(
-                data, epoch_loop.loader_position, lambda: epoch_loop.next_epoch_fresh
+                data,
+                epoch_loop.loader_position,
+                lambda: epoch_loop.next_epoch_fresh,
+                lambda: self.state.epoch,
             )
         parts["grads"] = GradsPart(module)
         parts["records"] = self.recorder

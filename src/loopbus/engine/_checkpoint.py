@@ -39,7 +39,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -356,20 +356,26 @@ class LoaderPart:
     (``position()``, from the batch source; never a batch fetched ahead) and the
     states of the ``torch.Generator`` objects it shuffles with. Between epochs, after
     an epoch that ended before the loader ran out (``fresh()``), the position is None:
-    the next epoch starts from its beginning, so the loader is not repositioned."""
+    the next epoch starts from its beginning, so the loader is not repositioned.
+    ``epoch()`` is the epoch being resumed (the run part loads first): a sampler whose
+    order depends on it (``DistributedSampler``) is set to it before the restored
+    iterator is built."""
 
-    def __init__(self, loader: Any, position: Any, fresh: Any = None, epoch: Any = None) -> None:
+    def __init__(
+        self,
+        loader: Any,
+        position: Callable[[], dict[str, Any] | None],
+        fresh: Callable[[], bool],
+        epoch: Callable[[], int],
+    ) -> None:
         self.loader = loader
         self.position = position
         self.fresh = fresh
-        #: The epoch being resumed (the run part loads first): a sampler whose order
-        #: depends on it (DistributedSampler) is set to it before the restored
-        #: iterator is built.
         self.epoch = epoch
 
     def state_dict(self) -> dict[str, Any]:
         position = self.position()
-        if position is None and not (self.fresh is not None and self.fresh()):
+        if position is None and not self.fresh():
             position = self.loader.state_dict()
         # Taken after the position: taking that may build the iterator, which draws.
         return {"position": position, "generators": loader_generator_states(self.loader)}
@@ -379,8 +385,7 @@ class LoaderPart:
             # Saved between epochs after one cut short: a new epoch starts afresh.
             restore_loader_generators(self.loader, state.get("generators"))
             return
-        if self.epoch is not None:
-            set_sampler_epoch(self.loader, self.epoch())
+        set_sampler_epoch(self.loader, self.epoch())
         self.loader.load_state_dict(state["position"])
         # Loaders such as StatefulDataLoader build the restored iterator lazily, and
         # building one draws from torch's generator: do it now, without moving the
@@ -393,8 +398,10 @@ class LoaderPart:
         restore_loader_generators(self.loader, state.get("generators"))
 
     def explain_mismatch(self, saved: Any) -> list[Problem]:
-        position = saved.get("position", ()) if isinstance(saved, Mapping) else ()
-        if position is not None and not isinstance(position, Mapping):
+        # A mapping, or None (saved between epochs after one cut short).
+        if not isinstance(saved, Mapping) or not isinstance(
+            saved.get("position", False), Mapping | None
+        ):
             return [Problem("mismatched", "the checkpoint's entry is not a loader position")]
         return []
 

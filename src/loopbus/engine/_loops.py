@@ -516,8 +516,13 @@ class TrainEpochLoop(_DataLoop):
         """Between epochs, whether the last epoch ended before its loader ran out: a
         checkpoint then saves no loader position (the loader's own is mid-epoch), and
         the resumed run starts the next epoch from its beginning, as this one would."""
-        in_epoch = self._resume_in_epoch if self._restarting else self._in_epoch
-        return self._cut_short and not in_epoch
+        return self._cut_short and not self._saved_in_epoch
+
+    @property
+    def _saved_in_epoch(self) -> bool:
+        """Whether a checkpoint now is inside an epoch (loaded but not resumed yet: as
+        loaded)."""
+        return self._resume_in_epoch if self._restarting else self._in_epoch
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
         """An iterator over ``data``, positioned after the batches this epoch already
@@ -744,8 +749,7 @@ class TrainEpochLoop(_DataLoop):
 
     def on_save_checkpoint(self) -> dict[str, Any]:
         return {
-            # Loaded but not resumed yet: still the loaded position.
-            "in_epoch": self._resume_in_epoch if self._restarting else self._in_epoch,
+            "in_epoch": self._saved_in_epoch,
             "epoch_rng": self._epoch_rng,
             "cut_short": self._cut_short,
         }

@@ -6,9 +6,9 @@ Work: an MLP (32 -> H -> H -> 10, H = ``--hidden``), batch 32 per rank, an in-me
 SGD, ``--steps`` optimizer steps (several epochs). The hand-written loop wraps the model
 in ``DistributedDataParallel`` and runs forward, backward, step, ``zero_grad``. loopbus
 gets a plain shuffled ``DataLoader`` (it adds the ``DistributedSampler`` itself), puts
-``"loss"`` every step, has no plugins and no leak check; its per-step cost over the
-hand-written loop includes what makes stop requests collective (a stop flag carried in
-DDP's gradient all-reduce: one more element, no collective of its own).
+``"loss"`` every step, has no plugins and no leak check; its cost over the hand-written
+loop includes what makes stop requests collective (a small asynchronous all-reduce on
+the host every ``stop_check_interval``, 50 ms by default: about 40 in a run here).
 
 Run plainly, the script launches itself under ``torch.distributed.run`` (a free port,
 ``OMP_NUM_THREADS=1``) in worker mode. Every rank first runs both loops once and rank 0

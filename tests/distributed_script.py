@@ -154,6 +154,9 @@ def main() -> None:
     parser.add_argument("--hang-at", type=int, default=-1)
     parser.add_argument("--timeout", type=float, default=60, help="process_group_timeout")
     parser.add_argument(
+        "--stop-check-interval", type=float, default=0.05, help="stop_check_interval"
+    )
+    parser.add_argument(
         "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
     )
     args = parser.parse_args()
@@ -188,6 +191,7 @@ def main() -> None:
         val_check_interval=5 if args.stop_in == "validation" else None,
         plugins=plugins,
         process_group_timeout=args.timeout,
+        stop_check_interval=args.stop_check_interval,
         strategy=args.strategy,
     )
     loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)

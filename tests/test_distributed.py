@@ -163,10 +163,11 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("where", "stopped_at"),
     [
-        # Asked by a handler after step 10's backward: carried by step 11's.
+        # Checked at every boundary (stop_check_interval=0): asked by a handler after
+        # step 10, sent at boundary 10, read at boundary 11.
         pytest.param("handler", 11, id="in-a-handler"),
-        # Asked inside step 11, before its backward: carried by it.
-        pytest.param("step", 11, id="in-the-step"),
+        # Asked inside step 11: sent at boundary 11, read at boundary 12.
+        pytest.param("step", 12, id="in-the-step"),
         # Asked by a validation handler inside the epoch: the blocking exchange after
         # validation stops every rank at once.
         pytest.param("validation", 10, id="at-validation"),
@@ -177,12 +178,27 @@ def test_stop_on_one_rank_stops_all_at_the_same_step(
 ) -> None:
     _ok(
         _launch(
-            tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10", "--stop-in", where
+            tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10", "--stop-in", where,
+            "--stop-check-interval", "0",
         )
-    )
+    )  # fmt: skip
     s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
     assert s0["step"] == s1["step"] == stopped_at
     assert s1["stop_reason"] == "rank 1 asked at step 10"
+    assert s0["stop_reason"] == "rank 1 asked at step 10 (on rank 1)"
+    assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
+
+
+def test_with_the_default_interval_a_stop_lands_at_one_step_on_every_rank(
+    tmp_path: Path,
+) -> None:
+    # Checks about every 50 ms: where the stop lands depends on the pace, but it is the
+    # same step on both ranks, after the request and at the latest at the end of the
+    # epoch (16 steps a rank), whose blocking exchange reads what is in flight.
+    _ok(_launch(tmp_path, "--epochs", "2", "--stop-rank", "1", "--stop-at", "10"))
+    s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
+    assert s0["step"] == s1["step"]
+    assert 10 <= s0["step"] <= 16
     assert s0["stop_reason"] == "rank 1 asked at step 10 (on rank 1)"
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
 

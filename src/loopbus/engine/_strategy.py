@@ -13,14 +13,13 @@ What DDP adds, and what it costs:
   is untouched (validation and predict call it directly, without DDP);
 * the training loader is rebuilt around a ``DistributedSampler``;
 * gradient accumulation runs the non-final micro-batches under ``no_sync()``;
-* stop requests are made collective without a collective of their own per step: the
-  adapter has a one-element parameter, ``stop_flag``, whose gradient is "this rank
-  asked to stop" (1.0 or 0.0); DDP averages it with the other gradients, and at the
-  batch boundary every rank reads the same average and stops if it is not zero. A stop
-  asked before the step's backward stops every rank after that step; one asked after it
-  (a handler of the step's events) after the next. After a validation and at every
-  epoch boundary a blocking all-reduce of one integer (over gloo on the host) covers the
-  requests made since the last backward;
+* stop requests are made collective without a collective per step: every
+  ``stop_check_interval`` seconds (about; the ranks agree on the number of steps) the
+  ranks start an asynchronous all-reduce of two integers on the host (gloo) carrying
+  "a rank asked to stop", and read it at the next such check, so every rank stops at
+  the same batch boundary, within about two intervals of the request, and no step
+  waits for it. After a validation and at every epoch boundary a blocking all-reduce
+  covers the requests made since the last check (see :class:`StopExchange`);
 * manual optimization is refused (its backward would run inside DDP's forward);
 * checkpoints hold every rank's random generators (an ``all_gather_object`` per save),
   are written by rank 0 only, and are read by every rank.
@@ -35,6 +34,7 @@ import os
 import warnings
 from collections.abc import Callable
 from contextlib import nullcontext
+from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
@@ -50,6 +50,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DDPStrategy",
     "SingleProcess",
+    "StopExchange",
     "Strategy",
     "TrainingStepAdapter",
     "launched_distributed",
@@ -72,49 +73,130 @@ class TrainingStepAdapter(torch.nn.Module):
     """A module whose ``forward(batch, ctx)`` is ``module.training_step(batch, ctx)``:
     wrapped in DDP, it routes the training step through DDP's forward (which is what
     makes DDP synchronise gradients) without touching the module's own ``forward``.
+    It adds no parameter of its own: DDP averages exactly the module's gradients."""
 
-    With ``asked``, the one-element parameter :attr:`stop_flag` carries this rank's
-    stop request in DDP's gradient all-reduce: the loss the step returns becomes
-    ``loss + c * stop_flag``, with ``c`` 1 when this rank asked to stop and 0 when not,
-    so the gradient of ``stop_flag`` is ``c``; ``stop_flag`` stays 0 (no optimizer
-    holds it), so the loss keeps its value. It is one ``add`` with ``c`` as its scalar
-    ``alpha``: one kernel and one backward node a step, and no host-to-device copy."""
-
-    def __init__(self, module: Module, asked: Callable[[], bool] | None = None) -> None:
+    def __init__(self, module: Module) -> None:
         super().__init__()
         self.module = module
-        self._asked = asked
-        # Only when it is used in every step (DDP requires every parameter to be).
-        self.stop_flag: torch.nn.Parameter | None = (
-            None
-            if asked is None
-            else torch.nn.Parameter(torch.zeros((), device=_device_of(module)))
-        )
+        self._step = module.training_step
 
     def forward(self, batch: Any, ctx: Any) -> Any:
-        output = self.module.training_step(batch, ctx)
-        asked, flag = self._asked, self.stop_flag
-        if asked is None or flag is None or output is None:
-            return output
-        c = 1.0 if asked() else 0.0
-        if isinstance(output, torch.Tensor):
-            return _carry(output, flag, c)
-        if isinstance(output, dict) and isinstance(output.get("loss"), torch.Tensor):
-            return {**output, "loss": _carry(output["loss"], flag, c)}
-        return output  # the loop reports what is wrong with it
+        return self._step(batch, ctx)
 
 
-def _carry(loss: torch.Tensor, flag: torch.Tensor, c: float) -> torch.Tensor:
-    """``loss + c * flag`` in the loss's dtype (the flag is float32)."""
-    if loss.dtype is not flag.dtype:
-        flag = flag.to(loss.dtype)
-    return loss.add(flag, alpha=c)
+class StopExchange:
+    """Makes stop requests collective at a cost that does not grow with the number of
+    steps: one small asynchronous all-reduce every ``interval`` seconds, none per step.
 
+    At a check (a batch boundary every rank reaches after the same number of steps) a
+    rank waits for the all-reduce it started at the previous check (long done by then),
+    reads it, and starts the next one with ``[asked, -steps]``: whether this rank asked
+    to stop, and how many steps make ``interval`` seconds at its own recent pace. The
+    reduction is MAX, so every rank reads the same "somebody asked" and the same number
+    of steps to the next check (the smallest proposed): the schedule stays identical on
+    every rank even when their clocks disagree. A request is therefore seen by every
+    rank at the same boundary, one to two intervals after it was made. ``interval=0``
+    checks at every boundary: a request made before boundary ``k`` stops every rank at
+    boundary ``k + 1`` whatever the timing (deterministic, one all-reduce a step).
 
-def _device_of(module: torch.nn.Module) -> torch.device:
-    for tensor in module.parameters():
-        return tensor.device
-    return torch.device("cpu")
+    ``reduce(tensor)`` starts the all-reduce (MAX) and returns something with
+    ``wait()``; ``agree(state)`` is called, on every rank at the same boundary, when a
+    rank asked; ``clock`` gives seconds. The strategy owns one per trainer."""
+
+    __slots__ = (
+        "_agree",
+        "_buf",
+        "_clock",
+        "_countdown",
+        "_last",
+        "_reduce",
+        "_steps",
+        "_work",
+        "interval",
+    )
+
+    #: The most steps between two checks, however fast the steps.
+    MAX_STEPS = 100_000
+
+    def __init__(
+        self,
+        interval: float,
+        reduce: Callable[[torch.Tensor], Any],
+        agree: Callable[[RunState], None],
+        clock: Callable[[], float] = perf_counter,
+    ) -> None:
+        self.interval = float(interval)
+        self._reduce = reduce
+        self._agree = agree
+        self._clock = clock
+        self._buf = torch.zeros(2, dtype=torch.int64)
+        self._work: Any = None
+        self._countdown = 1
+        self._steps = 1
+        self._last: float | None = None
+
+    def reset(self) -> None:
+        """A stage starts: check at its first boundary, nothing in flight (what an
+        interrupted stage left is dropped)."""
+        self._work = None
+        self._countdown = 1
+        self._steps = 1
+        self._last = None
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether an exchange was started and not read yet."""
+        return self._work is not None
+
+    @property
+    def steps_to_next_check(self) -> int:
+        return self._countdown
+
+    def boundary(self, state: RunState) -> None:
+        """A batch boundary (the hot path: a decrement, and a check when it is due)."""
+        self._countdown -= 1
+        if self._countdown <= 0:
+            self._check(state)
+
+    def _check(self, state: RunState) -> None:
+        now = self._clock()
+        steps = 1
+        if self._work is not None:
+            asked, steps = self._read()
+            if asked and not state.stop_requested:
+                self._agree(state)
+        if state.stop_requested:
+            return
+        # This rank's proposal for the interval after the next check, from its pace
+        # since the last one (a validation in between only shortens it, once); the
+        # stage's first check knows no pace yet, and proposes the next boundary.
+        last = self._last
+        per_step = 0.0 if last is None else (now - last) / self._steps
+        wanted = int(self.interval / per_step) if per_step > 0 else 1
+        buf = self._buf
+        buf[0] = 0 if state.pending_stop is None else 1
+        buf[1] = -min(max(wanted, 1), self.MAX_STEPS)
+        self._work = self._reduce(buf)
+        self._countdown = self._steps = steps
+        self._last = now
+
+    def _read(self) -> tuple[bool, int]:
+        self._work.wait()
+        self._work = None
+        asked, negative_steps = self._buf.tolist()
+        return asked > 0, -negative_steps
+
+    def settle(self, state: RunState) -> None:
+        """At a rare boundary: read the exchange in flight, if any (agreeing on a stop it
+        carries); the next boundary starts a new one."""
+        if self._work is not None:
+            asked, _ = self._read()
+            if asked and not state.stop_requested:
+                self._agree(state)
+        # Check at the next boundary, timing the pace over the boundaries actually
+        # passed since the last check.
+        self._steps = max(self._steps - self._countdown, 0) + 1
+        self._countdown = 1
 
 
 class Strategy:
@@ -179,19 +261,25 @@ class DDPStrategy(Strategy):
 
     name = "ddp"
 
-    def __init__(self, process_group_timeout: float = 1800.0) -> None:
+    def __init__(
+        self, process_group_timeout: float = 1800.0, stop_check_interval: float = 0.05
+    ) -> None:
         self.process_group_timeout = float(process_group_timeout)
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._wrapped: Module | None = None
         self._device: torch.device | None = None
-        self._adapter: TrainingStepAdapter | None = None
-        self._grads_local = False  # the last step ran under no_sync
-        # On CUDA, the averaged flag copied to the host, read one boundary later.
-        self._flag_read: tuple[torch.Tensor, Any] | None = None
-        # The blocking stop exchange of the rare boundaries: a host group (gloo), one
-        # flag.
+        # Stop requests travel on the host (gloo): the default group when it is gloo,
+        # else a gloo group of the same ranks, made at the first exchange.
         self._stop_group: Any = None
+        self._stop = StopExchange(stop_check_interval, self._start_stop_reduce, self._agree_on_stop)
+        # The blocking exchange of the rare boundaries: one flag.
         self._stop_flag = torch.zeros(1, dtype=torch.int32)
+
+    @property
+    def stop_exchange(self) -> StopExchange:
+        """How this strategy makes stop requests collective (its schedule is public for
+        tests and tools; the strategy drives it)."""
+        return self._stop
 
     @property
     def distributed(self) -> bool:
@@ -246,13 +334,11 @@ class DDPStrategy(Strategy):
         if self._wrapped is not module or self._wrapper is None:
             device = self._device
             ids = [device] if device is not None and device.type == "cuda" else None
-            self._adapter = TrainingStepAdapter(module, lambda: state.pending_stop is not None)
             self._wrapper = torch.nn.parallel.DistributedDataParallel(
-                self._adapter, device_ids=ids, find_unused_parameters=False
+                TrainingStepAdapter(module), device_ids=ids, find_unused_parameters=False
             )
             self._wrapped = module
-        self._grads_local = False
-        self._flag_read = None
+        self._stop.reset()
         return self._wrapper
 
     @property
@@ -268,8 +354,6 @@ class DDPStrategy(Strategy):
         wrapper = self._wrapper
         if wrapper is None:
             return nullcontext()
-        # This step's gradients (the stop flag's too) stay local: nothing to read.
-        self._grads_local = True
         return wrapper.no_sync()
 
     def prepare_train_data(self, data: Any) -> Any:
@@ -339,30 +423,10 @@ class DDPStrategy(Strategy):
             self._stop_group = group
         return group
 
-    def _read_carried_flag(self) -> bool | None:
-        """Whether the stop flag carried by the last gradient all-reduce says a rank
-        asked (None: no all-reduce has carried it since the last read). On CUDA the
-        value is copied to the host without waiting and read at the next boundary."""
-        adapter = self._adapter
-        flag = None if adapter is None else adapter.stop_flag
-        if flag is None:
-            return None
-        grad = flag.grad
-        if grad is not None:
-            flag.grad = None  # the strategy's own adapter: read once
-        if grad is not None and grad.device.type == "cuda":
-            host = torch.empty((), dtype=grad.dtype, pin_memory=True)
-            host.copy_(grad, non_blocking=True)
-            event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-            event.record()
-            earlier, self._flag_read = self._flag_read, (host, event)
-            if earlier is None:
-                return None
-            earlier[1].synchronize()  # the step before this one: done by now
-            return bool(earlier[0].item() > 0)
-        if grad is None:
-            return None
-        return bool(grad.item() > 0)
+    def _start_stop_reduce(self, flag: torch.Tensor) -> Any:
+        return dist.all_reduce(
+            flag, op=dist.ReduceOp.MAX, group=self._stop_process_group(), async_op=True
+        )
 
     def _agree_on_stop(self, state: RunState) -> None:
         """A rank asked to stop: every rank learns who and why, and stops."""
@@ -377,22 +441,14 @@ class DDPStrategy(Strategy):
         state.confirm_stop("stop requested (on another rank)")
 
     def exchange_stop(self, state: RunState) -> None:
-        # Every rank reads the same averaged flag at the same boundary, so every rank
-        # reaches the same decision (and makes the same collectives after it).
-        if self._grads_local:
-            self._grads_local = False
-            return
-        if not state.stop_requested and self._read_carried_flag():
-            self._agree_on_stop(state)
+        self._stop.boundary(state)
 
     def settle_stop(self, state: RunState) -> None:
+        self._stop.settle(state)
         if state.stop_requested:
             return
-        if self._read_carried_flag():
-            self._agree_on_stop(state)
-            return
         # Rare boundaries (after a validation, between epochs): a blocking all-reduce
-        # of the flag, for the requests made since the last gradient all-reduce.
+        # of the flag, for the requests made since the last exchange.
         flag = self._stop_flag
         flag[0] = 0 if state.pending_stop is None else 1
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_process_group())
@@ -444,9 +500,11 @@ def _distributed_sampler(data: DataLoader[Any]) -> DistributedSampler[Any] | Non
     return None
 
 
-def resolve_strategy(name: str, process_group_timeout: float) -> Strategy:
+def resolve_strategy(
+    name: str, process_group_timeout: float, stop_check_interval: float = 0.05
+) -> Strategy:
     if name == "auto":
         name = "ddp" if launched_distributed() else "single"
     if name == "ddp":
-        return DDPStrategy(process_group_timeout)
+        return DDPStrategy(process_group_timeout, stop_check_interval)
     return SingleProcess()

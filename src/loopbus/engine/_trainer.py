@@ -343,6 +343,12 @@ class Trainer:
     * ``process_group_timeout``: seconds a collective may wait for the other ranks
       before it fails (default 1800, torch's default); a rank that dies is normally
       noticed sooner, since torchrun then stops the others.
+    * ``stop_check_interval``: under DDP, about how many seconds apart the ranks
+      exchange stop requests (default 0.05), in a small asynchronous all-reduce no step
+      waits for: a stop asked on any rank stops every rank at the same step boundary,
+      one to two intervals later. 0 exchanges at every step boundary (a stop then lands
+      one boundary after it was asked, whatever the timing; one all-reduce per step).
+      See ``docs/distributed.md``.
     """
 
     def __init__(
@@ -371,6 +377,7 @@ class Trainer:
         put_lag: int = 4,
         strategy: StrategyName = "auto",
         process_group_timeout: float = 1800.0,
+        stop_check_interval: float = 0.05,
         num_sanity_val_steps: int = 2,
         fast_dev_run: bool | int = False,
         enable_model_summary: bool = True,
@@ -490,8 +497,14 @@ class Trainer:
             },
         )
         timeout = check_number("process_group_timeout", process_group_timeout, exclusive_minimum=0)
+        check_interval = check_number(
+            "stop_check_interval",
+            stop_check_interval,
+            minimum=0,
+            hint="seconds between the ranks' stop checks under DDP (0: every step)",
+        )
         #: How the run is spread over processes (one, or DDP); owns the DDP wrapper.
-        self.strategy: Strategy = resolve_strategy(strategy, float(timeout))
+        self.strategy: Strategy = resolve_strategy(strategy, float(timeout), float(check_interval))
         self.strategy.setup_environment(self.device)
         if self.strategy.is_global_zero:
             if defaulted_epochs:

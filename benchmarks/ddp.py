@@ -33,6 +33,7 @@ check with a collective of its own per step costs, for comparison).
     ./dev bench ddp                                 # defaults below
     ./dev bench ddp --steps 2000 --rounds 15 --hidden 128
     ./dev bench ddp --breakdown
+    ./dev bench ddp --stop-check-interval 0        # a stop exchange at every step
     python benchmarks/ddp.py --backend trio
 """
 
@@ -75,6 +76,12 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--epoch-steps", type=int, default=500, help="steps per epoch (sets the data size)"
     )
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
+    parser.add_argument(
+        "--stop-check-interval",
+        type=float,
+        default=0.05,
+        help="loopbus's stop_check_interval (s; 0: an exchange at every step boundary)",
+    )
     parser.add_argument(
         "--breakdown",
         action="store_true",
@@ -167,10 +174,19 @@ class BenchModule(Module):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-def with_loopbus(dataset: TensorDataset, steps: int, hidden: int, backend: str) -> Module:
+def with_loopbus(
+    dataset: TensorDataset, steps: int, hidden: int, backend: str, stop_check_interval: float
+) -> Module:
     module = BenchModule(hidden)
     loader = DataLoader(dataset, batch_size=BATCH, shuffle=True)
-    trainer = Trainer(max_steps=steps, strategy="ddp", device="cpu", plugins=[], leak_check=None)
+    trainer = Trainer(
+        max_steps=steps,
+        strategy="ddp",
+        device="cpu",
+        plugins=[],
+        leak_check=None,
+        stop_check_interval=stop_check_interval,
+    )
     loopbus.run(trainer.fit, module, loader, backend=backend)
     return module
 
@@ -242,7 +258,7 @@ def worker(args: argparse.Namespace) -> None:
     say(
         f"torch {torch.__version__}, gloo, {world} ranks x {torch.get_num_threads()} torch "
         f"thread, {cpu_model()} ({os.cpu_count()} CPUs), python {sys.version.split()[0]}, "
-        f"loopbus on {args.backend}"
+        f"loopbus on {args.backend}, stop_check_interval={args.stop_check_interval:g} s"
     )
     say(
         f"MLP 32 -> {hidden} -> {hidden} -> 10, batch {BATCH} per rank, {steps} steps "
@@ -251,7 +267,7 @@ def worker(args: argparse.Namespace) -> None:
 
     # Same work: both loops, once each (also the warm-up), must end with the same weights.
     a = hand_written(dataset, steps, hidden).state_dict()
-    b = with_loopbus(dataset, steps, hidden, args.backend).state_dict()
+    b = with_loopbus(dataset, steps, hidden, args.backend, args.stop_check_interval).state_dict()
     same = a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     box: list[Any] = [same]
     dist.broadcast_object_list(box, src=0)  # rank 0's verdict, on every rank
@@ -263,7 +279,9 @@ def worker(args: argparse.Namespace) -> None:
     reduce_us = allreduce_us()
     runs: dict[str, Callable[[], Any]] = {
         "hand": lambda: hand_written(dataset, steps, hidden),
-        "loopbus": lambda: with_loopbus(dataset, steps, hidden, args.backend),
+        "loopbus": lambda: with_loopbus(
+            dataset, steps, hidden, args.backend, args.stop_check_interval
+        ),
     }
     if args.breakdown:
         runs["hand+stop"] = lambda: hand_written(dataset, steps, hidden, stop_check=True)

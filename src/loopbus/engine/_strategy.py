@@ -75,13 +75,16 @@ class TrainingStepAdapter(torch.nn.Module):
     makes DDP synchronise gradients) without touching the module's own ``forward``.
     It adds no parameter of its own: DDP averages exactly the module's gradients."""
 
+    _target: Module
+
     def __init__(self, module: Module) -> None:
         super().__init__()
-        self.module = module
-        self._step = module.training_step
+        self.module = module  # registered: its parameters are the adapter's
+        # The same module as a plain attribute, read without nn.Module's __getattr__.
+        self.__dict__["_target"] = module
 
     def forward(self, batch: Any, ctx: Any) -> Any:
-        return self._step(batch, ctx)
+        return self._target.training_step(batch, ctx)
 
 
 class StopExchange:

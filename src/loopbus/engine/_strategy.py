@@ -163,11 +163,7 @@ class StopExchange:
 
     def _check(self, state: RunState) -> None:
         now = self._clock()
-        steps = 1
-        if self._work is not None:
-            asked, steps = self._read()
-            if asked and not state.stop_requested:
-                self._agree(state)
+        steps = 1 if self._work is None else self._read(state)
         if state.stop_requested:
             return
         # This rank's proposal for the interval after the next check, from its pace
@@ -183,19 +179,21 @@ class StopExchange:
         self._countdown = self._steps = steps
         self._last = now
 
-    def _read(self) -> tuple[bool, int]:
+    def _read(self, state: RunState) -> int:
+        """Wait for the exchange in flight and act on it: agree on a stop if a rank asked;
+        the number of steps to the next check."""
         self._work.wait()
         self._work = None
         asked, negative_steps = self._buf.tolist()
-        return asked > 0, -negative_steps
+        if asked > 0 and not state.stop_requested:
+            self._agree(state)
+        return int(-negative_steps)
 
     def settle(self, state: RunState) -> None:
         """At a rare boundary: read the exchange in flight, if any (agreeing on a stop it
         carries); the next boundary starts a new one."""
         if self._work is not None:
-            asked, _ = self._read()
-            if asked and not state.stop_requested:
-                self._agree(state)
+            self._read(state)
         # Check at the next boundary, timing the pace over the boundaries actually
         # passed since the last check.
         self._steps = max(self._steps - self._countdown, 0) + 1
@@ -277,12 +275,6 @@ class DDPStrategy(Strategy):
         self._stop = StopExchange(stop_check_interval, self._start_stop_reduce, self._agree_on_stop)
         # The blocking exchange of the rare boundaries: one flag.
         self._stop_flag = torch.zeros(1, dtype=torch.int32)
-
-    @property
-    def stop_exchange(self) -> StopExchange:
-        """How this strategy makes stop requests collective (its schedule is public for
-        tests and tools; the strategy drives it)."""
-        return self._stop
 
     @property
     def distributed(self) -> bool:
@@ -504,7 +496,7 @@ def _distributed_sampler(data: DataLoader[Any]) -> DistributedSampler[Any] | Non
 
 
 def resolve_strategy(
-    name: str, process_group_timeout: float, stop_check_interval: float = 0.05
+    name: str, process_group_timeout: float, stop_check_interval: float
 ) -> Strategy:
     if name == "auto":
         name = "ddp" if launched_distributed() else "single"

@@ -15,7 +15,11 @@ from loopbus import Module, Plugin, Trainer, on
 from loopbus.events import PutRecord, TrainBatchCompleted, TrainBatchStarted
 from loopbus.plugins import CSVLogger, ProgressBar
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    # torch warns once per process that the sync debug mode is a prototype.
+    pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning"),
+]
 
 
 class Eight(Module):

@@ -61,6 +61,20 @@ def copy_stream(device: torch.device) -> Any:
     return stream
 
 
+def _index(device: torch.device) -> int:
+    """The index of a CUDA ``device`` (the current device for plain ``cuda``)."""
+    return torch.cuda.current_device() if device.index is None else device.index
+
+
+def _switch_stream(stream: Any) -> Any:
+    """Make ``stream`` the current stream of its device; return the one it replaces (to
+    hand back to ``torch.cuda.set_stream``). ``torch.cuda.stream(...)`` does the same but
+    looks the current device up twice per use: too slow for a per-step path."""
+    previous = torch.cuda.current_stream(stream.device_index)
+    torch.cuda.set_stream(stream)
+    return previous
+
+
 class _Opaque(Exception):
     """A batch holds an object whose device tensors cannot be reached."""
 
@@ -153,6 +167,7 @@ class CudaBatchSource:
         "_compute",
         "_copy",
         "_device",
+        "_index",
         "_inner",
         "_pin",
         "_ready",
@@ -168,7 +183,8 @@ class CudaBatchSource:
         self.depth = max(1, int(depth))
         self._pin = pin
         self._copy = copy_stream(device)
-        self._compute = torch.cuda.current_stream(device)
+        self._index = _index(device)
+        self._compute = torch.cuda.current_stream(self._index)
         # (device batch, event, device tensors or None when moved on the compute
         # stream, the loader position as of that batch)
         self._ready: deque[tuple[Any, Any, list[_Tensor] | None, Any]] = deque()
@@ -186,17 +202,20 @@ class CudaBatchSource:
             stream = self._copy
             # The copy may get memory the compute stream freed and still reads.
             stream.wait_stream(self._compute)
+            previous = _switch_stream(stream)
             try:
-                with torch.cuda.stream(stream):
-                    moved = move_batch(host, self._device, made, opaque_ok=False)
-                    event = torch.cuda.Event()  # type: ignore[no-untyped-call]
-                    event.record(stream)
+                moved = move_batch(host, self._device, made, opaque_ok=False)
+                event = torch.cuda.Event()  # type: ignore[no-untyped-call]
+                event.record(stream)
                 ready.append((moved, event, made, position))
             except _Opaque:
                 # Tensors the copy stream cannot hand over safely: move on the
                 # compute stream (ordered with the step, no overlap).
+                torch.cuda.set_stream(previous)
                 moved = move_batch(host, self._device)
                 ready.append((moved, None, None, position))
+            finally:
+                torch.cuda.set_stream(previous)
             del host
 
     def has_next(self) -> bool:
@@ -263,22 +282,25 @@ class Readback:
     those buffers once their copy is done: a ring without a fixed size) on a side
     stream that first waits on the compute stream, and an event marks the copy."""
 
-    __slots__ = ("_device", "_stream", "device_type")
+    __slots__ = ("_device", "_index", "_stream", "device_type")
 
     def __init__(self, device: torch.device) -> None:
         self._device = device
+        self._index = _index(device)
         #: The type of device whose tensors it reads (``"cuda"``).
         self.device_type = device.type
         self._stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
 
     def start(self, tensors: list[_Tensor]) -> Reading:
         stream = self._stream
-        stream.wait_stream(torch.cuda.current_stream(self._device))
+        compute = torch.cuda.current_stream(self._index)
+        stream.wait_stream(compute)
         groups: dict[Any, list[int]] = {}
         for i, tensor in enumerate(tensors):
             groups.setdefault(tensor.dtype, []).append(i)
         hosts: list[tuple[list[int], _Tensor]] = []
-        with torch.cuda.stream(stream):
+        torch.cuda.set_stream(stream)
+        try:
             for dtype, indices in groups.items():
                 parts = []
                 for i in indices:
@@ -295,6 +317,8 @@ class Readback:
                 hosts.append((indices, host))
             event = torch.cuda.Event()  # type: ignore[no-untyped-call]
             event.record(stream)
+        finally:
+            torch.cuda.set_stream(compute)
         return Reading(hosts, event, len(tensors))
 
 

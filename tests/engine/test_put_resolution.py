@@ -85,3 +85,18 @@ def test_resolve_reads_each_dtype_once_and_keeps_types() -> None:
     assert out == [1.5, 3, 2, 2.5, True, 0.5, 7]
     assert [type(v) for v in out] == [float, int, int, float, bool, float, int]
     assert _resolve([1, 2.0]) == [1, 2.0]
+
+
+def test_scalar_detaches_and_reshapes_only_what_needs_it() -> None:
+    from loopbus.engine._device import scalar
+
+    w = torch.ones(1, requires_grad=True)
+    graph = (w * 3).sum()  # 0-d, requires grad
+    detached = scalar(graph)
+    assert (detached.ndim, detached.requires_grad, float(detached)) == (0, False, 3.0)
+    plain = torch.tensor(2.5)
+    assert scalar(plain) is plain  # nothing to do: no dispatch
+    vector = torch.tensor([[7.0]])
+    assert (scalar(vector).shape, float(scalar(vector))) == (torch.Size([]), 7.0)
+    # Stacking what scalar returns builds no backward node.
+    assert torch.stack([scalar(graph), scalar(plain)]).grad_fn is None

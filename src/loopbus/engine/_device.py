@@ -45,6 +45,7 @@ __all__ = [
     "move_batch",
     "pin_batch",
     "readback_for",
+    "scalar",
 ]
 
 _Tensor = torch.Tensor
@@ -59,6 +60,16 @@ def copy_stream(device: torch.device) -> Any:
     if stream is None:
         stream = _COPY_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
     return stream
+
+
+def scalar(value: _Tensor) -> _Tensor:
+    """A one-element tensor as a 0-d tensor outside autograd, ready to stack with others.
+    Only what needs it is reshaped or detached: each of those is a dispatch, several
+    times the cost of checking (stacking a tensor that requires grad also builds a
+    backward node nobody uses)."""
+    if value.requires_grad:
+        value = value.detach()
+    return value if value.ndim == 0 else value.reshape(())
 
 
 def _index(device: torch.device) -> int:
@@ -307,10 +318,9 @@ class Readback:
                     tensor = tensors[i]
                     # Made on the compute stream, read here: not recycled before that.
                     tensor.record_stream(stream)
-                    value = tensor.detach()
-                    if value.layout is not torch.strided:
-                        value = value.to_dense()
-                    parts.append(value.reshape(()))
+                    if tensor.layout is not torch.strided:
+                        tensor = tensor.to_dense()
+                    parts.append(scalar(tensor))
                 stacked = torch.stack(parts)
                 host = torch.empty(stacked.shape, dtype=dtype, pin_memory=True)
                 host.copy_(stacked, non_blocking=True)

@@ -342,7 +342,7 @@ def _resolve(values: list[Any]) -> list[Any]:
             for i in indices:
                 out[i] = values[i].item()
             continue
-        numbers = torch.stack([values[i].reshape(()) for i in indices]).tolist()
+        numbers = torch.stack([_device.scalar(values[i]) for i in indices]).tolist()
         for i, number in zip(indices, numbers, strict=True):
             out[i] = number
     return out

@@ -218,15 +218,16 @@ class CudaBatchSource:
                 moved = move_batch(host, self._device, made, opaque_ok=False)
                 event = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 event.record(stream)
-                ready.append((moved, event, made, position))
             except _Opaque:
-                # Tensors the copy stream cannot hand over safely: move on the
-                # compute stream (ordered with the step, no overlap).
-                torch.cuda.set_stream(previous)
-                moved = move_batch(host, self._device)
-                ready.append((moved, None, None, position))
+                event = None
             finally:
                 torch.cuda.set_stream(previous)
+            if event is None:
+                # Tensors the copy stream cannot hand over safely: move on the
+                # compute stream (ordered with the step, no overlap).
+                ready.append((move_batch(host, self._device), None, None, position))
+            else:
+                ready.append((moved, event, made, position))
             del host
 
     def has_next(self) -> bool:
@@ -293,10 +294,9 @@ class Readback:
     those buffers once their copy is done: a ring without a fixed size) on a side
     stream that first waits on the compute stream, and an event marks the copy."""
 
-    __slots__ = ("_device", "_index", "_stream", "device_type")
+    __slots__ = ("_index", "_stream", "device_type")
 
     def __init__(self, device: torch.device) -> None:
-        self._device = device
         self._index = _index(device)
         #: The type of device whose tensors it reads (``"cuda"``).
         self.device_type = device.type

@@ -123,7 +123,7 @@ class Sample:
 
 
 def test_nested_tensors_get_record_stream_and_arrive_on_the_device() -> None:
-    from loopbus.engine._loops import BatchSource
+    from loopbus.engine._sources import BatchSource
 
     host = [Sample(torch.ones(3) * i, (torch.ones(2) * i, [torch.ones(1) * i])) for i in range(3)]
     source = CudaBatchSource(BatchSource(iter(host)), CUDA, depth=2)

@@ -114,18 +114,17 @@ async def test_on_cpu_no_device_source_is_chosen() -> None:
         def __init__(self) -> None:
             super().__init__()
             self.w = torch.nn.Linear(1, 1)
-            self.paths: list[Any] = []
+            self.batches: list[Any] = []
 
         def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
-            self.paths.append(self.trainer.step_path)
+            self.batches.append(batch)
             return self.w(batch).sum()
 
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     module = Tiny()
-    await Trainer(max_steps=1, plugins=[], device="cpu", prefetch=1).fit(module, [torch.ones(1, 1)])
-    path = module.paths[0]
-    assert path.device_source is None
-    assert path.prepare is None
-    assert path.move_to is None
+    data = [torch.ones(1, 1)]
+    await Trainer(max_steps=1, plugins=[], device="cpu", prefetch=1).fit(module, data)
+    # Neither moved, nor pinned, nor copied: the very batch the loader made.
+    assert module.batches[0] is data[0]

@@ -8,7 +8,6 @@ import pytest
 import torch
 
 from loopbus import Module, Plugin, PutRecord, Trainer, on
-from loopbus.engine._records import Recorder, bind_recorder
 from loopbus.events import TrainBatchCompleted
 from tests.helpers import TinyModule, make_loader
 
@@ -17,14 +16,17 @@ from tests.helpers import TinyModule, make_loader
 def module() -> Module:
     m = TinyModule()
     trainer = Trainer(plugins=[])
-    bind_recorder(m, Recorder(trainer, trainer.bus), "TinyModule")
+    m.bind_recorder(trainer.recorder, "TinyModule")
+    _RECORDERS[m] = trainer.recorder
     return m
 
 
+# The recorder each test module's put goes to.
+_RECORDERS: weakref.WeakKeyDictionary[Module, Any] = weakref.WeakKeyDictionary()
+
+
 def pending(m: Module) -> list[Any]:
-    recorder = m._loopbus_recorder
-    assert recorder is not None
-    return recorder.pending
+    return _RECORDERS[m].pending  # type: ignore[no-any-return]
 
 
 def test_put_accepts_numbers_and_one_element_tensors(module: Module) -> None:

@@ -10,6 +10,7 @@ import importlib.util
 import io
 import math
 import warnings
+import weakref
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,6 @@ from hypothesis import strategies as st
 import loopbus
 from loopbus import Module, PutRecord, Trainer
 from loopbus.engine import _records
-from loopbus.engine._records import Recorder, bind_recorder
 from loopbus.plugins import CSVLogger, JSONLLogger, ProgressBar, read_csv, read_jsonl
 from loopbus.stream import record_fields
 from tests.helpers import TinyModule, make_loader
@@ -39,14 +39,17 @@ INT_MAX = 2**64 - 1
 def module() -> Module:
     m = TinyModule()
     trainer = Trainer(plugins=[])
-    bind_recorder(m, Recorder(trainer, trainer.bus), "TinyModule")
+    m.bind_recorder(trainer.recorder, "TinyModule")
+    _RECORDERS[m] = trainer.recorder
     return m
 
 
+# The recorder each test module's put goes to.
+_RECORDERS: weakref.WeakKeyDictionary[Module, Any] = weakref.WeakKeyDictionary()
+
+
 def pending(m: Module) -> list[Any]:
-    recorder = m._loopbus_recorder
-    assert recorder is not None
-    return recorder.pending
+    return _RECORDERS[m].pending  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- (a) refused at put
@@ -297,7 +300,7 @@ def _deliverable_name(name: str) -> bool:
 def test_put_accepts_a_name_exactly_when_every_consumer_carries_it(name: str) -> None:
     m = TinyModule()
     trainer = Trainer(plugins=[])
-    bind_recorder(m, Recorder(trainer, trainer.bus), "TinyModule")
+    m.bind_recorder(trainer.recorder, "TinyModule")
     try:
         m.put(name, 1.0)
     except ValueError:
@@ -315,7 +318,7 @@ def test_put_accepts_a_name_exactly_when_every_consumer_carries_it(name: str) ->
 def test_put_accepts_an_int_exactly_when_msgpack_carries_it(value: int) -> None:
     m = TinyModule()
     trainer = Trainer(plugins=[])
-    bind_recorder(m, Recorder(trainer, trainer.bus), "TinyModule")
+    m.bind_recorder(trainer.recorder, "TinyModule")
     try:
         msgspec.msgpack.encode(value)
     except OverflowError:

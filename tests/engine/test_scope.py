@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loopbus import Plugin, Scope, ScopeLeakError, Trainer, on
-from loopbus.engine._scope import drop_scope, new_scope
+from loopbus.engine._scope import TrackedScope, drop_scope, new_scope
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted, TrainEpochStarted
 from tests.helpers import TinyModule, make_loader
 
@@ -59,7 +59,8 @@ def test_leak_check_names_value_loop_hook_and_holder() -> None:
 
     holder = Holder()
     ctx = new_scope(None, tracked=True, loop="train")
-    object.__setattr__(ctx, "_hook", "advance")
+    assert isinstance(ctx, TrackedScope)
+    ctx.enter_hook("advance")
     ctx.output = torch.ones(3)
     holder.kept.append(ctx.output)
     with pytest.raises(

@@ -429,19 +429,20 @@ def test_trainer_module_and_plugins_are_garbage_collected_after_fit() -> None:
 
 
 def test_auto_device_takes_the_local_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
-    from loopbus.engine._trainer import _resolve_device
+    def auto_device() -> torch.device:
+        return Trainer(device="auto", plugins=[]).device
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "3")
-    assert _resolve_device("auto") == torch.device("cuda", 3)
+    assert auto_device() == torch.device("cuda", 3)
     monkeypatch.setenv("LOCAL_RANK", "5")
-    assert _resolve_device("auto") == torch.device("cuda", 1)
+    assert auto_device() == torch.device("cuda", 1)
     monkeypatch.delenv("LOCAL_RANK")
-    assert _resolve_device("auto") == torch.device("cuda")
+    assert auto_device() == torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setenv("LOCAL_RANK", "1")
-    assert _resolve_device("auto") == torch.device("cpu")
+    assert auto_device() == torch.device("cpu")
 
 
 def test_misspelt_and_lightning_options_are_explained() -> None:

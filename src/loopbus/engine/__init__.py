@@ -15,6 +15,7 @@ from ._loops import FitLoop as FitLoop
 from ._loops import PredictionLoop as PredictionLoop
 from ._loops import TrainEpochLoop as TrainEpochLoop
 from ._module import Module as Module
+from ._options import TrainerOptions as TrainerOptions
 from ._plugin import Delivery as Delivery
 from ._plugin import Plugin as Plugin
 from ._precision import Precision as Precision
@@ -56,6 +57,7 @@ __all__ = [
     "Stateful",
     "TrainEpochLoop",
     "Trainer",
+    "TrainerOptions",
     "latest_checkpoint",
     "load_checkpoint",
     "register_destination",

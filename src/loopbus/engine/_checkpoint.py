@@ -709,3 +709,56 @@ def resolve_best(plugins: Iterable[Any]) -> Path:
             "ckpt_path=plugin.best_model_path."
         )
     return Path(os.fspath(found[0][1]))
+
+
+def resolve_weights_path(
+    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
+) -> str | os.PathLike[str]:
+    """The checkpoint ``ckpt_path`` names for loading weights: ``"best"`` (the best of
+    the plugin that monitors a record), ``"last"`` (the newest; an error if none was
+    written) or a path as it is. The names are resolved once, on rank 0, and broadcast
+    (``strategy.broadcast_object``), so every rank raises the same error or loads the
+    same file."""
+    if ckpt_path not in ("best", "last"):
+        return ckpt_path
+    found: Path | None = None
+    problem: str | None = None
+    if strategy.is_global_zero:
+        try:
+            if ckpt_path == "best":
+                found = resolve_best(plugins)
+            else:
+                found = resolve_last(plugins, warn=False)
+                if found is None:
+                    problem = (
+                        "ckpt_path='last' but no checkpoint has been written yet, so "
+                        "there are no weights to load; fit first, or pass the path "
+                        "of a checkpoint."
+                    )
+        except MisconfigurationError as exc:
+            problem = str(exc)
+    found, problem = strategy.broadcast_object((found, problem))
+    if problem is not None:
+        raise MisconfigurationError(problem)
+    assert found is not None
+    return found
+
+
+def resolve_resume_path(
+    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
+) -> str | os.PathLike[str] | None:
+    """The checkpoint ``fit(ckpt_path=...)`` resumes from: ``"last"`` is the newest of
+    the plugins that write them (None, with a warning, when there is none yet), resolved
+    once on rank 0 and broadcast so that every rank loads the same file; anything else
+    as it is."""
+    if ckpt_path != "last":
+        return ckpt_path
+    found = resolve_last(plugins) if strategy.is_global_zero else None
+    return strategy.broadcast_object(found)  # type: ignore[no-any-return]
+
+
+def load_weights(path: str | os.PathLike[str], module: torch.nn.Module) -> None:
+    """Load the weights (only those) of the checkpoint at ``path`` into ``module``."""
+    state = load_checkpoint(path)
+    weights: dict[str, Any] = {k: state[k] for k in ("loopbus", "module") if k in state}
+    load_state({"module": ModulePart(module)}, weights, strict=True, source=str(path))

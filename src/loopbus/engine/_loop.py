@@ -40,6 +40,7 @@ from ._scope import (
     LeakCheck,
     Scope,
     Suspect,
+    TrackedScope,
     check_suspects,
     collect_suspects,
     new_scope,
@@ -88,8 +89,8 @@ def _snake(name: str) -> str:
 def _labelled(hook: Any, label: str) -> Any:
     """``hook`` that first marks the iteration scope with the hook's name."""
 
-    async def call(it: Scope) -> None:
-        object.__setattr__(it, "_hook", label)
+    async def call(it: TrackedScope) -> None:
+        it.enter_hook(label)
         await hook(it)
 
     return call
@@ -152,6 +153,8 @@ class Loop(Generic[T]):
         self.progress = Progress()
         self._restarting = False
         self._trainer: Trainer | None = None
+        # What the running stage gives the loop (the built-in loops' LoopHost).
+        self._host: Any = None
         self.bus: EventBus | None = None
         self.leak_check: LeakCheck = _default_leak_check()
         #: The scope of the current run (cleared, so empty, once the run has ended).
@@ -169,16 +172,22 @@ class Loop(Generic[T]):
         bus: EventBus | None = None,
         trainer: Trainer | None = None,
         leak_check: LeakCheck | str = "inherit",
+        host: Any = None,
     ) -> None:
-        """Connect this loop and its sub-loops to a bus (and trainer)."""
+        """Connect this loop and its sub-loops to a bus (and trainer); ``host`` is what a
+        stage gives its loops when it starts (see ``LoopHost``)."""
         if bus is not None:
             self.bus = bus
         if trainer is not None:
             self._trainer = trainer
         if leak_check != "inherit":
             self.leak_check = leak_check  # type: ignore[assignment]
+        if host is not None:
+            self._host = host
         for child in self.children.values():
-            child.attach(bus=self.bus, trainer=self._trainer, leak_check=self.leak_check)
+            child.attach(
+                bus=self.bus, trainer=self._trainer, leak_check=self.leak_check, host=self._host
+            )
 
     @property
     def trainer(self) -> Trainer:
@@ -203,7 +212,9 @@ class Loop(Generic[T]):
             if not isinstance(loop, Loop):
                 raise TypeError(f"connect({name}=...) needs a Loop instance, got {loop!r}.")
             setattr(self, name, loop)
-            loop.attach(bus=self.bus, trainer=self._trainer, leak_check=self.leak_check)
+            loop.attach(
+                bus=self.bus, trainer=self._trainer, leak_check=self.leak_check, host=self._host
+            )
 
     def replace(self, **loops: Loop[Any] | type[Loop[Any]]) -> None:
         """Replace sub-loops by instance, or by class with the same ``__init__`` signature
@@ -329,8 +340,8 @@ class Loop(Generic[T]):
         self.run_ctx = ctx
         ok = False
         try:
-            if tracked:
-                object.__setattr__(ctx, "_hook", "on_run_start")
+            if isinstance(ctx, TrackedScope):
+                ctx.enter_hook("on_run_start")
             await self.on_run_start(ctx, *args, **kwargs)
             entries = table[events.run_started]
             if entries:
@@ -347,8 +358,8 @@ class Loop(Generic[T]):
                 suspects = []
             if self._restarting:
                 self.restarting = False
-            if tracked:
-                object.__setattr__(ctx, "_hook", "on_run_end")
+            if isinstance(ctx, TrackedScope):
+                ctx.enter_hook("on_run_end")
             output = await self.on_run_end(ctx)
             entries = table[events.run_completed]
             if entries:

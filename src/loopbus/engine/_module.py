@@ -16,7 +16,8 @@ from ._records import PutMixin
 from ._scope import Scope
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    # The public type, for the public signatures (as a user's module names it).
+    from loopbus import Trainer
 
 __all__ = ["Module", "check_hparams"]
 
@@ -223,6 +224,12 @@ class Module(PutMixin, torch.nn.Module):
         )
 
     # -- access to the run
+    def bind_trainer(self, trainer: Trainer | None) -> None:
+        """Attach the module to the trainer running it (None: detach). Called by the
+        trainer when a stage starts and ends; :attr:`trainer` reads it."""
+        # Its own attribute, set past nn.Module.__setattr__ (the trainer is no submodule).
+        self.__dict__["_loopbus_trainer"] = trainer
+
     @property
     def trainer(self) -> Trainer:
         trainer = self.__dict__.get("_loopbus_trainer")

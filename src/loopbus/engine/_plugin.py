@@ -14,7 +14,8 @@ from ._records import PutMixin
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from ._trainer import Trainer
+    # The public type, for the public signatures (as a user's plugin names it).
+    from loopbus import Trainer
 
 __all__ = ["Delivery", "Plugin"]
 

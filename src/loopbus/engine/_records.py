@@ -15,13 +15,14 @@ from collections import deque
 from collections.abc import Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
+import msgspec
 import torch
 
-from ..events import DESTINATIONS, Event, EventBus, PutRecord
+from ..events import DESTINATIONS, CustomEvent, Event, EventBus, PutRecord
 from . import _device
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from ._runstate import RunState
 
 __all__ = ["PutMixin", "Publication", "Recorder"]
 
@@ -250,10 +251,21 @@ def _coerce(name: str, value: Any) -> float | int | bool:
 
 
 class PutMixin:
-    """Gives ``put`` and ``put_dict`` to modules and plugins."""
+    """Gives ``put`` and ``put_dict`` to modules and plugins.
+
+    Where records go is bound explicitly: the trainer calls :meth:`bind_recorder` on the
+    module and on each plugin when a stage starts (and with None when it ends)."""
 
     _loopbus_recorder: Recorder | None = None
     _loopbus_source: str = ""
+
+    def bind_recorder(self, recorder: Recorder | None, source: str = "") -> None:
+        """Send this object's ``put`` records to ``recorder`` with ``source`` as their
+        source (None: outside a stage, where ``put`` raises). Called by the trainer when
+        a stage starts and ends."""
+        # Its own attributes, set past nn.Module.__setattr__ (not parameters or buffers).
+        object.__setattr__(self, "_loopbus_recorder", recorder)
+        object.__setattr__(self, "_loopbus_source", source)
 
     def put(self, name: str, value: Any, destinations: Any = None) -> None:
         """Publish ``value`` under ``name`` to ``destinations`` (default: all of
@@ -314,12 +326,6 @@ class PutMixin:
             if pending is not None:
                 del pending[mark:]  # the items put before the refused one
             raise
-
-
-def bind_recorder(obj: object, recorder: Recorder | None, source: str) -> None:
-    """Point ``obj.put`` at ``recorder`` (bypassing ``nn.Module.__setattr__``)."""
-    object.__setattr__(obj, "_loopbus_recorder", recorder)
-    object.__setattr__(obj, "_loopbus_source", source)
 
 
 def _resolve(values: list[Any]) -> list[Any]:
@@ -435,11 +441,12 @@ class Recorder:
         "latest",
         "pending",
         "readback",
-        "trainer",
+        "state",
     )
 
-    def __init__(self, trainer: Trainer, bus: EventBus, lag: int = 4) -> None:
-        self.trainer = trainer
+    def __init__(self, state: RunState, bus: EventBus, lag: int = 4) -> None:
+        #: The run state whose step and epoch the records carry.
+        self.state = state
         self.bus = bus
         self.pending: list[Pending] = []
         self.latest: dict[str, PutRecord | tuple[Any, ...]] = {}
@@ -476,7 +483,35 @@ class Recorder:
         self.pending.clear()
         self.inflight.clear()
 
+    async def flush_pending(self) -> None:
+        """:meth:`flush` if anything waits (a rare boundary: an epoch's or a pass's end)."""
+        if self.pending or self.inflight:
+            await self.flush()
 
+    def publish(self, event: Event) -> Publication:
+        """``trainer.publish``: check ``event``, stamp a :class:`CustomEvent` left with
+        ``step``/``epoch`` at -1 with the run's, and queue it (see :meth:`queue_event`).
+        Raises :class:`RuntimeError` while no stage runs, where nothing would deliver it."""
+        if not isinstance(event, Event):
+            raise TypeError(
+                f"trainer.publish() takes an event (an instance of a loopbus.Event "
+                f"subclass), got {event!r}."
+            )
+        state = self.state
+        if state.stage is None:
+            raise RuntimeError(
+                f"trainer.publish({type(event).__name__}(...)) was called while no stage "
+                "runs, so nothing would deliver it; publish from a step, a handler or a "
+                "plugin while fit/validate/test/predict runs, or call "
+                "`await trainer.bus.publish(event)`."
+            )
+        if isinstance(event, CustomEvent) and (event.step < 0 or event.epoch < 0):
+            event = msgspec.structs.replace(
+                event,
+                step=state.step if event.step < 0 else event.step,
+                epoch=state.epoch if event.epoch < 0 else event.epoch,
+            )
+        return self.queue_event(event)
 
     def queue_event(self, event: Event) -> Publication:
         """Queue ``event`` for delivery at the next flush, after what is pending."""
@@ -527,7 +562,7 @@ class Recorder:
         if not pending:
             return
         self.pending = []
-        state = self.trainer.state
+        state = self.state
         routed = self._route(pending, state.step, state.epoch)
         if routed:
             values = _resolve([item[1] for item, _ in routed])
@@ -546,7 +581,7 @@ class Recorder:
         readback = self.readback
         if pending:
             self.pending = []
-            state = self.trainer.state
+            state = self.state
             step, epoch = state.step, state.epoch
             routed = self._route(pending, step, epoch)
             if routed:
@@ -575,12 +610,15 @@ class Recorder:
     def _route(self, pending: list[Pending], step: int, epoch: int) -> list[tuple[Pending, Any]]:
         """The entries each pending item goes to; records nobody listens to are kept
         unread in ``latest`` (read when someone asks: :meth:`latest_records`)."""
-        route = self.bus.route
+        bus = self.bus
+        routes = bus.routes
         latest = self.latest
         routed: list[tuple[Pending, Any]] = []
         for item in pending:
             destinations = item[2]
-            entries = route(destinations)
+            entries = routes.get(destinations)
+            if entries is None:
+                entries = bus.route(destinations)
             if entries:
                 routed.append((item, entries))
             elif destinations is EVENT_ENTRY:

@@ -160,13 +160,9 @@ def plain_scope(parent: Scope | None) -> Scope:
 
 
 def new_scope(parent: Scope | None, tracked: bool, loop: str = "") -> Scope:
-    scope: Scope = TrackedScope() if tracked else Scope()
+    scope: Scope = TrackedScope(loop) if tracked else Scope()
     scope._parent = parent
     scope._borrowed = None
-    if tracked:
-        object.__setattr__(scope, "_loop", loop)
-        object.__setattr__(scope, "_hook", "")
-        object.__setattr__(scope, "_origins", {})
     return scope
 
 
@@ -179,6 +175,11 @@ class TrackedScope(Scope):
     _hook: str
     _origins: dict[str, tuple[str, str]]
 
+    def __init__(self, loop: str = "") -> None:
+        object.__setattr__(self, "_loop", loop)
+        object.__setattr__(self, "_hook", "")
+        object.__setattr__(self, "_origins", {})
+
     def __setattr__(self, name: str, value: Any) -> None:
         if name.startswith("_"):
             object.__setattr__(self, name, value)
@@ -189,6 +190,10 @@ class TrackedScope(Scope):
             )
         self.__dict__[name] = value
         self._origins[name] = (self._loop, self._hook)
+
+    def enter_hook(self, hook: str) -> None:
+        """Name the hook that runs now: values set from here on are traced to it."""
+        object.__setattr__(self, "_hook", hook)
 
     def _origin_of(self, name: str) -> tuple[str, str] | None:
         return self._origins.pop(name, None)

@@ -220,7 +220,9 @@ class Strategy:
         """Called when the trainer is built."""
 
     def wrap(self, module: Module, state: RunState) -> Any:
-        """What the training step's forward calls: ``module.training_step`` here."""
+        """What the training step's forward calls (``fit`` starts): ``module.training_step``
+        here; a distributed strategy's wrapper of it, which also makes ``state``'s stop
+        requests collective."""
         return module.training_step
 
     def unwrap(self) -> None:
@@ -234,8 +236,8 @@ class Strategy:
         return data
 
     def exchange_stop(self, state: RunState) -> None:
-        """At a batch boundary: make stop requests collective (under DDP, through the
-        gradient all-reduce, without a collective of its own)."""
+        """At a batch boundary: make stop requests collective (nothing to do in one
+        process; under DDP a periodic asynchronous exchange, see :class:`StopExchange`)."""
 
     def settle_stop(self, state: RunState) -> None:
         """At a rare boundary (after validation, between epochs): agree on every stop
@@ -334,6 +336,8 @@ class DDPStrategy(Strategy):
             )
             self._wrapped = module
         self._stop.reset()
+        # Stop requests wait for the ranks to agree (see exchange_stop).
+        state.make_stop_collective()
         return self._wrapper
 
     @property

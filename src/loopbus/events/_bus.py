@@ -369,7 +369,9 @@ class EventBus:
         self._subs: list[Subscription] = []
         self._seq = 0
         self.table = _Table(self)
-        self._routes: dict[tuple[str, ...], tuple[Entry, ...]] = {}
+        #: The cache :meth:`route` fills, destinations -> record subscribers: read it to
+        #: skip a call where the route is usually cached; only the bus writes to it.
+        self.routes: dict[tuple[str, ...], tuple[Entry, ...]] = {}
         self._tg: TaskGroup | None = None
         self.failure: HandlerError | None = None
         self._consumers: list[anyio.CancelScope] = []
@@ -505,7 +507,7 @@ class EventBus:
 
     def _changed(self) -> None:
         self.table.clear()
-        self._routes.clear()
+        self.routes.clear()
 
     def _build(self, event_type: type) -> tuple[Entry, ...]:
         subs = [s for s in self._subs if issubclass(event_type, s.event_type)]
@@ -514,11 +516,11 @@ class EventBus:
 
     def route(self, destinations: tuple[str, ...]) -> tuple[Entry, ...]:
         """The record subscribers whose role is in ``destinations`` (cached)."""
-        entries = self._routes.get(destinations)
+        entries = self.routes.get(destinations)
         if entries is None:
             wanted = set(destinations)
             entries = tuple(e for e in self.table[PutRecord] if e[2].destination in wanted)
-            self._routes[destinations] = entries
+            self.routes[destinations] = entries
         return entries
 
     # ------------------------------------------------------------ publishing

@@ -1,0 +1,304 @@
+"""A stage put together from its parts: what the loops are given (:class:`StageHost`),
+the batch sources, the steps, and the checkpoint registry. Each function takes the parts
+it needs and returns a value; the trainer calls them in sequence when a stage starts.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import anyio
+import anyio.from_thread
+import torch
+
+from .._exceptions import CheckpointError, MisconfigurationError
+from ..events import EventBus
+from ._checkpoint import (
+    GradsPart,
+    HparamsPart,
+    LoaderPart,
+    LoopPart,
+    ModulePart,
+    OptimizerPart,
+    PrecisionPart,
+    RngPart,
+    SchedulerPart,
+)
+from ._device import CudaBatchSource, pin_batch
+from ._loop import Loop
+from ._loops import CollectiveStop, Records, TrainEpochLoop
+from ._module import Module
+from ._optim import LRSchedulers
+from ._options import TrainerOptions
+from ._plugin import Plugin
+from ._precision import Precision
+from ._records import Recorder
+from ._runstate import RunState
+from ._sources import Sources
+from ._state import Stateful
+from ._step import (
+    EvalStep,
+    StepBoundary,
+    StepEvents,
+    StepOptions,
+    TrainStep,
+    build_eval_step,
+    build_train_step,
+)
+from ._strategy import Strategy
+
+__all__ = [
+    "StageHost",
+    "active_plugins",
+    "build_host",
+    "build_registry",
+    "build_sources",
+    "check_registration",
+]
+
+
+class StageHost:
+    """What a stage gives its loops (the ``LoopHost`` they read): the run state, the
+    options, the batch sources, the training step (``fit`` only), the evaluation steps,
+    the records and the collective stop. Built once per stage by :func:`build_host`."""
+
+    __slots__ = ("_eval_step", "_train_step", "collective", "options", "records", "sources", "state")
+
+    def __init__(
+        self,
+        *,
+        state: RunState,
+        options: TrainerOptions,
+        sources: Sources,
+        records: Records,
+        collective: CollectiveStop,
+        train_step: TrainStep | None,
+        eval_step: Callable[[str], EvalStep],
+    ) -> None:
+        self.state = state
+        self.options = options
+        self.sources = sources
+        self.records = records
+        self.collective = collective
+        self._train_step = train_step
+        self._eval_step = eval_step
+
+    @property
+    def train_step(self) -> TrainStep:
+        step = self._train_step
+        if step is None:
+            raise RuntimeError(
+                f"the {self.state.stage!r} stage runs no training step; only fit trains."
+            )
+        return step
+
+    def eval_step(self, stage: str) -> EvalStep:
+        return self._eval_step(stage)
+
+
+def build_sources(options: TrainerOptions) -> Sources:
+    """The batch sources of a stage on ``options.device``: on CUDA with
+    ``device_prefetch``, batches copied ahead on a side stream (pinned on the prefetch
+    worker when there is one); on another accelerator, moved as the loop takes them;
+    on the CPU, as the loader made them."""
+    device = options.device
+    if device.type == "cuda" and options.device_prefetch:
+        return Sources(
+            prefetch=options.prefetch,
+            prepare=pin_batch if options.prefetch else None,
+            device_source=functools.partial(
+                CudaBatchSource, device=device, depth=options.device_prefetch
+            ),
+        )
+    return Sources(
+        prefetch=options.prefetch, move_to=None if device.type == "cpu" else device
+    )
+
+
+def _emit_from_worker(deliver: Callable[[Any, Any], None], entries: Any, event: Any) -> None:
+    """Deliver an in-step event from the worker thread on the event loop's thread."""
+    anyio.from_thread.run_sync(deliver, entries, event)
+
+
+def _evaluation_function(module: Module, stage: str) -> Callable[[Any, Any], Any]:
+    if stage == "validate":
+        return module.validation_step
+    if stage == "test":
+        return module.test_step
+    return module.predict_step
+
+
+def build_host(
+    stage: str,
+    *,
+    module: Module,
+    options: TrainerOptions,
+    state: RunState,
+    recorder: Recorder,
+    bus: EventBus,
+    precision: Precision,
+    strategy: Strategy,
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: LRSchedulers,
+    train_loop: str = "train",
+) -> StageHost:
+    """Everything the loops of ``stage`` run with, chosen once: where steps run (inline,
+    or a worker thread under ``executor="thread"``), the batch sources, the step
+    boundary, and for ``fit`` the training step (its forward through the strategy)."""
+    if options.executor == "thread":
+        worker: anyio.CapacityLimiter | None = anyio.CapacityLimiter(1)
+        emit: Callable[[Any, Any], Any] = functools.partial(_emit_from_worker, bus.deliver_sync)
+    else:
+        worker, emit = None, bus.deliver_sync
+    boundary = StepBoundary(recorder, options.yield_interval)
+    train_step = None
+    if stage == "fit":
+        train_step = build_train_step(
+            forward=strategy.wrap(module, state),
+            optimizers=optimizers,
+            schedulers=schedulers,
+            precision=precision,
+            sync=strategy,
+            state=state,
+            events=StepEvents(bus.table, emit, train_loop, state),
+            options=StepOptions(
+                accumulate=options.accumulate_grad_batches,
+                clip_val=options.gradient_clip_val,
+                clip_algorithm=options.gradient_clip_algorithm,
+                automatic=bool(module.automatic_optimization),
+            ),
+            boundary=boundary,
+            worker=worker,
+            module=module,
+        )
+
+    def eval_step(name: str) -> EvalStep:
+        return build_eval_step(
+            _evaluation_function(module, name),
+            precision=precision,
+            module=module,
+            boundary=boundary,
+            worker=worker,
+        )
+
+    return StageHost(
+        state=state,
+        options=options,
+        sources=build_sources(options),
+        records=recorder,
+        collective=strategy,
+        train_step=train_step,
+        eval_step=eval_step,
+    )
+
+
+def _plugin_parts(plugins: list[Plugin], taken: set[str]) -> dict[str, Plugin]:
+    """Every stateful plugin under ``plugins/<state_key>``; two with one key (two
+    instances of a class) numbered in the order given, which a resumed run repeats."""
+    parts: dict[str, Plugin] = {}
+    for plugin in plugins:
+        if type(plugin).state_dict is Plugin.state_dict:
+            continue  # keeps no state
+        key = f"plugins/{plugin.state_key}"
+        if key in parts or key in taken:
+            n = 2
+            while f"{key}#{n}" in parts:
+                n += 1
+            key = f"{key}#{n}"
+        parts[key] = plugin
+    return parts
+
+
+def build_registry(
+    *,
+    state: RunState,
+    strategy: Strategy,
+    module: Module | None,
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: LRSchedulers,
+    precision: Precision,
+    loops: Mapping[str, Loop[Any]],
+    epoch_loop: TrainEpochLoop,
+    plugins: list[Plugin],
+    train_data: Any,
+    recorder: Recorder,
+    registered: Mapping[str, Stateful],
+) -> dict[str, Any]:
+    """The registry a checkpoint is composed from, key -> :class:`Stateful` part: the run
+    state, the generators, the module and its hyperparameters, each optimizer and
+    scheduler, the precision, the loop tree, every stateful plugin, the training loader
+    when it is stateful, gradients mid-accumulation, the latest records and every
+    registered object."""
+    if module is None:
+        raise CheckpointError(
+            "the trainer has no module yet, so there is no run state to save or load; "
+            "a checkpoint can be taken once fit (or another stage) has started, and is "
+            "loaded with trainer.fit(module, data, ckpt_path=...)."
+        )
+    parts: dict[str, Any] = {
+        "run": state,
+        "rng": RngPart(strategy),
+        "module": ModulePart(module),
+        "hparams": HparamsPart(module),
+    }
+    for index, opt in enumerate(optimizers):
+        parts[f"optimizers/{index}"] = OptimizerPart(opt)
+    for index, config in enumerate(schedulers.configs):
+        parts[f"lr_schedulers/{index}"] = SchedulerPart(config.scheduler)
+    parts["precision"] = PrecisionPart(precision)
+    for name, loop in loops.items():
+        parts[f"loops/{name}"] = LoopPart(loop)
+    parts.update(_plugin_parts(plugins, set(parts)))
+    if isinstance(train_data, Stateful):
+        parts["data/train"] = LoaderPart(
+            train_data,
+            epoch_loop.loader_position,
+            lambda: epoch_loop.next_epoch_fresh,
+            lambda: state.epoch,
+        )
+    parts["grads"] = GradsPart(module)
+    parts["records"] = recorder
+    for name, obj in registered.items():
+        parts[f"user/{name}"] = obj
+    return parts
+
+
+def check_registration(
+    registered: Mapping[str, Stateful], name: str, obj: Any, stage: str | None
+) -> None:
+    """Raise unless ``obj`` may be registered as ``name`` (``Trainer.register_stateful``):
+    a non-empty name without '/', a :class:`Stateful` object, a name not taken by
+    another object, and no stage running (``stage`` None)."""
+    if not isinstance(name, str) or not name or "/" in name:
+        raise MisconfigurationError(
+            f"register_stateful needs a non-empty name without '/', got {name!r}."
+        )
+    if not isinstance(obj, Stateful):
+        raise MisconfigurationError(
+            f"register_stateful({name!r}, ...) needs an object with state_dict() and "
+            f"load_state_dict(state), got {type(obj).__name__}."
+        )
+    if name in registered and registered[name] is not obj:
+        raise MisconfigurationError(
+            f"another object is already registered as {name!r}; choose another name."
+        )
+    if stage is not None:
+        raise RuntimeError(
+            f"register_stateful({name!r}, ...) was called while {stage!r} "
+            "runs; register objects before the stage starts."
+        )
+
+
+def active_plugins(
+    plugins: list[Plugin], options: TrainerOptions, strategy: Strategy
+) -> list[Plugin]:
+    """The plugins that act in this process: those of every rank, and on rank 0 those
+    of rank 0 too; under ``fast_dev_run`` none that writes files."""
+    return [
+        p
+        for p in plugins
+        if not (options.fast_dev_run and p.writes_files)
+        and (p.delivery.ranks == "all" or strategy.is_global_zero)
+    ]

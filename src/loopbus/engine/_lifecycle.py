@@ -1,0 +1,215 @@
+"""The parts of a stage's life that are not the loops: how it ends (closing events, the
+queues drained, plugins stopped), how its failure is named, and ``fit``'s sanity check.
+Functions of their inputs; the trainer calls them."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from ..events import EventBus, ExceptionRaised, Teardown
+from ._loop import Loop
+from ._loops import SanityCheckLoop
+from ._module import Module
+from ._options import TrainerOptions
+from ._plugin import Plugin
+from ._records import Recorder
+from ._rng import capture_rng, restore_rng
+from ._runstate import RunState
+
+__all__ = ["classify", "collapse", "finish_stage", "running_stage", "sanity_check"]
+
+
+def collapse(group: BaseExceptionGroup[Any]) -> BaseException | None:
+    """The one meaningful exception in a task group's group, if there is exactly one."""
+    cancelled = anyio.get_cancelled_exc_class()
+    leaves: list[BaseException] = []
+
+    def walk(exc: BaseException) -> None:
+        if isinstance(exc, BaseExceptionGroup):
+            for sub in exc.exceptions:
+                walk(sub)
+        else:
+            leaves.append(exc)
+
+    walk(group)
+    meaningful = [e for e in leaves if not isinstance(e, cancelled)]
+    if len(meaningful) == 1:
+        return meaningful[0]
+    if not meaningful and leaves:
+        return leaves[0]
+    return None
+
+
+def classify(exc: BaseException, bus: EventBus) -> tuple[str, BaseException | None]:
+    """How a stage that raised ``exc`` ended: ``("cancelled", None)``, or ``("failed",
+    error)`` (a handler's failure that cancelled the stage is the error)."""
+    if isinstance(exc, anyio.get_cancelled_exc_class()):
+        if bus.failure is not None:
+            return "failed", bus.failure
+        return "cancelled", None
+    return "failed", exc
+
+
+async def finish_stage(
+    *,
+    stage: str,
+    reason: str,
+    failure: BaseException | None,
+    state: RunState,
+    bus: EventBus,
+    recorder: Recorder,
+    drain_timeout: float,
+    stop_plugins: Iterable[Callable[[], Awaitable[None]]],
+    loops: Mapping[str, Loop[Any]],
+) -> None:
+    """Fire the closing events, drain the queues, stop the plugins (``stop_plugins``,
+    in order) and tear the loops down. A completed or stopped stage delivers what is
+    pending and waits for every queued subscriber; a failed or cancelled one drops what
+    is pending and waits at most ``drain_timeout``."""
+    errors: list[BaseException] = []
+    ended_well = reason in ("completed", "stopped")
+
+    async def attempt(step: Callable[[], Awaitable[Any]]) -> None:
+        try:
+            await step()
+        except Exception as exc:
+            errors.append(exc)
+
+    async def settle_records() -> None:
+        if ended_well:
+            await attempt(recorder.flush)
+        else:
+            recorder.discard_pending()
+
+    if failure is not None:
+        await attempt(lambda: bus.publish(ExceptionRaised(stage=stage, error=failure)))
+    await settle_records()
+    teardown = Teardown(stage=stage, reason=reason, step=state.step, epoch=state.epoch)
+    await attempt(lambda: bus.publish(teardown))
+    await settle_records()  # what Teardown's handlers put or published
+    await bus.drain(None if ended_well else drain_timeout)
+    late = bus.failure
+    if failure is None and late is not None:
+        # A queued handler failed while its queue drained: tell the inline handlers.
+        await attempt(lambda: bus.publish(ExceptionRaised(stage=stage, error=late)))
+    for stop in stop_plugins:
+        await attempt(stop)
+    for loop in loops.values():
+        loop.teardown_tree()
+    if errors:
+        if failure is None:
+            raise errors[0]
+        for err in errors:
+            failure.add_note(f"while tearing down, also: {type(err).__name__}: {err}")
+
+
+@asynccontextmanager
+async def running_stage(
+    stage: str,
+    *,
+    bus: EventBus,
+    state: RunState,
+    recorder: Recorder,
+    plugins: list[Plugin],
+    start: Callable[[Plugin, TaskGroup], Awaitable[None]],
+    stop: Callable[[Plugin], Awaitable[None]],
+    loops: Mapping[str, Loop[Any]],
+    drain_timeout: float,
+) -> AsyncIterator[None]:
+    """A stage's task group: the bus's queued subscribers and the plugins' services
+    (``start(plugin, task_group)``, in order) run in it while the stage does; however it
+    ends, :func:`finish_stage` runs, shielded, with the plugins that started stopped in
+    reverse order. A task group's group of one error is raised as that error."""
+    try:
+        async with anyio.create_task_group() as tg:
+            bus.start(tg)
+            started: list[Plugin] = []
+            reason, failure = "completed", None
+            try:
+                for plugin in plugins:
+                    await start(plugin, tg)
+                    started.append(plugin)
+                yield
+                reason = "stopped" if state.stop_requested else "completed"
+            except BaseException as exc:
+                reason, failure = classify(exc, bus)
+                raise
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await finish_stage(
+                        stage=stage,
+                        reason=reason,
+                        failure=failure,
+                        state=state,
+                        bus=bus,
+                        recorder=recorder,
+                        drain_timeout=drain_timeout,
+                        stop_plugins=[_bound(stop, p) for p in reversed(started)],
+                        loops=loops,
+                    )
+    except BaseExceptionGroup as group:
+        single = collapse(group)
+        if single is None:
+            raise
+        raise single from single.__cause__
+
+
+def _bound(stop: Callable[[Plugin], Awaitable[None]], plugin: Plugin) -> Callable[[], Any]:
+    return lambda: stop(plugin)
+
+
+async def sanity_check(
+    module: Module,
+    val_data: Any,
+    *,
+    options: TrainerOptions,
+    resuming: bool,
+    attach: Callable[[Loop[Any], EventBus], None],
+    state: RunState,
+    recorder: Recorder,
+) -> None:
+    """Run ``options.num_sanity_val_steps`` validation batches (-1: all) before training,
+    unless turned off, validation is (``limit_val_batches=0``), or the run resumes
+    mid-epoch (``resuming``): unseen by the plugins (a bus of its own, with only the
+    module's handlers), unrecorded (records dropped), and leaving the random generators
+    as they were. ``attach(loop, bus)`` connects the loop to the trainer and the stage."""
+    steps = options.num_sanity_val_steps
+    if not steps or options.limit_val_batches == 0 or resuming:
+        return
+    leak_check, drain_timeout = options.leak_check, options.drain_timeout
+    await recorder.flush_pending()  # what was put before belongs to the run
+    loop = SanityCheckLoop(math.inf if steps == -1 else steps)
+    bus = EventBus()
+    attach(loop, bus)
+    loop.attach(leak_check=leak_check)
+    subscriptions = bus.subscribe_methods(module, owner=type(module).__name__)
+    rng = capture_rng()
+    state.begin_sanity_check()
+    try:
+        async with bus.running(drain_timeout):
+            await loop.run(val_data)
+    except BaseException as exc:
+        grouped = isinstance(exc, BaseExceptionGroup)
+        error = collapse(exc) if isinstance(exc, BaseExceptionGroup) else exc
+        if not isinstance(error, Exception):
+            raise  # cancelled, or several failures
+        error.add_note(
+            f"raised during fit's sanity check (num_sanity_val_steps={steps}), before "
+            "the first training step: validation_step or a validation handler fails."
+        )
+        if grouped:
+            raise error from error.__cause__
+        raise
+    finally:
+        state.end_sanity_check()
+        for sub in subscriptions:
+            sub.unsubscribe()
+        loop.teardown_tree()
+        recorder.discard_pending()
+        restore_rng(rng)

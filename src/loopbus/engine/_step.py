@@ -1,0 +1,461 @@
+"""Where a step lives: :class:`TrainStep` runs one optimization step, :class:`EvalStep`
+one evaluation step, and :class:`StepBoundary` runs after each (the records' flush, the
+yield to other tasks).
+
+A stage builds them once, from explicit inputs (:func:`build_train_step`,
+:func:`build_eval_step`), and the loops only call them. The variant of the training step
+(plain, general, manual) is chosen at build time from the options, so the per-step path
+pays only for what is configured. Compiled and CUDA-graph steps, and a sharding
+strategy's accumulation, plug in here.
+
+Per-step work here is on the hot path: no allocation or call that is not needed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from time import perf_counter
+from typing import Any, Literal, Protocol
+
+import anyio
+import anyio.to_thread
+import torch
+from anyio.lowlevel import checkpoint
+
+from .._exceptions import MisconfigurationError
+from ..events import AfterBackward, BeforeOptimizerStep
+from ._precision import Precision
+from ._runstate import RunState
+from ._scope import Scope
+
+__all__ = [
+    "EvalStep",
+    "StepBoundary",
+    "StepEvents",
+    "StepOptions",
+    "TrainStep",
+    "build_eval_step",
+    "build_train_step",
+    "run_in_worker",
+]
+
+_Tensor = torch.Tensor
+StepFn = Callable[[Any, Scope], Any]
+
+
+class FlushingRecorder(Protocol):
+    """What a step boundary asks of the recorder."""
+
+    pending: list[Any]
+
+    @property
+    def inflight(self) -> Any: ...
+
+    @property
+    def readback(self) -> Any: ...
+
+    async def flush(self) -> None: ...
+
+    async def flush_step(self) -> None: ...
+
+
+class GradientSync(Protocol):
+    """What the training step asks of the strategy: a context in which backward does
+    not synchronise gradients (the non-final micro-batches of an accumulation window)."""
+
+    def no_sync(self) -> AbstractContextManager[Any]: ...
+
+
+class SchedulerStepper(Protocol):
+    """What the training step asks of the LR schedulers."""
+
+    @property
+    def per_step(self) -> bool: ...
+
+    def step(self, interval: str) -> None: ...
+
+
+class StepBoundary:
+    """What runs after every step of a stage: flush the step's records, and at most every
+    ``interval`` seconds let other tasks run. The flush is chosen once: the recorder's
+    step flush where put values are read back from a device without waiting (CUDA), its
+    plain flush elsewhere; ``flush=None`` drops the records instead (the sanity check)."""
+
+    __slots__ = ("_flush", "_next_yield", "interval", "recorder")
+
+    def __init__(self, recorder: FlushingRecorder, interval: float) -> None:
+        self.recorder = recorder
+        self.interval = interval
+        self._next_yield = perf_counter() + interval
+        self._flush = recorder.flush if recorder.readback is None else recorder.flush_step
+
+    async def __call__(self) -> None:
+        recorder = self.recorder
+        if recorder.pending or recorder.inflight:
+            await self._flush()
+        if perf_counter() >= self._next_yield:
+            await checkpoint()
+            self._next_yield = perf_counter() + self.interval
+
+
+async def run_in_worker(step: StepFn, ctx: Scope, limiter: anyio.CapacityLimiter) -> Any:
+    """``step(ctx.batch, ctx)`` in the worker thread (``executor="thread"``).
+
+    The batch, scope and output travel in a list that is emptied on both sides, so the
+    thread hand-off (the job, its future or outcome, which the worker thread drops a
+    moment after the result is delivered) never refers to what the scope owns: otherwise
+    the iteration's leak check could see them alive, and they would outlive it.
+    """
+    box = [step, ctx]
+    await anyio.to_thread.run_sync(_run_boxed, box, limiter=limiter)
+    return box.pop()
+
+
+def _run_boxed(box: list[Any]) -> None:
+    step, ctx = box
+    box.clear()
+    box.append(step(ctx.batch, ctx))
+
+
+def loss_of(output: Any) -> _Tensor | None:
+    """The loss in what ``training_step`` returned (None: skip the optimizer step)."""
+    if output is None or type(output) is _Tensor or isinstance(output, _Tensor):
+        return output
+    if isinstance(output, dict):
+        try:
+            loss = output["loss"]
+        except KeyError:
+            raise MisconfigurationError(
+                "training_step returned a mapping without a 'loss' key; return the loss "
+                f"tensor, a mapping with 'loss', or None to skip. Keys were {sorted(output)}."
+            ) from None
+        if isinstance(loss, _Tensor):
+            return loss
+    raise MisconfigurationError(
+        "training_step must return the loss tensor, a mapping with a 'loss' tensor, or "
+        f"None (to skip the optimizer step), got {type(output).__name__}: {output!r}."
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class StepEvents:
+    """How a step publishes its in-step events (``AfterBackward``,
+    ``BeforeOptimizerStep``): the bus's dispatch ``table``, ``emit(entries, event)``
+    (direct, or hopping from the worker thread to the event loop), the ``loop`` name
+    the events carry and the run ``state`` their step and epoch come from."""
+
+    table: Any
+    emit: Callable[[Any, Any], Any]
+    loop: str
+    state: RunState
+
+    def send(self, entries: Any, event_type: Any, ctx: Scope, **fields: Any) -> None:
+        state = self.state
+        event = event_type(
+            loop=self.loop,
+            ctx=ctx,
+            step=state.step,
+            epoch=state.epoch,
+            batch_idx=ctx.batch_idx,
+            **fields,
+        )
+        self.emit(entries, event)
+
+
+@dataclass(frozen=True, slots=True)
+class StepOptions:
+    """The options of the optimization step (validated by the trainer's options)."""
+
+    accumulate: int = 1
+    clip_val: float | None = None
+    clip_algorithm: Literal["norm", "value"] = "norm"
+    automatic: bool = True
+
+
+class TrainStep:
+    """One optimization step: the forward under the precision's autocast, backward
+    (scaled), accumulation under the strategy's gradient-sync context, clipping, the
+    optimizer and per-step scheduler steps, or the module's own (manual optimization);
+    then the step boundary. Built once per stage by :func:`build_train_step`, which
+    chooses the variant; the loop calls :meth:`for_epoch` when an epoch starts and the
+    function it returns for each batch, then awaits :attr:`boundary`.
+
+    ``worker`` is the capacity limiter of the thread steps run in (None: inline).
+    """
+
+    __slots__ = (
+        "_forward",
+        "_variant",
+        "boundary",
+        "events",
+        "module",
+        "optimizers",
+        "options",
+        "precision",
+        "schedulers",
+        "state",
+        "sync",
+        "variant",
+        "worker",
+    )
+
+    def __init__(
+        self,
+        *,
+        forward: StepFn,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: SchedulerStepper,
+        precision: Precision,
+        sync: GradientSync,
+        state: RunState,
+        events: StepEvents,
+        options: StepOptions,
+        boundary: StepBoundary,
+        worker: anyio.CapacityLimiter | None,
+        module: torch.nn.Module,
+    ) -> None:
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.precision = precision
+        self.sync = sync
+        self.state = state
+        self.events = events
+        self.options = options
+        self.boundary = boundary
+        self.worker = worker
+        self.module = module
+        autocast = precision.autocast
+        # The forward, under autocast only where the precision has one (the plain path
+        # calls the module's step directly).
+        self._forward: StepFn = forward if autocast is None else _under(autocast, forward)
+        #: ``"plain"``, ``"general"`` or ``"manual"``: which step runs (see build_train_step).
+        self.variant = _choose_variant(options, precision, schedulers)
+        self._variant: StepFn = {
+            "plain": self._plain,
+            "general": self._general,
+            "manual": self._manual,
+        }[self.variant]
+
+    def for_epoch(self, closes_window: Callable[[int], bool]) -> StepFn:
+        """The step function for an epoch: ``fn(batch, ctx) -> output``.
+        ``closes_window(size)`` says whether the batch in flight is the last of an
+        accumulation window of ``size`` batches (asked only when accumulating)."""
+        accumulate = self.options.accumulate
+        if self.variant != "general" or accumulate == 1:
+            return self._variant
+        return functools.partial(self._general, closes_window=closes_window)
+
+    def epoch_completed(self) -> None:
+        """An epoch ended: step the schedulers configured with ``interval="epoch"``."""
+        self.schedulers.step("epoch")
+
+    # ------------------------------------------------------------ variants
+    def _plain(self, batch: Any, ctx: Scope) -> Any:
+        """The automatic step without autocast, grad scaling, accumulation, clipping or
+        per-step schedulers: forward, backward, optimizer step."""
+        output = self._forward(batch, ctx)
+        loss = output if type(output) is _Tensor else loss_of(output)
+        if loss is None:
+            return output
+        loss.backward()  # type: ignore[no-untyped-call]
+        events = self.events
+        table = events.table
+        entries = table[AfterBackward]
+        if entries:
+            events.send(entries, AfterBackward, ctx)
+        optimizer = self.optimizers[0]
+        entries = table[BeforeOptimizerStep]
+        if entries:
+            events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.state.step_completed()
+        return output
+
+    def _general(
+        self, batch: Any, ctx: Scope, closes_window: Callable[[int], bool] | None = None
+    ) -> Any:
+        """The automatic step with what the options ask: autocast, grad scaling,
+        accumulation (the non-final micro-batches under the strategy's ``no_sync``),
+        clipping, per-step schedulers."""
+        accumulate = self.options.accumulate
+        if accumulate > 1 and closes_window is not None and not closes_window(accumulate):
+            # A non-final micro-batch: accumulate locally, synchronise on the last.
+            with self.sync.no_sync():
+                output, _ = self._forward_backward(batch, ctx, accumulate)
+            return output
+        output, has_loss = self._forward_backward(batch, ctx, accumulate)
+        if not has_loss:
+            return output
+        optimizer = self.optimizers[0]
+        clip = self.options.clip_val
+        if clip is not None:
+            self.precision.unscale_(optimizer)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if self.options.clip_algorithm == "norm":
+                torch.nn.utils.clip_grad_norm_(params, clip)
+            else:
+                torch.nn.utils.clip_grad_value_(params, clip)
+        self._optimizer_step(ctx)
+        if self.schedulers.per_step:
+            self.schedulers.step("step")
+        return output
+
+    def _manual(self, batch: Any, ctx: Scope) -> Any:
+        """``automatic_optimization = False``: the module's step does backward and
+        optimizer steps itself; each call counts as one step."""
+        output = self._forward(batch, ctx)
+        self.state.step_completed()
+        return output
+
+    # ------------------------------------------------------------ parts
+    def _forward_backward(self, batch: Any, ctx: Scope, accumulate: int) -> tuple[Any, bool]:
+        """Forward and backward (scaled) of one batch: the step's output and whether it
+        returned a loss (None skips the backward)."""
+        output = self._forward(batch, ctx)
+        loss = output if type(output) is _Tensor else loss_of(output)
+        if loss is None:
+            return output, False
+        if accumulate > 1:
+            loss = loss / accumulate
+        precision = self.precision
+        if precision.scaler is None:
+            loss.backward()  # type: ignore[no-untyped-call]
+        else:
+            precision.backward(loss)
+        entries = self.events.table[AfterBackward]
+        if entries:
+            self.events.send(entries, AfterBackward, ctx)
+        return output, True
+
+    def _optimizer_step(self, ctx: Scope) -> None:
+        """``BeforeOptimizerStep``, the optimizer's step through the precision (its grad
+        scaler, if any), ``zero_grad``, and the step's count (the general step)."""
+        optimizer = self.optimizers[0]
+        entries = self.events.table[BeforeOptimizerStep]
+        if entries:
+            self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
+        precision = self.precision
+        if precision.scaler is None:
+            optimizer.step()
+        else:
+            precision.step(optimizer)
+        optimizer.zero_grad(set_to_none=True)
+        self.state.step_completed()
+
+
+def _under(autocast: Callable[[], AbstractContextManager[Any]], fn: StepFn) -> StepFn:
+    """``fn`` run under a fresh ``autocast()`` context."""
+
+    def forward(batch: Any, ctx: Scope) -> Any:
+        with autocast():
+            return fn(batch, ctx)
+
+    return forward
+
+
+def _choose_variant(
+    options: StepOptions, precision: Precision, schedulers: SchedulerStepper
+) -> Literal["plain", "general", "manual"]:
+    if not options.automatic:
+        return "manual"
+    if (
+        precision.autocast is None
+        and precision.scaler is None
+        and options.accumulate == 1
+        and options.clip_val is None
+        and not schedulers.per_step
+    ):
+        return "plain"
+    return "general"
+
+
+def build_train_step(
+    *,
+    forward: StepFn,
+    optimizers: list[torch.optim.Optimizer],
+    schedulers: SchedulerStepper,
+    precision: Precision,
+    sync: GradientSync,
+    state: RunState,
+    events: StepEvents,
+    options: StepOptions,
+    boundary: StepBoundary,
+    worker: anyio.CapacityLimiter | None,
+    module: torch.nn.Module,
+) -> TrainStep:
+    """The training step of a stage (see :class:`TrainStep`). ``forward`` is what the
+    step calls for the forward (the module's ``training_step``, or a strategy's wrapper
+    of it); with automatic optimization exactly one optimizer is stepped."""
+    if options.automatic and len(optimizers) != 1:
+        raise MisconfigurationError(
+            f"{type(module).__name__} configures {len(optimizers)} optimizers; "
+            "automatic optimization steps exactly one. Set "
+            "`automatic_optimization = False` and step them in training_step."
+        )
+    return TrainStep(
+        forward=forward,
+        optimizers=optimizers,
+        schedulers=schedulers,
+        precision=precision,
+        sync=sync,
+        state=state,
+        events=events,
+        options=options,
+        boundary=boundary,
+        worker=worker,
+        module=module,
+    )
+
+
+class EvalStep:
+    """One evaluation step (validation, test, predict): ``step_fn`` without gradients,
+    under the precision's autocast; :meth:`evaluating` puts the module in eval mode for
+    a pass (restored afterwards, even when a step raises). ``worker`` and ``boundary``
+    as for :class:`TrainStep`."""
+
+    __slots__ = ("_fn", "boundary", "module", "worker")
+
+    def __init__(
+        self,
+        step_fn: StepFn,
+        precision: Precision,
+        module: torch.nn.Module,
+        boundary: Callable[[], Any],
+        worker: anyio.CapacityLimiter | None,
+    ) -> None:
+        self.module = module
+        self.boundary = boundary
+        self.worker = worker
+        autocast = precision.autocast
+        self._fn = step_fn if autocast is None else _under(autocast, step_fn)
+
+    def run(self, batch: Any, ctx: Scope) -> Any:
+        with torch.no_grad():
+            return self._fn(batch, ctx)
+
+    @contextlib.contextmanager
+    def evaluating(self) -> Iterator[None]:
+        module = self.module
+        was_training = module.training
+        module.eval()
+        try:
+            yield
+        finally:
+            module.train(was_training)
+
+
+def build_eval_step(
+    step_fn: StepFn,
+    *,
+    precision: Precision,
+    module: torch.nn.Module,
+    boundary: Callable[[], Any],
+    worker: anyio.CapacityLimiter | None,
+) -> EvalStep:
+    """The evaluation step of a pass (see :class:`EvalStep`)."""
+    return EvalStep(step_fn, precision, module, boundary, worker)

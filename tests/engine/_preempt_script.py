@@ -4,9 +4,9 @@
 With ``--wait-at epoch:batch`` the training step of that batch writes ``D/ready`` and
 waits until the trainer was asked to stop, so that the test's signal lands at a known
 batch (mid-epoch, inside an accumulation window). ``--resume`` continues from ``last``.
-A run that ends writes ``D/<out>`` with the final weights and optimizer state; one that
-raises ``loopbus.Preempted`` writes ``D/preempted.json`` first and lets it end the
-process.
+A run that ends writes ``D/<out>.rank<R>`` with the final weights and optimizer state;
+one that raises ``loopbus.Preempted`` writes ``D/preempted_rank<R>.json`` first and lets it
+end the process. Under ``torchrun`` (gloo) every rank runs it.
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
 from loopbus import Module, Plugin, Trainer, on
-from loopbus.events import PreemptionRequested, Teardown
+from loopbus.events import PreemptionRequested, Teardown, TrainBatchCompleted
 from loopbus.plugins import Checkpoint, CSVLogger, JSONLLogger
 
 N_TRAIN = 160
@@ -40,13 +39,14 @@ class Net(Module):
     """An MLP with dropout, SGD with momentum: the generators, the optimizer's state and
     the gradients of an open accumulation window all matter for an exact resume."""
 
-    def __init__(self, wait_at: tuple[int, int] | None, ready: Path) -> None:
+    def __init__(self, wait_at: tuple[int, int] | None, ready: Path, hang: bool = False) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Dropout(0.2), torch.nn.Linear(16, 2)
         )
         self.wait_at = wait_at
         self.ready = ready
+        self.hang = hang
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)  # type: ignore[no-any-return]
@@ -56,11 +56,17 @@ class Net(Module):
         loss = torch.nn.functional.cross_entropy(self(x), y)
         self.put("train/loss", loss)
         trainer = self.trainer
-        if self.wait_at == (trainer.current_epoch, ctx.batch_idx):
+        if self.wait_at == (trainer.current_epoch, ctx.batch_idx) and trainer.is_global_zero:
             self.ready.write_text(str(trainer.global_step))
+            # Until the signal asked for a stop (under DDP: pending until the ranks agree).
+            state = trainer.state
             deadline = time.monotonic() + 60
-            while not trainer.should_stop and time.monotonic() < deadline:
+            while time.monotonic() < deadline and not (
+                state.stop_requested or state.pending_stop is not None
+            ):
                 time.sleep(0.002)
+            if self.hang:  # a step that never ends: only the grace period ends the process
+                time.sleep(60)
         return loss
 
     def configure_optimizers(self) -> Any:
@@ -86,6 +92,21 @@ class Seen(Plugin):
         self.path.write_text(json.dumps(self.seen))
 
 
+class KillRank1(Plugin):
+    """SIGKILLs rank 1 after step ``at`` of the first attempt of a torchrun job."""
+
+    delivery = loopbus.Delivery(priority=-1000)
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    @on(TrainBatchCompleted)
+    def _batch(self, event: TrainBatchCompleted) -> None:
+        first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        if first and os.environ.get("RANK") == "1" and event.step == self.at:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
 def _host_handler(directory: Path) -> Any:
     def handler(signum: int, frame: Any) -> None:
         with (directory / "host-handler").open("a") as f:
@@ -94,12 +115,13 @@ def _host_handler(directory: Path) -> Any:
     return handler
 
 
-def _slow_second_signal() -> None:
-    """The checkpoint writer's file fsync sends SIGTERM again and waits: the second
-    signal arrives while the checkpoint is being written."""
+def _slow_second_signal(ready: Path) -> None:
+    """Once the signal's batch has started (``ready``), the checkpoint writer's file fsync
+    sends SIGTERM again and waits: the second signal arrives while the checkpoint is
+    being written."""
     from loopbus.engine import _checkpoint_io
 
-    real = _checkpoint_io.os.fsync
+    real = os.fsync
 
     class _Os:
         def __getattr__(self, name: str) -> Any:
@@ -108,15 +130,17 @@ def _slow_second_signal() -> None:
         @staticmethod
         def fsync(fd: int) -> None:
             real(fd)
-            os.kill(os.getpid(), signal.SIGTERM)
-            time.sleep(10)
+            if ready.exists():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(10)
 
-    _checkpoint_io.os = _Os()  # type: ignore[assignment]
+    vars(_checkpoint_io)["os"] = _Os()
 
 
-async def main(args: argparse.Namespace) -> None:
+def main(args: argparse.Namespace) -> None:
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ.get("RANK", "0"))
     loopbus.seed_everything(1234)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N_TRAIN, 4, generator=g)
@@ -126,17 +150,21 @@ async def main(args: argparse.Namespace) -> None:
     if args.wait_at:
         epoch, batch = args.wait_at.split(":")
         wait_at = (int(epoch), int(batch))
-    module = Net(wait_at, directory / "ready")
+    module = Net(wait_at, directory / "ready", hang=args.grace is not None)
     checkpoint = Checkpoint(directory / "ckpt", every_n_steps=EVERY_N_STEPS, keep_last=None)
     plugins: list[Plugin] = [
         checkpoint,
         CSVLogger(directory / "logs"),
         JSONLLogger(directory / "logs"),
-        Seen(directory / "events.json"),
+        Seen(directory / f"events_rank{rank}.json"),
     ]
+    if args.kill_rank1_at_step is not None:
+        plugins.append(KillRank1(args.kill_rank1_at_step))
     options: dict[str, Any] = {}
     if args.exit_code is not None:
         options["preemption_exit_code"] = args.exit_code
+    if args.grace is not None:
+        options["preemption_grace"] = args.grace
     trainer = Trainer(
         max_epochs=EPOCHS,
         accumulate_grad_batches=ACCUMULATE,
@@ -152,12 +180,13 @@ async def main(args: argparse.Namespace) -> None:
         handler = _host_handler(directory)
         signal.signal(signal.SIGTERM, handler)
     if args.second_during_save:
-        _slow_second_signal()
+        _slow_second_signal(directory / "ready")
     try:
-        await trainer.fit(module, data, ckpt_path="last" if args.resume else None)
+        resume = "last" if args.resume else None
+        loopbus.run(trainer.fit, module, data, ckpt_path=resume, backend=args.backend)
     except loopbus.Preempted as exc:
         restored = signal.getsignal(signal.SIGTERM)
-        (directory / "preempted.json").write_text(
+        (directory / f"preempted_rank{rank}.json").write_text(
             json.dumps(
                 {
                     "code": exc.code,
@@ -179,7 +208,7 @@ async def main(args: argparse.Namespace) -> None:
             "module": module.state_dict(),
             "optimizer": trainer.optimizers[0].state_dict(),
         },
-        directory / args.out,
+        directory / f"{args.out}.rank{rank}",
     )
 
 
@@ -192,11 +221,12 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--out", default="final.pt")
     parser.add_argument("--exit-code", type=int, default=None)
+    parser.add_argument("--grace", type=float, default=None)
+    parser.add_argument("--kill-rank1-at-step", type=int, default=None)
     parser.add_argument("--host-handler", action="store_true")
     parser.add_argument("--second-during-save", action="store_true")
     return parser.parse_args(argv)
 
 
 if __name__ == "__main__":
-    arguments = parse(sys.argv[1:])
-    anyio.run(main, arguments, backend=arguments.backend)
+    main(parse(sys.argv[1:]))

@@ -141,6 +141,9 @@ def main(args: argparse.Namespace) -> None:
     directory = Path(args.dir)
     directory.mkdir(parents=True, exist_ok=True)
     rank = int(os.environ.get("RANK", "0"))
+    if rank == 0:
+        with (directory / "attempts").open("a") as f:
+            f.write(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "\n")
     loopbus.seed_everything(1234)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(N_TRAIN, 4, generator=g)

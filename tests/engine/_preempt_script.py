@@ -82,13 +82,22 @@ class Seen(Plugin):
 
     @on(PreemptionRequested)
     def _preempted(self, event: PreemptionRequested) -> None:
-        self.seen.append({"event": "PreemptionRequested", "signal": event.signal,
-                          "step": event.step, "epoch": event.epoch,
-                          "deadline": event.deadline})
+        self.seen.append(
+            {
+                "event": "PreemptionRequested",
+                "signal": event.signal,
+                "step": event.step,
+                "epoch": event.epoch,
+                "deadline": event.deadline,
+                "time": time.time(),
+            }
+        )
 
     @on(Teardown)
     def _teardown(self, event: Teardown) -> None:
-        self.seen.append({"event": "Teardown", "reason": event.reason, "step": event.step})
+        self.seen.append(
+            {"event": "Teardown", "reason": event.reason, "step": event.step, "time": time.time()}
+        )
         self.path.write_text(json.dumps(self.seen))
 
 

@@ -175,7 +175,7 @@ class Preemption:
             return
         if self._received is not None:
             self._chain(signum, frame)
-            self._end_now(signum)
+            self._end_now(signum, b"loopbus: a second preemption signal; exiting now\n")
         self._received = (signum, time.time())
         self._state.request_stop(self._reasons.get(signum))
         self._chain(signum, frame)
@@ -188,8 +188,8 @@ class Preemption:
             signal.signal(signum, signal.SIG_DFL)
             signal.raise_signal(signum)
 
-    def _end_now(self, signum: int) -> None:
-        os.write(2, b"loopbus: preemption signal again (or grace period over); exiting now\n")
+    def _end_now(self, signum: int, why: bytes) -> None:
+        os.write(2, why)
         os._exit(self.exit_code(signum))
 
     def _watch(self) -> None:
@@ -199,7 +199,7 @@ class Preemption:
         while not self._closed.wait(0.05):
             received = self._received
             if received is not None and time.time() >= received[1] + grace:
-                self._end_now(received[0])
+                self._end_now(received[0], b"loopbus: preemption grace period over; exiting now\n")
 
     # ------------------------------------------------------------ the loops
     async def stopping(self) -> None:

@@ -225,3 +225,43 @@ async def test_last_checkpoint_path_is_a_property_and_calling_it_is_deprecated(
         called = checkpoint.last_checkpoint_path()
     assert called == last
     assert type(called) is type(Path())
+
+
+async def test_the_event_loops_own_signal_handling_keeps_working(
+    anyio_backend: tuple[str, dict[str, Any]],
+) -> None:
+    """An application that handles SIGUSR1 through its event loop (asyncio's
+    ``loop.add_signal_handler``, trio's ``open_signal_receiver``) still gets the signal
+    that preempted the stage, and still has its handling afterwards."""
+    trainer = Trainer(max_epochs=2, plugins=[Aware(send=signal.SIGUSR1, at=2)])
+    trainer_module = TinyModule()
+    if anyio_backend[0] == "asyncio":
+        import asyncio
+
+        loop = asyncio.get_running_loop()
+        got: list[str] = []
+        loop.add_signal_handler(signal.SIGUSR1, got.append, "first")
+        try:
+            installed = signal.getsignal(signal.SIGUSR1)
+            with pytest.raises(Preempted, match="SIGUSR1"):
+                await trainer.fit(trainer_module, make_loader(64, 4))
+            await asyncio.sleep(0.05)  # the loop reads its wakeup pipe
+            assert got == ["first"]
+            assert signal.getsignal(signal.SIGUSR1) == installed
+            loop.add_signal_handler(signal.SIGUSR1, got.append, "second")
+            os.kill(os.getpid(), signal.SIGUSR1)
+            await asyncio.sleep(0.05)
+            assert got == ["first", "second"]
+        finally:
+            loop.remove_signal_handler(signal.SIGUSR1)
+    else:
+        import trio
+
+        with trio.open_signal_receiver(signal.SIGUSR1) as received:
+            with pytest.raises(Preempted, match="SIGUSR1"):
+                await trainer.fit(trainer_module, make_loader(64, 4))
+            with trio.fail_after(5):
+                assert await received.__anext__() == signal.SIGUSR1
+            os.kill(os.getpid(), signal.SIGUSR1)
+            with trio.fail_after(5):
+                assert await received.__anext__() == signal.SIGUSR1

@@ -174,8 +174,10 @@ class Preemption:
             self._chain(signum, frame)  # left installed by a stage that ended
             return
         if self._received is not None:
-            self._chain(signum, frame)
-            self._end_now(signum, b"loopbus: a second preemption signal; exiting now\n")
+            try:
+                self._chain(signum, frame)
+            finally:
+                self._end_now(signum, b"loopbus: a second preemption signal; exiting now\n")
         self._received = (signum, time.time())
         self._state.request_stop(self._reasons.get(signum))
         self._chain(signum, frame)

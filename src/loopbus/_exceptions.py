@@ -84,14 +84,13 @@ class Preempted(SystemExit):
     application that embeds the trainer catches it to decide for itself."""
 
     def __init__(self, code: int, *, signal: str, step: int) -> None:
-        super().__init__(code)
+        super().__init__(f"stopped at step {step} on {signal}; exit status {code}")
+        #: The exit status (what the interpreter exits with when nothing catches it).
+        self.code = code
         #: The signal's name ("SIGTERM").
         self.signal = signal
         #: The step at which the stage stopped.
         self.step = step
-
-    def __str__(self) -> str:
-        return f"stopped at step {self.step} on {self.signal}; exit status {self.code}"
 
 
 class StopLoop(Exception):

@@ -265,3 +265,21 @@ async def test_the_event_loops_own_signal_handling_keeps_working(
             os.kill(os.getpid(), signal.SIGUSR1)
             with trio.fail_after(5):
                 assert await received.__anext__() == signal.SIGUSR1
+
+
+async def test_a_plugin_with_a_last_checkpoint_path_method_still_resumes(tmp_path: Path) -> None:
+    """``ckpt_path="last"`` reads ``last_checkpoint_path`` as a property (``Checkpoint``)
+    and still calls a plugin's method of that name (the protocol before it was one)."""
+    checkpoint = Checkpoint(tmp_path, every_n_steps=2)
+    trainer = Trainer(max_epochs=1, plugins=[checkpoint], enable_model_summary=False)
+    await trainer.fit(TinyModule(), make_loader(32, 8))
+
+    class Finder(Plugin):
+        def last_checkpoint_path(self) -> Path | None:
+            return loopbus.latest_checkpoint(tmp_path)
+
+    resumed = Trainer(max_epochs=2, plugins=[Finder()], enable_model_summary=False)
+    with pytest.warns(UserWarning, match=r"epoch=0-step=4\.ckpt with ckpt_strict=False"):
+        # Strict would refuse: the checkpoint holds the Checkpoint plugin's state.
+        await resumed.fit(TinyModule(), make_loader(32, 8), ckpt_path="last", ckpt_strict=False)
+    assert resumed.global_step == 8

@@ -647,7 +647,7 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
     through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
     that name is called); None (with a warning unless ``warn`` is false) if none has
     written one."""
-    providers = [p for p in plugins if hasattr(type(p), "last_checkpoint_path")]
+    providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
     if not providers:
         raise MisconfigurationError(
             "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "

@@ -7,7 +7,7 @@ The trainer owns one :class:`Preemption`. The stage's lifecycle enters
 :meth:`Preemption.handling` around the stage (signal handlers installed, in the main thread
 only, and the application's own restored afterwards) and calls :meth:`Preemption.check`
 once the stage ended well; the loops call :meth:`Preemption.stopping` at the boundary
-where a stop took effect (the ``StopNotice`` of their host).
+where a stop took effect (the ``StopNotice`` of their host, ``_loops.py``).
 
 Why not ``anyio.open_signal_receiver``: on asyncio it goes through
 ``loop.add_signal_handler``, whose removal sets the signal back to its default action
@@ -33,9 +33,10 @@ from typing import Any, Literal, Protocol
 from .._exceptions import Preempted
 from ..events import Event, PreemptionRequested
 from ._options import TrainerOptions
+from ._plugin import Plugin
 from ._runstate import RunState
 
-__all__ = ["PREEMPTION_SIGNALS", "Preemption", "StopNotice"]
+__all__ = ["PREEMPTION_SIGNALS", "Preemption"]
 
 _log = logging.getLogger("loopbus")
 
@@ -46,13 +47,6 @@ PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = tuple(
 )
 
 _Handler = Callable[[int, FrameType | None], Any] | int | None
-
-
-class StopNotice(Protocol):
-    """What the loops tell at the boundary where a stop took effect (once per stage at
-    most matters; later calls do nothing)."""
-
-    async def stopping(self) -> None: ...
 
 
 class Ranks(Protocol):
@@ -111,15 +105,15 @@ class Preemption:
         """The exit status for ``signum``: the option's, else 128 + the number."""
         return self._exit_code if self._exit_code is not None else 128 + signum
 
-    def wanted(self, plugins: Iterable[Any]) -> bool:
+    def wanted(self, plugins: Iterable[Plugin]) -> bool:
         """Whether a stage with these (active) plugins handles the signals."""
         if self._mode == "auto":
-            return any(getattr(p, "handles_preemption", False) for p in plugins)
+            return any(p.handles_preemption for p in plugins)
         return bool(self._mode)
 
     # ------------------------------------------------------------ the stage
     @contextmanager
-    def handling(self, plugins: Iterable[Any]) -> Iterator[None]:
+    def handling(self, plugins: Iterable[Plugin]) -> Iterator[None]:
         """Handle the signals while the stage runs (when :meth:`wanted`, and only in the
         main thread, where Python runs signal handlers); restore the previous handlers
         when it ends, however it ends."""

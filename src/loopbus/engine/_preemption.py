@@ -94,13 +94,6 @@ class Preemption:
         self._closed = threading.Event()
         self._reasons = {int(sig): f"preempted ({sig.name})" for sig in PREEMPTION_SIGNALS}
 
-    @property
-    def received(self) -> str | None:
-        """The name of the preemption signal received during the running (or last)
-        stage, or None."""
-        signum = self._signum()
-        return None if signum is None else signal.Signals(signum).name
-
     def exit_code(self, signum: int) -> int:
         """The exit status for ``signum``: the option's, else 128 + the number."""
         return self._exit_code if self._exit_code is not None else 128 + signum

@@ -346,7 +346,7 @@ async def test_cancellation_at_random_points(seed: int, executor: str, tmp_path:
     assert module.in_step == 0
     # The last checkpoint is complete, loads, and a new run resumes from it.
     last = loopbus.latest_checkpoint(ckpt_dir)
-    assert last == checkpoint.last_checkpoint_path()
+    assert last == checkpoint.last_checkpoint_path
     if ckpt_dir.exists():  # no temporary file left behind
         assert [p.name for p in ckpt_dir.iterdir() if p.name.startswith(".")] == []
     if last is not None:

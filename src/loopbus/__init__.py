@@ -26,6 +26,7 @@ from ._exceptions import CheckpointError as CheckpointError
 from ._exceptions import HandlerError as HandlerError
 from ._exceptions import LoopbusError as LoopbusError
 from ._exceptions import MisconfigurationError as MisconfigurationError
+from ._exceptions import Preempted as Preempted
 from ._exceptions import ScopeLeakError as ScopeLeakError
 from ._exceptions import StopLoop as StopLoop
 from ._exceptions import StreamError as StreamError
@@ -125,6 +126,7 @@ __all__ = [
     "Module",
     "Plugin",
     "Precision",
+    "Preempted",
     "PredictionLoop",
     "Progress",
     "Publication",

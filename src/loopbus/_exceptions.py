@@ -17,6 +17,7 @@ __all__ = [
     "HandlerError",
     "LoopbusError",
     "MisconfigurationError",
+    "Preempted",
     "ScopeLeakError",
     "StopLoop",
     "StreamError",
@@ -71,6 +72,25 @@ class StreamError(LoopbusError, ConnectionError):
     protocol version, too many clients), is closed with an error, sees the server go away
     without a bye, or receives data that breaks the protocol. Being a ``ConnectionError``,
     it is caught by code that handles network errors; reconnecting is the caller's choice."""
+
+
+class Preempted(SystemExit):
+    """Raised by a stage (``fit``, ``validate``, ...) that stopped because the process
+    received a preemption signal (SIGTERM, SIGUSR1; see ``Trainer(preemption=...)``),
+    once the stage has ended cleanly: the checkpoint written, the teardown events fired,
+    the queues drained, the signal handlers restored. A ``SystemExit``: uncaught, it ends
+    the interpreter quietly with :attr:`code`, the signal's usual exit status (128 + the
+    signal's number: 143 for SIGTERM) or ``Trainer(preemption_exit_code=...)``. An
+    application that embeds the trainer catches it to decide for itself."""
+
+    def __init__(self, code: int, *, signal: str, step: int) -> None:
+        super().__init__(f"stopped at step {step} on {signal}; exit status {code}")
+        #: The exit status (what the interpreter exits with when nothing catches it).
+        self.code = code
+        #: The signal's name ("SIGTERM").
+        self.signal = signal
+        #: The step at which the stage stopped.
+        self.step = step
 
 
 class StopLoop(Exception):

@@ -98,7 +98,7 @@ async def test_test_validate_and_predict_load_the_best_epochs_weights(tmp_path: 
 
 async def test_last_is_the_newest_checkpoint_as_for_fit(tmp_path: Path) -> None:
     trainer, module, checkpoint = await fitted(tmp_path)
-    last = checkpoint.last_checkpoint_path()
+    last = checkpoint.last_checkpoint_path
     assert last is not None
     assert last.name == f"epoch=3-step={trainer.global_step}.ckpt"
     scramble(module)

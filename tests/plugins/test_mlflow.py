@@ -133,7 +133,7 @@ async def test_metrics_params_and_checkpoints_are_in_the_mlflow_run(tmp_path: Pa
 
     # Checkpoints: the newest file's path as a tag, every saved file as an artifact.
     assert run.data.tags["team"] == "loop"
-    last = checkpoint.last_checkpoint_path()
+    last = checkpoint.last_checkpoint_path
     assert last is not None
     assert run.data.tags[LAST_CHECKPOINT_TAG] == str(last)
     assert BEST_CHECKPOINT_TAG not in run.data.tags  # no monitor, no best

@@ -142,7 +142,7 @@ async def test_history_config_and_checkpoints_are_in_the_offline_run(tmp_path: P
     assert run.config["trainer/max_epochs"] == 2
     assert run.config["trainer/max_steps"] is None
 
-    last = checkpoint.last_checkpoint_path()
+    last = checkpoint.last_checkpoint_path
     assert last is not None
     assert run.summary[LAST_CHECKPOINT_KEY] == str(last)
     assert BEST_CHECKPOINT_KEY not in run.summary

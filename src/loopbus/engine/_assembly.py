@@ -28,7 +28,7 @@ from ._checkpoint import (
 )
 from ._device import CudaBatchSource, pin_batch
 from ._loop import Loop
-from ._loops import CollectiveStop, Records, TrainEpochLoop
+from ._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
 from ._module import Module
 from ._optim import LRSchedulers
 from ._options import TrainerOptions
@@ -62,9 +62,19 @@ __all__ = [
 class StageHost:
     """What a stage gives its loops (the ``LoopHost`` they read): the run state, the
     options, the batch sources, the training step (``fit`` only), the evaluation steps,
-    the records and the collective stop. Built once per stage by :func:`build_host`."""
+    the records, the collective stop and who hears where a stop took effect. Built once
+    per stage by :func:`build_host`."""
 
-    __slots__ = ("_eval_step", "_train_step", "collective", "options", "records", "sources", "state")
+    __slots__ = (
+        "_eval_step",
+        "_train_step",
+        "collective",
+        "options",
+        "records",
+        "sources",
+        "state",
+        "stop_notice",
+    )
 
     def __init__(
         self,
@@ -74,10 +84,12 @@ class StageHost:
         sources: Sources,
         records: Records,
         collective: CollectiveStop,
+        stop_notice: StopNotice,
         train_step: TrainStep | None,
         eval_step: Callable[[str], EvalStep],
     ) -> None:
         self.state = state
+        self.stop_notice = stop_notice
         self.options = options
         self.sources = sources
         self.records = records
@@ -142,6 +154,7 @@ def build_host(
     strategy: Strategy,
     optimizers: list[torch.optim.Optimizer],
     schedulers: LRSchedulers,
+    stop_notice: StopNotice,
     train_loop: str = "train",
 ) -> StageHost:
     """Everything the loops of ``stage`` run with, chosen once: where steps run (inline,
@@ -189,6 +202,7 @@ def build_host(
         sources=build_sources(options),
         records=recorder,
         collective=strategy,
+        stop_notice=stop_notice,
         train_step=train_step,
         eval_step=eval_step,
     )

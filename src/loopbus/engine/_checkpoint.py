@@ -644,9 +644,10 @@ def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:
 
 def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
     """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
-    through ``last_checkpoint_path()``; None (with a warning unless ``warn`` is false)
-    if none has written one."""
-    providers = [p for p in plugins if callable(getattr(p, "last_checkpoint_path", None))]
+    through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
+    that name is called); None (with a warning unless ``warn`` is false) if none has
+    written one."""
+    providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
     if not providers:
         raise MisconfigurationError(
             "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "
@@ -655,7 +656,9 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
         )
     found = []
     for plugin in providers:
-        path = plugin.last_checkpoint_path()
+        path = plugin.last_checkpoint_path
+        if not isinstance(path, (str, os.PathLike)) and callable(path):
+            path = path()
         if path is not None:
             found.append(Path(os.fspath(path)))
     if not found:

@@ -5,6 +5,8 @@ Functions of their inputs; the trainer calls them."""
 from __future__ import annotations
 
 import math
+import os
+import warnings
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from typing import Any
@@ -13,16 +15,26 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..events import EventBus, ExceptionRaised, Teardown
+from ._checkpoint import CheckpointMismatch, load_checkpoint, resolve_resume_path
 from ._loop import Loop
 from ._loops import SanityCheckLoop
 from ._module import Module
 from ._options import TrainerOptions
 from ._plugin import Plugin
+from ._preemption import Preemption
 from ._records import Recorder
 from ._rng import capture_rng, restore_rng
 from ._runstate import RunState
+from ._strategy import Strategy
 
-__all__ = ["classify", "collapse", "finish_stage", "running_stage", "sanity_check"]
+__all__ = [
+    "classify",
+    "collapse",
+    "finish_stage",
+    "resume_from",
+    "running_stage",
+    "sanity_check",
+]
 
 
 def collapse(group: BaseExceptionGroup[Any]) -> BaseException | None:
@@ -121,11 +133,34 @@ async def running_stage(
     stop: Callable[[Plugin], Awaitable[None]],
     loops: Mapping[str, Loop[Any]],
     drain_timeout: float,
+    preemption: Preemption,
 ) -> AsyncIterator[None]:
     """A stage's task group: the bus's queued subscribers and the plugins' services
     (``start(plugin, task_group)``, in order) run in it while the stage does; however it
     ends, :func:`finish_stage` runs, shielded, with the plugins that started stopped in
-    reverse order. A task group's group of one error is raised as that error."""
+    reverse order. A task group's group of one error is raised as that error. The
+    preemption signals are handled while it runs (see :class:`Preemption`); a stage that
+    ended well after one raises :class:`~loopbus.Preempted`."""
+    with preemption.handling(plugins):
+        async with _task_group(
+            stage, bus, state, recorder, plugins, start, stop, loops, drain_timeout
+        ):
+            yield
+    preemption.check()
+
+
+@asynccontextmanager
+async def _task_group(
+    stage: str,
+    bus: EventBus,
+    state: RunState,
+    recorder: Recorder,
+    plugins: list[Plugin],
+    start: Callable[[Plugin, TaskGroup], Awaitable[None]],
+    stop: Callable[[Plugin], Awaitable[None]],
+    loops: Mapping[str, Loop[Any]],
+    drain_timeout: float,
+) -> AsyncIterator[None]:
     try:
         async with anyio.create_task_group() as tg:
             bus.start(tg)
@@ -213,3 +248,27 @@ async def sanity_check(
         loop.teardown_tree()
         recorder.discard_pending()
         restore_rng(rng)
+
+
+async def resume_from(
+    ckpt_path: str | os.PathLike[str],
+    strict: bool,
+    plugins: list[Plugin],
+    strategy: Strategy,
+    load: Callable[..., CheckpointMismatch],
+) -> None:
+    """``fit(..., ckpt_path=...)``: find the checkpoint (``"last"``: the plugins' newest;
+    names resolved on rank 0 and broadcast), read it in a worker thread and ``load(state,
+    strict=..., source=...)`` it; warn about what did not match under ``strict=False``."""
+    path = resolve_resume_path(ckpt_path, plugins, strategy)
+    if path is None:
+        return
+    state = await anyio.to_thread.run_sync(load_checkpoint, path)
+    mismatch = load(state, strict=strict, source=str(path))
+    if mismatch:
+        warnings.warn(
+            f"resumed from {path} with ckpt_strict=False; what did not match kept its "
+            f"current state:\n{mismatch}",
+            UserWarning,
+            stacklevel=3,
+        )

@@ -66,6 +66,7 @@ __all__ = [
     "LoopHost",
     "PredictionLoop",
     "SanityCheckLoop",
+    "StopNotice",
     "TrainEpochLoop",
 ]
 
@@ -78,6 +79,14 @@ class CollectiveStop(Protocol):
     def exchange_stop(self, state: RunState) -> None: ...
 
     def settle_stop(self, state: RunState) -> None: ...
+
+
+class StopNotice(Protocol):
+    """Who hears, at the boundary where training stops on a stop request, that it stops
+    there (the run's preemption handling: it announces a preemption while the position is
+    still the one a checkpoint resumes from exactly)."""
+
+    async def stopping(self) -> None: ...
 
 
 class Records(Protocol):
@@ -108,6 +117,9 @@ class LoopHost(Protocol):
 
     @property
     def collective(self) -> CollectiveStop: ...
+
+    @property
+    def stop_notice(self) -> StopNotice: ...
 
     def eval_step(self, stage: str) -> EvalStep:
         """The evaluation step of a pass of ``stage`` ("validate", "test", "predict")."""
@@ -403,6 +415,8 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
 
     async def on_run_end(self, ctx: Scope) -> None:
         host = self.host
+        if self._state.stop_requested:  # still inside the epoch: a checkpoint resumes here
+            await host.stop_notice.stopping()
         options = host.options
         if (
             options.val_check_interval is None
@@ -465,7 +479,10 @@ class FitLoop(_Hosted, Loop[None]):
         host.train_step.epoch_completed()
 
     async def on_run_end(self, ctx: Scope) -> None:
-        await self.host.records.flush_pending()
+        host = self.host
+        if host.state.stop_requested:  # a stop that came between epochs
+            await host.stop_notice.stopping()
+        await host.records.flush_pending()
 
     def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
         if event_type is FitCompleted:

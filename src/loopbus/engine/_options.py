@@ -155,6 +155,22 @@ class TrainerOptions:
       one to two intervals later. 0 exchanges at every step boundary (a stop then lands
       one boundary after it was asked, whatever the timing; one all-reduce per step).
       See ``docs/distributed.md``.
+    * ``preemption``: what SIGTERM and SIGUSR1 (SLURM's early warning with ``--signal``)
+      do while a stage runs. ``"auto"`` (default): handled when an active plugin acts on
+      preemption (``Plugin.handles_preemption``, as ``Checkpoint`` does), else left
+      alone; ``True``: always handled; ``False``: never (the signals keep whatever
+      behaviour the process had). Handled, the signal asks the stage to stop at the next
+      step boundary (every rank at the same one); ``PreemptionRequested`` is published
+      there (``Checkpoint`` saves a checkpoint that resumes exactly), the stage ends as a
+      stopped one (teardown events, queues drained) and raises
+      :class:`~loopbus.Preempted`, a ``SystemExit``. A second signal ends the process at
+      once. Handlers are installed in the main thread only, for the stage's duration,
+      and call the handler the application had. See ``docs/checkpointing.md``.
+    * ``preemption_exit_code``: the exit status :class:`~loopbus.Preempted` carries; None
+      (default) is the signal's usual one, 128 + its number (143 for SIGTERM).
+    * ``preemption_grace``: seconds after the first signal at which the process ends
+      regardless, as a second signal would (None, default: no limit of loopbus's own;
+      the platform's SIGKILL is the limit).
     """
 
     max_epochs: float = 1000
@@ -184,6 +200,9 @@ class TrainerOptions:
     num_sanity_val_steps: int = 2
     fast_dev_run: int = 0
     enable_model_summary: bool = True
+    preemption: bool | Literal["auto"] = "auto"
+    preemption_exit_code: int | None = None
+    preemption_grace: float | None = None
 
     @classmethod
     def parse(cls, **given: Any) -> TrainerOptions:
@@ -193,7 +212,12 @@ class TrainerOptions:
         if unknown:
             raise unknown_options(dict.fromkeys(unknown), list(_GIVEN_DEFAULTS))
         raw = {**_GIVEN_DEFAULTS, **given}
-        return cls(**_run_length(raw), **_step_options(raw), **_runtime_options(raw))
+        return cls(
+            **_run_length(raw),
+            **_step_options(raw),
+            **_runtime_options(raw),
+            **_preemption_options(raw),
+        )
 
     def replace(self, **changes: Any) -> TrainerOptions:
         """These options with ``changes``, validated as :meth:`parse` validates them."""
@@ -272,7 +296,9 @@ class OptionAttributes:
     num_sanity_val_steps: Option[int] = Option()
     fast_dev_run: Option[int] = Option()
     enable_model_summary: Option[bool] = Option()
-
+    preemption: Option[bool | Literal["auto"]] = Option()
+    preemption_exit_code: Option[int | None] = Option()
+    preemption_grace: Option[float | None] = Option()
 
     def set_options(self, **changes: Any) -> None:
         """Change options between stages, each validated as ``Trainer(...)`` validates
@@ -336,6 +362,9 @@ _GIVEN_DEFAULTS: dict[str, Any] = {
     "num_sanity_val_steps": 2,
     "fast_dev_run": False,
     "enable_model_summary": True,
+    "preemption": "auto",
+    "preemption_exit_code": None,
+    "preemption_grace": None,
 }
 
 
@@ -466,4 +495,34 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
             )
         ),
         "enable_model_summary": raw["enable_model_summary"],
+    }
+
+
+def _preemption_options(raw: dict[str, Any]) -> dict[str, Any]:
+    """What the preemption signals do (see ``docs/checkpointing.md``)."""
+    mode = raw["preemption"]
+    if not (mode == "auto" or isinstance(mode, bool)):
+        raise MisconfigurationError(
+            f"preemption must be 'auto' (handle SIGTERM/SIGUSR1 when a plugin such as "
+            f"Checkpoint acts on preemption), True (always) or False (never), got {mode!r}."
+        )
+    code = raw["preemption_exit_code"]
+    if code is not None and (
+        isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255
+    ):
+        raise MisconfigurationError(
+            f"preemption_exit_code must be an exit status in 0..255 or None (128 + the "
+            f"signal's number, 143 for SIGTERM), got {code!r}."
+        )
+    grace = check_number(
+        "preemption_grace",
+        raw["preemption_grace"],
+        exclusive_minimum=0,
+        allow_none=True,
+        hint="seconds after the first signal at which the process ends; None: no limit",
+    )
+    return {
+        "preemption": mode,
+        "preemption_exit_code": code,
+        "preemption_grace": None if grace is None else float(grace),
     }

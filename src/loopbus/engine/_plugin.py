@@ -103,12 +103,15 @@ class Plugin(PutMixin):
     of a distributed run it acts (the built-in loggers, progress bar, model summary and
     stream server act on rank 0 only). ``writes_files`` declares that it
     writes files (checkpoints, logs): ``Trainer(fast_dev_run=...)`` leaves such plugins
-    out. A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
+    out. ``handles_preemption`` declares that it acts on ``PreemptionRequested`` (saves
+    the run): with ``Trainer(preemption="auto")`` the trainer handles SIGTERM and SIGUSR1
+    while such a plugin is active. A plugin is :class:`Stateful`: override ``state_dict``/``load_state_dict`` to
     be checkpointed (under :attr:`state_key`).
     """
 
     delivery: Delivery = Delivery()
     writes_files: ClassVar[bool] = False
+    handles_preemption: ClassVar[bool] = False
 
     # The old names, for one release (see _Deprecated).
     destination: Any = _Deprecated("destination")

@@ -8,7 +8,6 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-import warnings
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -30,14 +29,12 @@ from ._assembly import (
 from ._checkpoint import (
     CheckpointMismatch,
     collect_state,
-    load_checkpoint,
     load_state,
     load_weights,
-    resolve_resume_path,
     resolve_weights_path,
     write_checkpoint,
 )
-from ._lifecycle import running_stage, sanity_check
+from ._lifecycle import resume_from, running_stage, sanity_check
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
 from ._module import Module
@@ -45,6 +42,7 @@ from ._optim import LRSchedulers, SchedulerConfig, parse_optimizers
 from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
+from ._preemption import Preemption
 from ._records import Publication, Recorder
 from ._runstate import RunState
 from ._scope import LeakCheck
@@ -127,6 +125,9 @@ class Trainer(OptionAttributes):
         num_sanity_val_steps: int = 2,
         fast_dev_run: bool | int = False,
         enable_model_summary: bool = True,
+        preemption: bool | Literal["auto"] = "auto",
+        preemption_exit_code: int | None = None,
+        preemption_grace: float | None = None,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -151,6 +152,7 @@ class Trainer(OptionAttributes):
         self.state = RunState()
         self.recorder = Recorder(self.state, self.bus, options.put_lag)
         self.bus.attach_records(self.recorder)
+        self._preemption = Preemption(self.state, self.strategy, self.recorder.publish, options)
         self.fit_loop = FitLoop()
         self.validate_loop = EvaluationLoop(stage="validate")
         self.test_loop = EvaluationLoop(stage="test")
@@ -326,7 +328,7 @@ class Trainer(OptionAttributes):
         train_data = self.strategy.prepare_train_data(train_data)
         async with self._stage("fit", module, train_data=train_data):
             if ckpt_path is not None:
-                await self._resume(ckpt_path, ckpt_strict)
+                await resume_from(ckpt_path, ckpt_strict, self.plugins, self.strategy, self._load)
             if val_data is not None:
                 await sanity_check(
                     module,
@@ -425,6 +427,7 @@ class Trainer(OptionAttributes):
                 stop=lambda plugin: plugin.stop(self, stage),
                 loops=self.loops,
                 drain_timeout=self.options.drain_timeout,
+                preemption=self._preemption,
             ):
                 yield
         finally:
@@ -464,6 +467,7 @@ class Trainer(OptionAttributes):
             strategy=self.strategy,
             optimizers=self.optimizers,
             schedulers=self._schedulers,
+            stop_notice=self._preemption,
             train_loop=self.fit_loop.epoch_loop.name,
         )
         for loop in self.loops.values():
@@ -478,20 +482,6 @@ class Trainer(OptionAttributes):
             self._schedulers = LRSchedulers(configs, self.state, self.recorder)
             self._configured_for = module
         self._automatic = bool(module.automatic_optimization)
-
-    async def _resume(self, ckpt_path: str | os.PathLike[str], strict: bool) -> None:
-        path = resolve_resume_path(ckpt_path, self.plugins, self.strategy)
-        if path is None:
-            return
-        state = await anyio.to_thread.run_sync(load_checkpoint, path)
-        mismatch = self._load(state, strict=strict, source=str(path))
-        if mismatch:
-            warnings.warn(
-                f"resumed from {path} with ckpt_strict=False; what did not match kept its "
-                f"current state:\n{mismatch}",
-                UserWarning,
-                stacklevel=3,
-            )
 
     # ------------------------------------------------------------ checkpoints
     def register_stateful(self, name: str, obj: Stateful) -> None:

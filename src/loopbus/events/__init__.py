@@ -23,6 +23,7 @@ from ._types import PredictBatchCompleted as PredictBatchCompleted
 from ._types import PredictBatchStarted as PredictBatchStarted
 from ._types import PredictCompleted as PredictCompleted
 from ._types import PredictStarted as PredictStarted
+from ._types import PreemptionRequested as PreemptionRequested
 from ._types import PutRecord as PutRecord
 from ._types import RunCompleted as RunCompleted
 from ._types import RunSkipped as RunSkipped
@@ -60,6 +61,7 @@ __all__ = [
     "PredictBatchStarted",
     "PredictCompleted",
     "PredictStarted",
+    "PreemptionRequested",
     "PutRecord",
     "RunCompleted",
     "RunSkipped",

@@ -30,6 +30,7 @@ __all__ = [
     "PredictBatchStarted",
     "PredictCompleted",
     "PredictStarted",
+    "PreemptionRequested",
     "PutRecord",
     "RunCompleted",
     "RunSkipped",
@@ -235,6 +236,31 @@ class ExceptionRaised(Event, frozen=True, kw_only=True):
 
     stage: str
     error: Any = None
+
+
+class PreemptionRequested(Event, frozen=True, kw_only=True):
+    """The process was asked to go away (SIGTERM, or SLURM's early SIGUSR1) while a stage
+    ran, and the stage stops here: published once, on every rank, at the step boundary
+    where the stop took effect (the same on every rank), after that batch's events and
+    before the epoch's closing ones (or between epochs, when the signal came during the
+    epoch's end). The run's position is still the one a checkpoint resumes from exactly:
+    the ``Checkpoint`` plugin saves here; a tracker can flush, or mark its run as
+    interrupted rather than finished.
+
+    ``signal`` is the signal's name (``"SIGTERM"``), ``signum`` its number, ``rank`` the
+    rank that received it first, ``deadline`` the wall-clock time (``time.time()``) at
+    which the process ends regardless (``Trainer(preemption_grace=...)``; None: no
+    deadline of loopbus's own, the platform's SIGKILL is the limit), ``step`` and
+    ``epoch`` the run's position.
+    """
+
+    stage: str
+    signal: str
+    signum: int
+    rank: int = 0
+    deadline: float | None = None
+    step: int = 0
+    epoch: int = 0
 
 
 class Teardown(Event, frozen=True, kw_only=True):

@@ -33,6 +33,7 @@ from loopbus import (
 from loopbus.events import (
     EpochCompleted,
     FitCompleted,
+    PreemptionRequested,
     PutRecord,
     Subscription,
     TrainBatchCompleted,
@@ -84,6 +85,12 @@ class Checkpoint(Plugin):
     * ``save_on_end``: once more when ``fit`` completes or is stopped, unless nothing
       happened since the last save (a failed or cancelled ``fit`` saves nothing, so the
       last checkpoint stays the last good state).
+    * on preemption (SIGTERM, SIGUSR1; ``Trainer(preemption="auto")`` handles them while
+      this plugin is active): at ``PreemptionRequested``, at the step boundary where the
+      stop took effect, a checkpoint that resumes exactly there (mid-epoch, inside an
+      accumulation window); nothing is saved after it in that ``fit`` (an epoch-end or
+      end-of-fit save would record the epoch as cut short). See
+      ``docs/checkpointing.md``, "Preemption".
 
     What is kept: the ``keep_last`` most recent periodic checkpoints (None: all), the
     ``keep_best`` best ones (None: all), and always the newest, which the directory's
@@ -107,6 +114,8 @@ class Checkpoint(Plugin):
     delivery = Delivery(priority=-100)
     #: Left out by ``Trainer(fast_dev_run=...)``, which writes no checkpoint files.
     writes_files: ClassVar[bool] = True
+    #: Saves at ``PreemptionRequested``: ``Trainer(preemption="auto")`` handles the signals.
+    handles_preemption: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -182,6 +191,7 @@ class Checkpoint(Plugin):
         self._error: BaseException | None = None
         self._unannounced: CheckpointSaved | None = None
         self._saw_validation = False
+        self._preempted = False
 
     def __repr__(self) -> str:
         return f"Checkpoint(dirpath={str(self.dirpath)!r})"
@@ -193,9 +203,22 @@ class Checkpoint(Plugin):
         return "Checkpoint" if self.monitor is None else f"Checkpoint[{self.monitor}]"
 
     # ------------------------------------------------------------ public API
+    @property
     def last_checkpoint_path(self) -> Path | None:
-        """The newest checkpoint in ``dirpath`` (what ``ckpt_path="last"`` loads), or None."""
-        return latest_checkpoint(self.dirpath)
+        """The newest checkpoint in ``dirpath`` (what ``ckpt_path="last"`` loads), or None.
+
+        A property, like :attr:`best_checkpoint_path`. It used to be a method: calling
+        the path it returns (``checkpoint.last_checkpoint_path()``) still gives the same
+        path, with a ``DeprecationWarning``; with no checkpoint yet the property is None,
+        which cannot be called (``TypeError``), so such a call never passes silently."""
+        path = latest_checkpoint(self.dirpath)
+        return None if path is None else _CallablePath(path)
+
+    @property
+    def last_model_path(self) -> Path | None:
+        """Lightning's name of :attr:`last_checkpoint_path`."""
+        path = latest_checkpoint(self.dirpath)
+        return None if path is None else Path(path)
 
     @property
     def best_checkpoint_path(self) -> Path | None:
@@ -227,6 +250,7 @@ class Checkpoint(Plugin):
         self._idle = None
         self._unannounced = None
         self._saw_validation = False
+        self._preempted = False
         if trainer.is_global_zero:
             # Rank 0 alone writes, so it alone creates the directory and removes the
             # temporaries that dead writers left in it; a temporary written on another
@@ -336,7 +360,7 @@ class Checkpoint(Plugin):
     @on(EpochCompleted)
     async def _on_epoch(self, event: EpochCompleted) -> None:
         trainer = self._trainer
-        if trainer is None:
+        if trainer is None or self._preempted:
             return
         periodic = self.every_n_epochs is not None and (event.epoch + 1) % self.every_n_epochs == 0
         best = None
@@ -356,6 +380,13 @@ class Checkpoint(Plugin):
         if periodic or best is not None:
             await self._save("epoch", periodic=periodic, best=best)
 
+    @on(PreemptionRequested)
+    async def _on_preemption(self, event: PreemptionRequested) -> None:
+        if self._trainer is None or self._preempted:
+            return
+        await self._save("preempted", periodic=True, best=None)
+        self._preempted = True  # what a later save would record is the epoch cut short
+
     @on(FitCompleted)
     async def _on_end(self, event: FitCompleted) -> None:
         await self._save_on_end()
@@ -365,7 +396,7 @@ class Checkpoint(Plugin):
 
     async def _save_on_end(self) -> None:
         trainer = self._trainer
-        if trainer is None:
+        if trainer is None or self._preempted:
             return
         if self.monitor is not None and self._monitor_value is None:
             warnings.warn(
@@ -500,3 +531,17 @@ class Checkpoint(Plugin):
             self._error = exc
         finally:
             done.set()
+
+
+class _CallablePath(type(Path())):  # type: ignore[misc]
+    """A path that can still be called as ``last_checkpoint_path()`` was (deprecated)."""
+
+    def __call__(self) -> Path:
+        warnings.warn(
+            "Checkpoint.last_checkpoint_path is a property now, like best_checkpoint_path: "
+            "write checkpoint.last_checkpoint_path (or Lightning's last_model_path) without "
+            "the call.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Path(self)

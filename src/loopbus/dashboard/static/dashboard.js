@@ -17,6 +17,10 @@ const MAX_POINTS = 50000;   // per series; beyond it, every other point is kept
 const REDRAW_MS = 250;      // charts are redrawn at most this often
 const HEIGHT = 230;
 const GROUP_ORDER = ["train", "val", "validate", "test", "predict"];
+// Epoch-end markers closer than this (CSS pixels) are thinned out to every 2nd, 5th,
+// 10th, ... epoch: drawn for every one of thousands of short epochs they would fill the
+// chart as a grey band.
+const MIN_MARKER_GAP = 8;
 const MARKER_STYLE = {
   epoch: { color: "#8c959f", width: 1, dash: [4, 4] },
   stage: { color: "#8250df", width: 2, dash: [] },
@@ -84,6 +88,24 @@ const state = {
 const colorOf = (run) => COLORS[run % COLORS.length];
 const labelOf = (run) => (state.runs[run] && state.runs[run].label) || ("run " + run);
 
+// Every how many epoch markers one is drawn, so that those drawn are at least
+// MIN_MARKER_GAP pixels apart: 1, 2, 5, 10, 20, ... (a round number of epochs).
+function epochStride(u, markers) {
+  let n = 0, first = null, last = null;
+  for (const m of markers) {
+    if (m.kind !== "epoch") continue;
+    const x = u.valToPos(m.step, "x", true);
+    if (!(x >= u.bbox.left && x <= u.bbox.left + u.bbox.width)) continue;
+    n++;
+    if (first === null) first = x;
+    last = x;
+  }
+  if (n < 2) return 1;
+  const spacing = (last - first) / (n - 1);
+  const gap = MIN_MARKER_GAP * devicePixelRatio;
+  return STEP_INCRS.find((k) => k * spacing >= gap) || Infinity;
+}
+
 function markersPlugin() {
   return {
     hooks: {
@@ -93,10 +115,16 @@ function markersPlugin() {
         ctx.save();
         ctx.font = `${10 * devicePixelRatio}px system-ui, sans-serif`;
         const labelled = new Map();  // x -> labels drawn there, to stack them
+        let epochsDrawn = 0;
         for (let run = 0; run < state.markers.length; run++) {
-          for (const m of state.markers[run] || []) {
+          const markers = state.markers[run] || [];
+          const stride = epochStride(u, markers);
+          let epoch = 0;  // the index of this run's epoch marker
+          for (const m of markers) {
+            if (m.kind === "epoch" && ++epoch % stride !== 0) continue;
             const x = Math.round(u.valToPos(m.step, "x", true));
             if (!(x >= left && x <= right)) continue;
+            if (m.kind === "epoch") epochsDrawn++;
             const style = MARKER_STYLE[m.kind] || MARKER_STYLE.epoch;
             const color = m.kind === "stage" ? colorOf(run) : style.color;
             ctx.strokeStyle = color;
@@ -116,6 +144,8 @@ function markersPlugin() {
           }
         }
         ctx.restore();
+        const chart = u.root.closest(".chart");
+        if (chart) chart.dataset.epochMarkers = String(epochsDrawn);
       }],
     },
   };

@@ -1,0 +1,135 @@
+"""Preemption under ``torchrun`` (2 ranks, gloo, CPU): SIGTERM to the torchrun agent,
+which forwards it to every worker; both ranks stop at the same step, one consistent
+checkpoint is written, and a relaunch with ``ckpt_path="last"`` ends bit-identical to an
+uninterrupted job. And ``--max-restarts=1`` with a worker SIGKILLed: the group restarts
+from ``last`` and ends bit-identical too."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loopbus
+from tests.engine.test_preemption import SCRIPT, env, final, wait_for
+from tests.test_distributed import _free_port
+
+pytestmark = [
+    pytest.mark.skipif(
+        not torch.distributed.is_available(), reason="torch.distributed is not available"
+    ),
+    pytest.mark.slow,
+]
+
+#: 160 samples, 2 ranks, batches of 8, windows of 3: 4 optimizer steps an epoch, 3 epochs.
+FINAL_STEP = 12
+
+
+def torchrun(directory: Path, *args: str, launcher: tuple[str, ...] = ()) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        *(launcher or (f"--master_port={_free_port()}",)),
+        str(SCRIPT),
+        "--dir",
+        str(directory),
+        *args,
+    ]
+
+
+def launch(
+    directory: Path, *args: str, launcher: tuple[str, ...] = (), **extra_env: str
+) -> None:
+    proc = subprocess.run(
+        torchrun(directory, *args, launcher=launcher),
+        env={**env(), **extra_env},
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def same_run(directory: Path, reference: dict[str, Any]) -> None:
+    resumed = final(directory)
+    assert resumed["global_step"] == reference["global_step"] == FINAL_STEP
+    for name, tensor in reference["module"].items():
+        assert torch.equal(resumed["module"][name], tensor), f"weight {name!r} differs"
+    for index, state in reference["optimizer"]["state"].items():
+        assert torch.equal(
+            resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"]
+        ), f"momentum buffer {index} differs"
+
+
+@pytest.fixture(scope="module")
+def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    directory = tmp_path_factory.mktemp("ddp-reference")
+    launch(directory)
+    return final(directory)
+
+
+def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resumes_exactly(
+    tmp_path: Path, ddp_reference: dict[str, Any]
+) -> None:
+    proc = subprocess.Popen(
+        torchrun(tmp_path, "--wait-at", "1:7"),
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    wait_for(tmp_path / "ready", proc)
+    proc.send_signal(signal.SIGTERM)  # to the agent; it forwards SIGTERM to the workers
+    _, err = proc.communicate(timeout=120)
+    reports = [json.loads((tmp_path / f"preempted_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["code"] for r in reports] == [143, 143], err[-6000:]
+    step = reports[0]["step"]
+    assert reports[1]["step"] == step
+    assert 0 < step < FINAL_STEP
+    for rank in (0, 1):
+        events = json.loads((tmp_path / f"events_rank{rank}.json").read_text())
+        assert [e["event"] for e in events] == ["PreemptionRequested", "Teardown"]
+        assert events[0]["signal"] == "SIGTERM"
+        assert events[0]["step"] == step
+        assert (events[1]["reason"], events[1]["step"]) == ("stopped", step)
+    last = loopbus.latest_checkpoint(tmp_path / "ckpt")
+    assert last is not None
+    state = loopbus.load_checkpoint(last)
+    assert state["run"]["step"] == step
+    assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
+
+    launch(tmp_path, "--resume")
+    same_run(tmp_path, ddp_reference)
+
+
+def test_max_restarts_after_a_sigkilled_worker_resumes_exactly(
+    tmp_path: Path, ddp_reference: dict[str, Any]
+) -> None:
+    # Rank 1 is SIGKILLed after step 6 of the first attempt (a checkpoint every 5 steps);
+    # torchrun restarts the group, which resumes from the last checkpoint.
+    launch(
+        tmp_path,
+        "--resume",
+        "--kill-rank1-at-step",
+        "6",
+        launcher=(
+            # A rendezvous of rounds (c10d): the restarted group meets afresh.
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{_free_port()}",
+            "--max-restarts=1",
+            "--monitor-interval=0.1",
+        ),
+        # torch's agent shares its store with the workers, and a restarted group can
+        # then read the dead group's addresses (pytorch/pytorch#135712): not shared.
+        TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1",
+    )
+    assert (tmp_path / "attempts").read_text() == "0\n1\n"  # the group was restarted
+    same_run(tmp_path, ddp_reference)

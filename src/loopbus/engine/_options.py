@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import math
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "Option",
     "OptionAttributes",
     "TrainerOptions",
+    "compile_options",
     "resolve_device",
     "unknown_options",
 ]
@@ -155,6 +158,14 @@ class TrainerOptions:
       one to two intervals later. 0 exchanges at every step boundary (a stop then lands
       one boundary after it was asked, whatever the timing; one all-reduce per step).
       See ``docs/distributed.md``.
+    * ``compile``: ``False`` (default) runs the steps eagerly; ``True`` or a dict of
+      ``torch.compile`` options (``backend``, ``mode``, ``fullgraph``, ``dynamic``,
+      ``options``) compiles the training step (the module's ``training_step``, the loss
+      included; its backward runs the compiled backward) and the validation, test and
+      predict steps, once per stage. ``put`` inside them causes no graph break. A short
+      last batch costs one more compilation (dimensions that changed become dynamic),
+      not one per epoch. CUDA graphs (``mode="reduce-overhead"``) are refused for now.
+      See ``docs/performance.md``.
     """
 
     max_epochs: float = 1000
@@ -184,6 +195,8 @@ class TrainerOptions:
     num_sanity_val_steps: int = 2
     fast_dev_run: int = 0
     enable_model_summary: bool = True
+    #: ``torch.compile`` options of the steps (None: eager).
+    compile: Mapping[str, Any] | None = None
 
     @classmethod
     def parse(cls, **given: Any) -> TrainerOptions:
@@ -193,7 +206,12 @@ class TrainerOptions:
         if unknown:
             raise unknown_options(dict.fromkeys(unknown), list(_GIVEN_DEFAULTS))
         raw = {**_GIVEN_DEFAULTS, **given}
-        return cls(**_run_length(raw), **_step_options(raw), **_runtime_options(raw))
+        return cls(
+            **_run_length(raw),
+            **_step_options(raw),
+            **_runtime_options(raw),
+            compile=compile_options(raw["compile"]),
+        )
 
     def replace(self, **changes: Any) -> TrainerOptions:
         """These options with ``changes``, validated as :meth:`parse` validates them."""
@@ -272,6 +290,7 @@ class OptionAttributes:
     num_sanity_val_steps: Option[int] = Option()
     fast_dev_run: Option[int] = Option()
     enable_model_summary: Option[bool] = Option()
+    compile: Option[Mapping[str, Any] | None] = Option()
 
 
     def set_options(self, **changes: Any) -> None:
@@ -336,6 +355,7 @@ _GIVEN_DEFAULTS: dict[str, Any] = {
     "num_sanity_val_steps": 2,
     "fast_dev_run": False,
     "enable_model_summary": True,
+    "compile": False,
 }
 
 
@@ -467,3 +487,70 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
         ),
         "enable_model_summary": raw["enable_model_summary"],
     }
+
+
+#: The ``torch.compile`` options ``Trainer(compile={...})`` passes on.
+_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+_COMPILE_MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
+_NO_CUDA_GRAPHS = (
+    "CUDA graphs are not supported by loopbus yet (the design, with the static input "
+    "buffers the device prefetch must fill, is in docs/performance.md); use compile=True "
+    "or mode='max-autotune-no-cudagraphs'"
+)
+
+
+def compile_options(value: Any) -> Mapping[str, Any] | None:
+    """``Trainer(compile=...)`` checked: None when off, else the ``torch.compile``
+    keyword arguments (read-only)."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return MappingProxyType({})
+    if isinstance(value, str):
+        raise MisconfigurationError(
+            f"compile={value!r} is not supported: {_NO_CUDA_GRAPHS}."
+            if value in ("cudagraphs", "reduce-overhead")
+            else f"compile must be True, False or a dict of torch.compile options "
+            f"(keys {list(_COMPILE_KEYS)}), got {value!r}; for a backend or mode write "
+            f"compile={{'backend': ...}} or compile={{'mode': ...}}."
+        )
+    if not isinstance(value, Mapping):
+        raise MisconfigurationError(
+            f"compile must be True, False or a dict of torch.compile options (keys "
+            f"{list(_COMPILE_KEYS)}), got {type(value).__name__}: {value!r}."
+        )
+    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS)
+    if unknown:
+        raise MisconfigurationError(
+            f"compile={{...}} got unknown torch.compile option(s) {unknown}; the options it "
+            f"passes on are {list(_COMPILE_KEYS)}."
+        )
+    mode = value.get("mode")
+    if mode == "reduce-overhead" or value.get("backend") == "cudagraphs":
+        raise MisconfigurationError(f"compile={dict(value)!r}: {_NO_CUDA_GRAPHS}.")
+    if mode not in _COMPILE_MODES:
+        raise MisconfigurationError(
+            f"compile={{'mode': {mode!r}}} is not a torch.compile mode loopbus runs; use one "
+            f"of {[m for m in _COMPILE_MODES if m]} or leave it out."
+        )
+    if not isinstance(value.get("fullgraph", False), bool):
+        raise MisconfigurationError(
+            f"compile={{'fullgraph': ...}} must be True or False, got {value['fullgraph']!r}."
+        )
+    if not isinstance(value.get("options", {}), Mapping):
+        raise MisconfigurationError(
+            f"compile={{'options': ...}} must be a dict of backend options, got "
+            f"{value['options']!r}."
+        )
+    if value.get("dynamic") not in (None, True, False):
+        raise MisconfigurationError(
+            f"compile={{'dynamic': ...}} must be None (automatic), True or False, got "
+            f"{value['dynamic']!r}."
+        )
+    backend = value.get("backend", "inductor")
+    if not (isinstance(backend, str) or callable(backend)):
+        raise MisconfigurationError(
+            f"compile={{'backend': ...}} must be a backend name (such as 'inductor' or "
+            f"'aot_eager') or a callable backend, got {backend!r}."
+        )
+    return MappingProxyType(dict(value))

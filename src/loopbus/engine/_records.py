@@ -46,6 +46,16 @@ def _normalize_destinations(destinations: Any) -> tuple[str, ...]:
         return _DEST_CACHE[destinations]
     except (KeyError, TypeError):
         pass
+    result = _destinations(destinations)
+    try:
+        _DEST_CACHE[destinations] = result
+    except TypeError:
+        pass
+    return result
+
+
+def _destinations(destinations: Any) -> tuple[str, ...]:
+    """``destinations`` checked and sorted (not cached: what compiled code calls)."""
     items: Iterable[Any] = (destinations,) if isinstance(destinations, str) else destinations
     try:
         result = tuple(sorted(set(items)))
@@ -65,10 +75,6 @@ def _normalize_destinations(destinations: Any) -> tuple[str, ...]:
             "put() destinations is empty, so the record would go nowhere; name at least one "
             f"of {DESTINATIONS} or leave destinations=None for all of them."
         )
-    try:
-        _DEST_CACHE[destinations] = result
-    except TypeError:
-        pass
     return result
 
 
@@ -132,7 +138,16 @@ def _shown(name: str) -> str:
 
 
 def _check_name(name: Any) -> None:
-    """Raise unless ``name`` is a name every consumer can carry; remember it if it is.
+    """Raise unless ``name`` is a name every consumer can carry; remember it if it is."""
+    _validate_name(name)
+    if len(_VALID_NAMES) >= _VALID_NAMES_LIMIT:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(name)
+
+
+def _validate_name(name: Any) -> None:
+    """Raise unless ``name`` is a name every consumer can carry (remembers nothing: what
+    compiled code calls, where a remembered name would be a guard that changes).
 
     Lone surrogates cannot be encoded as UTF-8 (the stream, the JSON lines and CSV files,
     TensorBoard all need it); control characters and line separators break the one-line
@@ -165,9 +180,6 @@ def _check_name(name: Any) -> None:
                     "loopbus watch), so control characters and line breaks are not allowed. "
                     "Replace it, for example with ' ' or '_'. Rule: " + _NAME_RULES + "."
                 )
-    if len(_VALID_NAMES) >= _VALID_NAMES_LIMIT:
-        _VALID_NAMES.clear()
-    _VALID_NAMES.add(name)
 
 
 def _int_out_of_range(name: str, value: int) -> ValueError:
@@ -281,7 +293,17 @@ class PutMixin:
         without control characters or line separators; an int is within
         ``[-2**63, 2**64 - 1]``; a tensor has one element and a bool, integer or
         floating-point dtype. NaN and infinite floats are fine.
+
+        In a stage with ``Trainer(compile=...)`` put takes a path compiled code can trace
+        without a graph break or a changing guard: the same checks, nothing remembered
+        (they run once, when the step is traced), and the entry appended to the pending
+        list, which compiled code does after its graph has run (the tensors are the
+        graph's outputs). The step boundary flushes them as in eager mode.
         """
+        recorder = self._loopbus_recorder
+        if recorder is not None and recorder.compiled:
+            recorder.pending.append(_traced_entry(name, value, destinations, self._loopbus_source))
+            return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
         cls = type(value)
@@ -304,7 +326,6 @@ class PutMixin:
             destinations = _normalize_destinations(destinations)
         else:
             destinations = _ALL
-        recorder = self._loopbus_recorder
         if recorder is None:
             raise RuntimeError(
                 f"{type(self).__name__}.put({name!r}, ...) was called outside a Trainer stage; "
@@ -326,6 +347,20 @@ class PutMixin:
             if pending is not None:
                 del pending[mark:]  # the items put before the refused one
             raise
+
+
+def _traced_entry(name: Any, value: Any, destinations: Any, source: str) -> Pending:
+    """The pending entry of ``put(name, value, destinations)`` with every check of the
+    eager path but no cache (see :meth:`PutMixin.put`); tensors always detached."""
+    _validate_name(name)
+    if isinstance(value, _Tensor):
+        _check_tensor(name, value)
+        value = value.detach()
+    elif type(value) is int:
+        _check_int(name, value)
+    elif type(value) is not float and type(value) is not bool:
+        value = _coerce(name, value)
+    return (name, value, _ALL if destinations is None else _destinations(destinations), source)
 
 
 def _resolve(values: list[Any]) -> list[Any]:
@@ -435,6 +470,7 @@ class Recorder:
     __slots__ = (
         "_delivering",
         "bus",
+        "compiled",
         "earlier",
         "inflight",
         "lag",
@@ -460,11 +496,15 @@ class Recorder:
         #: How this stage's device reads put values without waiting (None: the CPU,
         #: where reading is immediate); see :meth:`use_device`.
         self.readback: _device.Readback | None = None
+        #: Whether this stage's steps are compiled (``put`` then takes its traceable path).
+        self.compiled = False
 
-    def use_device(self, device: Any) -> None:
-        """Set the stage's device: on CUDA, :meth:`flush_step` reads put values back
-        without making the host wait."""
+    def use_device(self, device: Any, compiled: bool = False) -> None:
+        """Set the stage's device (on CUDA, :meth:`flush_step` reads put values back
+        without making the host wait) and whether its steps are compiled (``put`` then
+        takes the path compiled code traces without a graph break)."""
         self.readback = _device.readback_for(device)
+        self.compiled = compiled
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones

@@ -9,7 +9,7 @@ import inspect
 import logging
 import os
 import warnings
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -127,6 +127,7 @@ class Trainer(OptionAttributes):
         num_sanity_val_steps: int = 2,
         fast_dev_run: bool | int = False,
         enable_model_summary: bool = True,
+        compile: bool | Mapping[str, Any] = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -447,7 +448,7 @@ class Trainer(OptionAttributes):
         module.bind_recorder(self.recorder, type(module).__name__)
         self.recorder.reset()
         device = self.options.device
-        self.recorder.use_device(device)
+        self.recorder.use_device(device, compiled=self.options.compile is not None)
         module.to(device)
         self.precision.setup(device)
         if stage == "fit":

@@ -656,8 +656,9 @@ class Recorder:
         routed: list[tuple[Pending, Any]] = []
         for item in pending:
             destinations = item[2]
-            entries = routes.get(destinations)
-            if entries is None:
+            try:  # a subscript, not routes.get: no call where the route is cached
+                entries = routes[destinations]
+            except KeyError:
                 entries = bus.route(destinations)
             if entries:
                 routed.append((item, entries))

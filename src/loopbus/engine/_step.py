@@ -383,7 +383,7 @@ def compiled(fn: StepFn, options: Mapping[str, Any] | None) -> StepFn:
     keeps its own keys (no ``_orig_mod.``): checkpoints load either way."""
     if options is None:
         return fn
-    return torch.compile(fn, **options)  # type: ignore[no-any-return]
+    return torch.compile(fn, **options)
 
 
 def build_train_step(

@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> None:
             subs = extra_calls_per_step(backend, subscribers=True)
             print(
                 f"extra Python calls per step ({backend}): {bare:.1f} with put and no plugins "
-                f"(budget 30); {subs:.1f} with one inline and one queued subscriber; "
+                f"(target 18, budget 30); {subs:.1f} with one inline and one queued subscriber; "
                 f"+{checkpoint_calls(backend):.1f} per yield to the event loop "
                 "(at most one per yield_interval)",
                 flush=True,

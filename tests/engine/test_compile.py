@@ -14,7 +14,8 @@ import torch._dynamo
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
-from loopbus import MisconfigurationError, Module, PutRecord, Trainer
+from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
+from loopbus.events import TrainBatchCompleted
 from loopbus.engine._options import compile_options
 
 
@@ -85,6 +86,16 @@ def batches(sizes: list[int], seed: int = 0) -> list[tuple[torch.Tensor, torch.T
 Record = tuple[str, int, int, float]
 
 
+class EveryOtherStep(Plugin):
+    """Puts from a handler between steps, on every other step: the records pending when
+    a step starts vary, which compiled code must not see (a guard that changes)."""
+
+    @on(TrainBatchCompleted)
+    def completed(self, event: TrainBatchCompleted) -> None:
+        if event.step % 2:
+            self.put("plugin/step", event.step)
+
+
 async def fit(
     compile: Any,
     train: list[Any],
@@ -92,11 +103,12 @@ async def fit(
     *,
     epochs: int = 2,
     leak_check: Any = "raise",
+    module: EightPuts | None = None,
 ) -> tuple[EightPuts, list[Record]]:
-    module = EightPuts()
+    module = module or EightPuts()
     trainer = Trainer(
         max_epochs=epochs,
-        plugins=[],
+        plugins=[EveryOtherStep()],
         device="cpu",
         compile=compile,
         leak_check=leak_check,
@@ -145,7 +157,9 @@ async def test_eight_puts_compile_fullgraph_with_records_as_in_eager() -> None:
     assert backend.count("") >= 1  # it did compile
     eager, expected = await fit(False, train)
     assert [r[:3] for r in got] == [r[:3] for r in expected]
-    assert len(got) == 2 * 4 * 8  # two epochs of four steps, eight puts each
+    # Two epochs of four steps, eight puts each, and the plugin's every other step.
+    assert len(got) == 2 * 4 * 8 + 4
+    assert backend.count("") <= 2  # the short last batch: once more, whatever is pending
     assert [r[0] for r in got[:8]] == [
         "train/loss",
         "train/acc",
@@ -187,6 +201,30 @@ async def test_a_short_last_batch_compiles_at_most_twice_per_fit() -> None:
     val_graphs = len(backend.graphs) - train_graphs
     assert 1 <= train_graphs <= 2
     assert 1 <= val_graphs <= 2
+
+
+class BrokenGraph(EightPuts):
+    """Puts on both sides of a graph break, and a put_dict."""
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.put("before", loss)
+        torch._dynamo.graph_break()
+        self.put_dict({"after/a": loss * 2, "after/b": loss * 3})
+        self.put("after/c", 1.5)
+        return loss
+
+
+# torch's compiler reads .grad of the non-leaf loss when it resumes after the break.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+async def test_puts_around_a_graph_break_keep_their_order() -> None:
+    train = batches([5, 5, 5])
+    _, got = await fit({"backend": "eager"}, train, module=BrokenGraph())
+    assert sum(counters["graph_break"].values()) >= 1
+    _, expected = await fit(False, train, module=BrokenGraph())
+    assert got == expected
+    assert [r[0] for r in got[:5]] == ["before", "after/a", "after/b", "after/c", "plugin/step"]
 
 
 async def test_a_bad_put_inside_compiled_code_raises_the_eager_error() -> None:

@@ -181,7 +181,9 @@ def build_host(
     def eval_step(name: str) -> EvalStep:
         fn = eval_fns.get(name)
         if fn is None:
-            fn = eval_fns[name] = compiled(_evaluation_function(module, name), options.compile)
+            fn = eval_fns[name] = compiled(
+                _evaluation_function(module, name), options.compile, recorder
+            )
         return build_eval_step(
             fn, precision=precision, module=module, boundary=boundary, worker=worker
         )

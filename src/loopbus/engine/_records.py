@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -296,13 +296,17 @@ class PutMixin:
 
         In a stage with ``Trainer(compile=...)`` put takes a path compiled code can trace
         without a graph break or a changing guard: the same checks, nothing remembered
-        (they run once, when the step is traced), and the entry appended to the pending
-        list, which compiled code does after its graph has run (the tensors are the
-        graph's outputs). The step boundary flushes them as in eager mode.
+        (they run once, when the step is traced), and during a step the entry appended
+        to the recorder's step buffer (always empty when a step starts), which compiled
+        code does after its graph has run (the tensors are the graph's outputs). The
+        recorder moves them to the pending records when the step returns
+        (:meth:`Recorder.run_compiled`), and the step boundary flushes them as in eager
+        mode.
         """
         recorder = self._loopbus_recorder
         if recorder is not None and recorder.compiled:
-            recorder.pending.append(_traced_entry(name, value, destinations, self._loopbus_source))
+            entry = _traced_entry(name, value, destinations, self._loopbus_source)
+            (recorder.traced if recorder.stepping else recorder.pending).append(entry)
             return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
@@ -338,6 +342,15 @@ class PutMixin:
         if not isinstance(values, Mapping):
             raise TypeError(f"put_dict() needs a mapping of name -> value, got {values!r}.")
         recorder = self._loopbus_recorder
+        if recorder is not None and recorder.compiled:
+            # Every entry checked before any is appended: nothing reads the pending list
+            # (whose length would be a guard of compiled code).
+            source = self._loopbus_source
+            entries = [
+                _traced_entry(name, value, destinations, source) for name, value in values.items()
+            ]
+            (recorder.traced if recorder.stepping else recorder.pending).extend(entries)
+            return
         pending = recorder.pending if recorder is not None else None
         mark = len(pending) if pending is not None else 0
         try:
@@ -478,6 +491,8 @@ class Recorder:
         "pending",
         "readback",
         "state",
+        "stepping",
+        "traced",
     )
 
     def __init__(self, state: RunState, bus: EventBus, lag: int = 4) -> None:
@@ -498,6 +513,11 @@ class Recorder:
         self.readback: _device.Readback | None = None
         #: Whether this stage's steps are compiled (``put`` then takes its traceable path).
         self.compiled = False
+        #: Whether a compiled step runs (see :meth:`run_compiled`), and what its puts
+        #: handed out: one list, empty whenever a step starts (compiled code guards on
+        #: the length of a list it appends to; this one's never varies).
+        self.stepping = False
+        self.traced: list[Pending] = []
 
     def use_device(self, device: Any, compiled: bool = False) -> None:
         """Set the stage's device (on CUDA, :meth:`flush_step` reads put values back
@@ -505,6 +525,21 @@ class Recorder:
         takes the path compiled code traces without a graph break)."""
         self.readback = _device.readback_for(device)
         self.compiled = compiled
+
+    def run_compiled(self, fn: Callable[[Any, Any], Any], batch: Any, ctx: Any) -> Any:
+        """``fn(batch, ctx)``, a compiled step: the puts it makes go to :attr:`traced`
+        and join the pending records, in the order they were made, when it returns
+        (or raises). So compiled code never sees the pending list, whose length changes
+        with what handlers put between steps."""
+        self.stepping = True
+        try:
+            return fn(batch, ctx)
+        finally:
+            self.stepping = False
+            traced = self.traced
+            if traced:
+                self.pending += traced
+                traced.clear()
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones

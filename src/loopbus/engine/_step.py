@@ -65,6 +65,8 @@ class FlushingRecorder(Protocol):
 
     async def flush_step(self) -> None: ...
 
+    def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
+
 
 class GradientSync(Protocol):
     """What the training step asks of the strategy: a context in which backward does
@@ -377,13 +379,21 @@ def _choose_variant(
     return "general"
 
 
-def compiled(fn: StepFn, options: Mapping[str, Any] | None) -> StepFn:
-    """``fn`` compiled by ``torch.compile(fn, **options)``; ``fn`` itself when
-    ``options`` is None (eager). The module itself is not wrapped, so its state dict
-    keeps its own keys (no ``_orig_mod.``): checkpoints load either way."""
+class TracedPuts(Protocol):
+    """What a compiled step asks of the recorder: run it so that what its puts hand out
+    joins the pending records when it returns."""
+
+    def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
+
+
+def compiled(fn: StepFn, options: Mapping[str, Any] | None, records: TracedPuts) -> StepFn:
+    """``fn`` compiled by ``torch.compile(fn, **options)``, run through
+    ``records.run_compiled`` (its puts are collected apart, then pending); ``fn`` itself
+    when ``options`` is None (eager). The module itself is not wrapped, so its state
+    dict keeps its own keys (no ``_orig_mod.``): checkpoints load either way."""
     if options is None:
         return fn
-    return torch.compile(fn, **options)
+    return functools.partial(records.run_compiled, torch.compile(fn, **options))
 
 
 def build_train_step(
@@ -412,7 +422,7 @@ def build_train_step(
             "`automatic_optimization = False` and step them in training_step."
         )
     return TrainStep(
-        forward=compiled(forward, compile),
+        forward=compiled(forward, compile, boundary.recorder),
         optimizers=optimizers,
         schedulers=schedulers,
         precision=precision,
@@ -470,8 +480,7 @@ def build_eval_step(
     module: torch.nn.Module,
     boundary: Callable[[], Any],
     worker: anyio.CapacityLimiter | None,
-    compile: Mapping[str, Any] | None = None,
 ) -> EvalStep:
-    """The evaluation step of a pass (see :class:`EvalStep`), ``step_fn`` compiled with
-    the ``compile`` options when given."""
-    return EvalStep(compiled(step_fn, compile), precision, module, boundary, worker)
+    """The evaluation step of a pass (see :class:`EvalStep`); ``step_fn`` may be a
+    compiled function (see :func:`compiled`)."""
+    return EvalStep(step_fn, precision, module, boundary, worker)

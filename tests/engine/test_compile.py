@@ -15,8 +15,8 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
-from loopbus.events import TrainBatchCompleted
 from loopbus.engine._options import compile_options
+from loopbus.events import TrainBatchCompleted
 
 
 @pytest.fixture(autouse=True)

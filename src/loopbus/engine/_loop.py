@@ -485,8 +485,9 @@ class Loop(Generic[T]):
                     if checker is not None and it_ok:
                         checker.iteration_done(it)
                     else:
+                        # A reused scope keeps its set of borrowed names: only the
+                        # leak check reads it, and it never runs on a reused scope.
                         it.__dict__.clear()
-                        it._borrowed = None
                 if self._restarting:
                     self.restarting = False
         except StopLoop:

@@ -51,9 +51,14 @@ class Net(Module):
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
         x, y = batch
-        trainer = self.trainer
-        if self.stop_in_step == (trainer.global_rank, trainer.global_step):
-            trainer.request_stop(f"rank {trainer.global_rank} asked at step {trainer.global_step}")
+        # Read the trainer only when asked to: a compiled step would see the step
+        # number as a constant that changes every step.
+        if self.stop_in_step is not None:
+            trainer = self.trainer
+            if self.stop_in_step == (trainer.global_rank, trainer.global_step):
+                trainer.request_stop(
+                    f"rank {trainer.global_rank} asked at step {trainer.global_step}"
+                )
         loss = torch.nn.functional.cross_entropy(self(x), y)
         self.put("train/loss", loss)
         return loss
@@ -159,6 +164,7 @@ def main() -> None:
     parser.add_argument(
         "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
     )
+    parser.add_argument("--compile", default="", help="compile the steps with this backend")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -193,6 +199,7 @@ def main() -> None:
         process_group_timeout=args.timeout,
         stop_check_interval=args.stop_check_interval,
         strategy=args.strategy,
+        compile={"backend": args.compile} if args.compile else False,
     )
     loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)
     stop_reason, step = trainer.stop_reason, trainer.global_step

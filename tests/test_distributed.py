@@ -218,6 +218,17 @@ def test_accumulation_keeps_ranks_in_sync(tmp_path: Path) -> None:
     assert _same(_weights(tmp_path, 0), _weights(tmp_path, 1))
 
 
+def test_a_compiled_step_trains_under_ddp(tmp_path: Path) -> None:
+    # The DDP wrapper's forward compiled (its graph split at the gradient buckets).
+    _ok(_launch(tmp_path, "--epochs", "2", "--compile", "aot_eager", timeout=300))
+    s0, s1 = _summary(tmp_path, 0), _summary(tmp_path, 1)
+    assert s0["step"] == s1["step"] == 2 * 16
+    assert s0["accuracy"] >= 0.9
+    weights = _weights(tmp_path, 0)
+    assert _same(weights, _weights(tmp_path, 1))
+    assert not [key for key in weights if "_orig_mod" in key or "module." in key]
+
+
 def test_a_failing_rank_brings_the_job_down(tmp_path: Path) -> None:
     start = time.monotonic()
     proc = _launch(tmp_path, "--raise-rank", "1", "--raise-at", "5", timeout=60)

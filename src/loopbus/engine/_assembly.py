@@ -46,6 +46,7 @@ from ._step import (
     TrainStep,
     build_eval_step,
     build_train_step,
+    compiled,
 )
 from ._strategy import Strategy
 
@@ -185,15 +186,19 @@ def build_host(
             boundary=boundary,
             worker=worker,
             module=module,
+            compile=options.compile,
         )
+    # One (compiled) function per evaluation stage, kept for the stage's passes.
+    eval_fns: dict[str, Callable[[Any, Any], Any]] = {}
 
     def eval_step(name: str) -> EvalStep:
+        fn = eval_fns.get(name)
+        if fn is None:
+            fn = eval_fns[name] = compiled(
+                _evaluation_function(module, name), options.compile, recorder
+            )
         return build_eval_step(
-            _evaluation_function(module, name),
-            precision=precision,
-            module=module,
-            boundary=boundary,
-            worker=worker,
+            fn, precision=precision, module=module, boundary=boundary, worker=worker
         )
 
     return StageHost(

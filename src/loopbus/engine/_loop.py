@@ -5,7 +5,7 @@
     if skip: return on_skip()                 -> RunSkipped
     reset()
     on_run_start(ctx, *args, **kwargs)        -> RunStarted
-    while not done:                           (a fresh iteration scope ``it`` each time)
+    while not done:                           (an iteration scope ``it``, emptied after each)
         on_advance_start(it)                  -> AdvanceStarted
         advance(it)
         on_advance_end(it)                    -> AdvanceCompleted
@@ -16,6 +16,11 @@
 
 Each hook publishes its event (the loop's own subclass of the generic one, see
 ``events``) after it returns. ``raise StopLoop`` from a hook ends the iterations early.
+
+Without the leak check one iteration scope object serves every iteration of a run
+(emptied after each), and a loop may offer a fused iteration (:meth:`Loop.fused_iteration`)
+that does the three iteration hooks' work in one call, run while nobody subscribes to
+``AdvanceStarted``; events then fire as before, ``AdvanceCompleted`` included.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from .._exceptions import MisconfigurationError, StopLoop
@@ -380,10 +386,26 @@ class Loop(Generic[T]):
             else:
                 ctx.__dict__.clear()
 
+    def fused_iteration(self) -> Callable[[Scope], Awaitable[None]] | None:
+        """One coroutine that does what ``on_advance_start``, ``advance`` and
+        ``on_advance_end`` do (progress counters included), for the iterations whose
+        start nobody subscribes to, or None (the default: the hooks run one by one).
+        Asked once per run without the leak check; a loop that offers one returns None
+        when a subclass overrides one of those hooks."""
+        return None
+
     async def _iterate(self, ctx: Scope) -> None:
-        """The iterations of a run without the leak check (the hot path)."""
+        """The iterations of a run without the leak check (the hot path): one iteration
+        scope reused (emptied after each iteration), and the fused iteration where the
+        loop offers one and nobody subscribes to the iteration's start."""
         await self._iterations(
-            ctx, self.on_advance_start, self.advance, self.on_advance_end, plain_scope, None
+            ctx,
+            self.on_advance_start,
+            self.advance,
+            self.on_advance_end,
+            None,
+            None,
+            self.fused_iteration(),
         )
 
     async def _iterate_tracked(self, ctx: Scope, leak_check: LeakCheck) -> list[Suspect]:
@@ -398,6 +420,7 @@ class Loop(Generic[T]):
             _labelled(self.on_advance_end, "on_advance_end"),
             checker.new_scope,
             checker,
+            None,
         )
         return checker.suspects
 
@@ -409,32 +432,43 @@ class Loop(Generic[T]):
         on_advance_end: Any,
         make_scope: Any,
         checker: _IterationChecker | None,
+        fused: Callable[[Scope], Awaitable[None]] | None,
     ) -> None:
+        """The iterations of a run. ``make_scope(ctx)`` makes each iteration's scope
+        (None: one plain scope, reused); ``fused`` (see :meth:`fused_iteration`) runs
+        instead of the three hooks when ``AdvanceStarted`` has no subscriber (looked up
+        at every iteration: a subscription made during one counts from the next, and
+        one made during the iteration still gets its ``AdvanceCompleted``)."""
         table = self.bus.table  # type: ignore[union-attr]
         deliver = self.bus.deliver  # type: ignore[union-attr]
         total = self.progress.total
         current = self.progress.current
         adv_started = self.events.advance_started
         adv_completed = self.events.advance_completed
+        reused = plain_scope(ctx) if make_scope is None else None
         try:
             while not self.done:
-                it = make_scope(ctx)
+                it = reused if reused is not None else make_scope(ctx)
                 it_ok = False
                 try:
                     total.ready += 1
                     current.ready += 1
-                    await on_advance_start(it)
-                    entries = table[adv_started]
-                    if entries:
-                        await deliver(
-                            entries, self.make_event(adv_started, it, iteration=current.ready - 1)
-                        )
-                    total.started += 1
-                    current.started += 1
-                    await advance(it)
-                    total.processed += 1
-                    current.processed += 1
-                    await on_advance_end(it)
+                    if fused is not None and not table[adv_started]:
+                        await fused(it)
+                    else:
+                        await on_advance_start(it)
+                        entries = table[adv_started]
+                        if entries:
+                            await deliver(
+                                entries,
+                                self.make_event(adv_started, it, iteration=current.ready - 1),
+                            )
+                        total.started += 1
+                        current.started += 1
+                        await advance(it)
+                        total.processed += 1
+                        current.processed += 1
+                        await on_advance_end(it)
                     total.completed += 1
                     current.completed += 1
                     entries = table[adv_completed]
@@ -451,6 +485,8 @@ class Loop(Generic[T]):
                     if checker is not None and it_ok:
                         checker.iteration_done(it)
                     else:
+                        # A reused scope keeps its set of borrowed names: only the
+                        # leak check reads it, and it never runs on a reused scope.
                         it.__dict__.clear()
                 if self._restarting:
                     self.restarting = False

@@ -13,6 +13,8 @@ import dataclasses
 import difflib
 import math
 import os
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
@@ -27,6 +29,7 @@ __all__ = [
     "Option",
     "OptionAttributes",
     "TrainerOptions",
+    "compile_options",
     "resolve_device",
     "unknown_options",
 ]
@@ -171,6 +174,14 @@ class TrainerOptions:
     * ``preemption_grace``: seconds after the first signal at which the process ends
       regardless, as a second signal would (None, default: no limit of loopbus's own;
       the platform's SIGKILL is the limit).
+    * ``compile``: ``False`` (default) runs the steps eagerly; ``True`` or a dict of
+      ``torch.compile`` options (``backend``, ``mode``, ``fullgraph``, ``dynamic``,
+      ``options``) compiles the training step (the module's ``training_step``, the loss
+      included; its backward runs the compiled backward) and the validation, test and
+      predict steps, once per stage. ``put`` inside them causes no graph break. A short
+      last batch costs one more compilation (dimensions that changed become dynamic),
+      not one per epoch. CUDA graphs (``mode="reduce-overhead"``) are refused for now.
+      See ``docs/performance.md``.
     """
 
     max_epochs: float = 1000
@@ -203,6 +214,8 @@ class TrainerOptions:
     preemption: bool | Literal["auto"] = "auto"
     preemption_exit_code: int | None = None
     preemption_grace: float | None = None
+    #: ``torch.compile`` options of the steps (None: eager).
+    compile: Mapping[str, Any] | None = None
 
     @classmethod
     def parse(cls, **given: Any) -> TrainerOptions:
@@ -217,6 +230,7 @@ class TrainerOptions:
             **_step_options(raw),
             **_runtime_options(raw),
             **_preemption_options(raw),
+            compile=compile_options(raw["compile"]),
         )
 
     def replace(self, **changes: Any) -> TrainerOptions:
@@ -299,6 +313,7 @@ class OptionAttributes:
     preemption: Option[bool | Literal["auto"]] = Option()
     preemption_exit_code: Option[int | None] = Option()
     preemption_grace: Option[float | None] = Option()
+    compile: Option[Mapping[str, Any] | None] = Option()
 
     def set_options(self, **changes: Any) -> None:
         """Change options between stages, each validated as ``Trainer(...)`` validates
@@ -365,6 +380,7 @@ _GIVEN_DEFAULTS: dict[str, Any] = {
     "preemption": "auto",
     "preemption_exit_code": None,
     "preemption_grace": None,
+    "compile": False,
 }
 
 
@@ -526,3 +542,68 @@ def _preemption_options(raw: dict[str, Any]) -> dict[str, Any]:
         "preemption_exit_code": code,
         "preemption_grace": None if grace is None else float(grace),
     }
+#: The ``torch.compile`` options ``Trainer(compile={...})`` passes on.
+_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+_COMPILE_MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
+_NO_CUDA_GRAPHS = (
+    "CUDA graphs are not supported by loopbus yet (the design, with the static input "
+    "buffers the device prefetch must fill, is in docs/performance.md); use compile=True "
+    "or mode='max-autotune-no-cudagraphs'"
+)
+
+
+def compile_options(value: Any) -> Mapping[str, Any] | None:
+    """``Trainer(compile=...)`` checked: None when off, else the ``torch.compile``
+    keyword arguments (read-only)."""
+    if value is False or value is None:
+        return None
+    if value is True:
+        return MappingProxyType({})
+    if isinstance(value, str):
+        raise MisconfigurationError(
+            f"compile={value!r} is not supported: {_NO_CUDA_GRAPHS}."
+            if value in ("cudagraphs", "reduce-overhead")
+            else f"compile must be True, False or a dict of torch.compile options "
+            f"(keys {list(_COMPILE_KEYS)}), got {value!r}; for a backend or mode write "
+            f"compile={{'backend': ...}} or compile={{'mode': ...}}."
+        )
+    if not isinstance(value, Mapping):
+        raise MisconfigurationError(
+            f"compile must be True, False or a dict of torch.compile options (keys "
+            f"{list(_COMPILE_KEYS)}), got {type(value).__name__}: {value!r}."
+        )
+    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS)
+    if unknown:
+        raise MisconfigurationError(
+            f"compile={{...}} got unknown torch.compile option(s) {unknown}; the options it "
+            f"passes on are {list(_COMPILE_KEYS)}."
+        )
+    mode = value.get("mode")
+    if mode == "reduce-overhead" or value.get("backend") == "cudagraphs":
+        raise MisconfigurationError(f"compile={dict(value)!r}: {_NO_CUDA_GRAPHS}.")
+    if mode not in _COMPILE_MODES:
+        raise MisconfigurationError(
+            f"compile={{'mode': {mode!r}}} is not a torch.compile mode loopbus runs; use one "
+            f"of {[m for m in _COMPILE_MODES if m]} or leave it out."
+        )
+    if not isinstance(value.get("fullgraph", False), bool):
+        raise MisconfigurationError(
+            f"compile={{'fullgraph': ...}} must be True or False, got {value['fullgraph']!r}."
+        )
+    if not isinstance(value.get("options", {}), Mapping):
+        raise MisconfigurationError(
+            f"compile={{'options': ...}} must be a dict of backend options, got "
+            f"{value['options']!r}."
+        )
+    if value.get("dynamic") not in (None, True, False):
+        raise MisconfigurationError(
+            f"compile={{'dynamic': ...}} must be None (automatic), True or False, got "
+            f"{value['dynamic']!r}."
+        )
+    backend = value.get("backend", "inductor")
+    if not (isinstance(backend, str) or callable(backend)):
+        raise MisconfigurationError(
+            f"compile={{'backend': ...}} must be a backend name (such as 'inductor' or "
+            f"'aot_eager') or a callable backend, got {backend!r}."
+        )
+    return MappingProxyType(dict(value))

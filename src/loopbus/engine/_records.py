@@ -12,7 +12,7 @@ from __future__ import annotations
 import numbers
 import time
 from collections import deque
-from collections.abc import Generator, Iterable, Mapping
+from collections.abc import Callable, Generator, Iterable, Mapping
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -46,6 +46,16 @@ def _normalize_destinations(destinations: Any) -> tuple[str, ...]:
         return _DEST_CACHE[destinations]
     except (KeyError, TypeError):
         pass
+    result = _destinations(destinations)
+    try:
+        _DEST_CACHE[destinations] = result
+    except TypeError:
+        pass
+    return result
+
+
+def _destinations(destinations: Any) -> tuple[str, ...]:
+    """``destinations`` checked and sorted (not cached: what compiled code calls)."""
     items: Iterable[Any] = (destinations,) if isinstance(destinations, str) else destinations
     try:
         result = tuple(sorted(set(items)))
@@ -65,10 +75,6 @@ def _normalize_destinations(destinations: Any) -> tuple[str, ...]:
             "put() destinations is empty, so the record would go nowhere; name at least one "
             f"of {DESTINATIONS} or leave destinations=None for all of them."
         )
-    try:
-        _DEST_CACHE[destinations] = result
-    except TypeError:
-        pass
     return result
 
 
@@ -132,7 +138,16 @@ def _shown(name: str) -> str:
 
 
 def _check_name(name: Any) -> None:
-    """Raise unless ``name`` is a name every consumer can carry; remember it if it is.
+    """Raise unless ``name`` is a name every consumer can carry; remember it if it is."""
+    _validate_name(name)
+    if len(_VALID_NAMES) >= _VALID_NAMES_LIMIT:
+        _VALID_NAMES.clear()
+    _VALID_NAMES.add(name)
+
+
+def _validate_name(name: Any) -> None:
+    """Raise unless ``name`` is a name every consumer can carry (remembers nothing: what
+    compiled code calls, where a remembered name would be a guard that changes).
 
     Lone surrogates cannot be encoded as UTF-8 (the stream, the JSON lines and CSV files,
     TensorBoard all need it); control characters and line separators break the one-line
@@ -165,9 +180,6 @@ def _check_name(name: Any) -> None:
                     "loopbus watch), so control characters and line breaks are not allowed. "
                     "Replace it, for example with ' ' or '_'. Rule: " + _NAME_RULES + "."
                 )
-    if len(_VALID_NAMES) >= _VALID_NAMES_LIMIT:
-        _VALID_NAMES.clear()
-    _VALID_NAMES.add(name)
 
 
 def _int_out_of_range(name: str, value: int) -> ValueError:
@@ -281,7 +293,21 @@ class PutMixin:
         without control characters or line separators; an int is within
         ``[-2**63, 2**64 - 1]``; a tensor has one element and a bool, integer or
         floating-point dtype. NaN and infinite floats are fine.
+
+        In a stage with ``Trainer(compile=...)`` put takes a path compiled code can trace
+        without a graph break or a changing guard: the same checks, nothing remembered
+        (they run once, when the step is traced), and during a step the entry appended
+        to the recorder's step buffer (always empty when a step starts), which compiled
+        code does after its graph has run (the tensors are the graph's outputs). The
+        recorder moves them to the pending records when the step returns
+        (:meth:`Recorder.run_compiled`), and the step boundary flushes them as in eager
+        mode.
         """
+        recorder = self._loopbus_recorder
+        if recorder is not None and recorder.compiled:
+            entry = _traced_entry(name, value, destinations, self._loopbus_source)
+            (recorder.traced if recorder.stepping else recorder.pending).append(entry)
+            return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
         cls = type(value)
@@ -304,7 +330,6 @@ class PutMixin:
             destinations = _normalize_destinations(destinations)
         else:
             destinations = _ALL
-        recorder = self._loopbus_recorder
         if recorder is None:
             raise RuntimeError(
                 f"{type(self).__name__}.put({name!r}, ...) was called outside a Trainer stage; "
@@ -317,6 +342,15 @@ class PutMixin:
         if not isinstance(values, Mapping):
             raise TypeError(f"put_dict() needs a mapping of name -> value, got {values!r}.")
         recorder = self._loopbus_recorder
+        if recorder is not None and recorder.compiled:
+            # Every entry checked before any is appended: nothing reads the pending list
+            # (whose length would be a guard of compiled code).
+            source = self._loopbus_source
+            entries = [
+                _traced_entry(name, value, destinations, source) for name, value in values.items()
+            ]
+            (recorder.traced if recorder.stepping else recorder.pending).extend(entries)
+            return
         pending = recorder.pending if recorder is not None else None
         mark = len(pending) if pending is not None else 0
         try:
@@ -326,6 +360,20 @@ class PutMixin:
             if pending is not None:
                 del pending[mark:]  # the items put before the refused one
             raise
+
+
+def _traced_entry(name: Any, value: Any, destinations: Any, source: str) -> Pending:
+    """The pending entry of ``put(name, value, destinations)`` with every check of the
+    eager path but no cache (see :meth:`PutMixin.put`); tensors always detached."""
+    _validate_name(name)
+    if isinstance(value, _Tensor):
+        _check_tensor(name, value)
+        value = value.detach()
+    elif type(value) is int:
+        _check_int(name, value)
+    elif type(value) is not float and type(value) is not bool:
+        value = _coerce(name, value)
+    return (name, value, _ALL if destinations is None else _destinations(destinations), source)
 
 
 def _resolve(values: list[Any]) -> list[Any]:
@@ -435,6 +483,7 @@ class Recorder:
     __slots__ = (
         "_delivering",
         "bus",
+        "compiled",
         "earlier",
         "inflight",
         "lag",
@@ -442,6 +491,8 @@ class Recorder:
         "pending",
         "readback",
         "state",
+        "stepping",
+        "traced",
     )
 
     def __init__(self, state: RunState, bus: EventBus, lag: int = 4) -> None:
@@ -460,11 +511,35 @@ class Recorder:
         #: How this stage's device reads put values without waiting (None: the CPU,
         #: where reading is immediate); see :meth:`use_device`.
         self.readback: _device.Readback | None = None
+        #: Whether this stage's steps are compiled (``put`` then takes its traceable path).
+        self.compiled = False
+        #: Whether a compiled step runs (see :meth:`run_compiled`), and what its puts
+        #: handed out: one list, empty whenever a step starts (compiled code guards on
+        #: the length of a list it appends to; this one's never varies).
+        self.stepping = False
+        self.traced: list[Pending] = []
 
-    def use_device(self, device: Any) -> None:
-        """Set the stage's device: on CUDA, :meth:`flush_step` reads put values back
-        without making the host wait."""
+    def use_device(self, device: Any, compiled: bool = False) -> None:
+        """Set the stage's device (on CUDA, :meth:`flush_step` reads put values back
+        without making the host wait) and whether its steps are compiled (``put`` then
+        takes the path compiled code traces without a graph break)."""
         self.readback = _device.readback_for(device)
+        self.compiled = compiled
+
+    def run_compiled(self, fn: Callable[[Any, Any], Any], batch: Any, ctx: Any) -> Any:
+        """``fn(batch, ctx)``, a compiled step: the puts it makes go to :attr:`traced`
+        and join the pending records, in the order they were made, when it returns
+        (or raises). So compiled code never sees the pending list, whose length changes
+        with what handlers put between steps."""
+        self.stepping = True
+        try:
+            return fn(batch, ctx)
+        finally:
+            self.stepping = False
+            traced = self.traced
+            if traced:
+                self.pending += traced
+                traced.clear()
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones
@@ -616,8 +691,9 @@ class Recorder:
         routed: list[tuple[Pending, Any]] = []
         for item in pending:
             destinations = item[2]
-            entries = routes.get(destinations)
-            if entries is None:
+            try:  # a subscript, not routes.get: no call where the route is cached
+                entries = routes[destinations]
+            except KeyError:
                 entries = bus.route(destinations)
             if entries:
                 routed.append((item, entries))

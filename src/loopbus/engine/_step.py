@@ -5,8 +5,10 @@ yield to other tasks).
 A stage builds them once, from explicit inputs (:func:`build_train_step`,
 :func:`build_eval_step`), and the loops only call them. The variant of the training step
 (plain, general, manual) is chosen at build time from the options, so the per-step path
-pays only for what is configured. Compiled and CUDA-graph steps, and a sharding
-strategy's accumulation, plug in here.
+pays only for what is configured. A compiled step (``Trainer(compile=...)``) is chosen
+there too: the step's forward (the module's ``training_step``, the loss included) is
+compiled once per stage, so no step asks whether it is. CUDA-graph steps and a sharding
+strategy's accumulation plug in here.
 
 Per-step work here is on the hot path: no allocation or call that is not needed.
 """
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from time import perf_counter
@@ -40,6 +42,7 @@ __all__ = [
     "TrainStep",
     "build_eval_step",
     "build_train_step",
+    "compiled",
     "run_in_worker",
 ]
 
@@ -61,6 +64,8 @@ class FlushingRecorder(Protocol):
     async def flush(self) -> None: ...
 
     async def flush_step(self) -> None: ...
+
+    def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
 
 
 class GradientSync(Protocol):
@@ -374,6 +379,23 @@ def _choose_variant(
     return "general"
 
 
+class TracedPuts(Protocol):
+    """What a compiled step asks of the recorder: run it so that what its puts hand out
+    joins the pending records when it returns."""
+
+    def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
+
+
+def compiled(fn: StepFn, options: Mapping[str, Any] | None, records: TracedPuts) -> StepFn:
+    """``fn`` compiled by ``torch.compile(fn, **options)``, run through
+    ``records.run_compiled`` (its puts are collected apart, then pending); ``fn`` itself
+    when ``options`` is None (eager). The module itself is not wrapped, so its state
+    dict keeps its own keys (no ``_orig_mod.``): checkpoints load either way."""
+    if options is None:
+        return fn
+    return functools.partial(records.run_compiled, torch.compile(fn, **options))
+
+
 def build_train_step(
     *,
     forward: StepFn,
@@ -387,10 +409,12 @@ def build_train_step(
     boundary: StepBoundary,
     worker: anyio.CapacityLimiter | None,
     module: torch.nn.Module,
+    compile: Mapping[str, Any] | None = None,
 ) -> TrainStep:
     """The training step of a stage (see :class:`TrainStep`). ``forward`` is what the
     step calls for the forward (the module's ``training_step``, or a strategy's wrapper
-    of it); with automatic optimization exactly one optimizer is stepped."""
+    of it), compiled with the ``compile`` options when given; with automatic
+    optimization exactly one optimizer is stepped."""
     if options.automatic and len(optimizers) != 1:
         raise MisconfigurationError(
             f"{type(module).__name__} configures {len(optimizers)} optimizers; "
@@ -398,7 +422,7 @@ def build_train_step(
             "`automatic_optimization = False` and step them in training_step."
         )
     return TrainStep(
-        forward=forward,
+        forward=compiled(forward, compile, boundary.recorder),
         optimizers=optimizers,
         schedulers=schedulers,
         precision=precision,
@@ -457,5 +481,6 @@ def build_eval_step(
     boundary: Callable[[], Any],
     worker: anyio.CapacityLimiter | None,
 ) -> EvalStep:
-    """The evaluation step of a pass (see :class:`EvalStep`)."""
+    """The evaluation step of a pass (see :class:`EvalStep`); ``step_fn`` may be a
+    compiled function (see :func:`compiled`)."""
     return EvalStep(step_fn, precision, module, boundary, worker)

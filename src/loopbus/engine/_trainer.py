@@ -8,7 +8,7 @@ from __future__ import annotations
 import inspect
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any, Literal
@@ -128,6 +128,7 @@ class Trainer(OptionAttributes):
         preemption: bool | Literal["auto"] = "auto",
         preemption_exit_code: int | None = None,
         preemption_grace: float | None = None,
+        compile: bool | Mapping[str, Any] = False,
         **unknown: Any,
     ) -> None:
         if unknown:
@@ -450,7 +451,7 @@ class Trainer(OptionAttributes):
         module.bind_recorder(self.recorder, type(module).__name__)
         self.recorder.reset()
         device = self.options.device
-        self.recorder.use_device(device)
+        self.recorder.use_device(device, compiled=self.options.compile is not None)
         module.to(device)
         self.precision.setup(device)
         if stage == "fit":

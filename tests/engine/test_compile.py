@@ -1,0 +1,268 @@
+"""``Trainer(compile=...)``: the steps compiled once per stage, ``put`` inside compiled
+code without a graph break, records as in eager mode, compilations bounded with a short
+last batch, checkpoints that load compiled or not."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch._dynamo
+from torch._dynamo.utils import counters
+from torch.nn import functional as F
+
+from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
+from loopbus.engine._options import compile_options
+from loopbus.events import TrainBatchCompleted
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    # Compiled code is cached per function; every test starts (and leaves) with none.
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+    counters.clear()
+
+
+class CountingBackend:
+    """A torch.compile backend that runs the captured graph as it is (the same kernels
+    as eager, so weights compare bit for bit) and counts compilations per function."""
+
+    def __init__(self) -> None:
+        self.graphs: list[str] = []
+
+    def __call__(self, gm: torch.fx.GraphModule, inputs: list[Any]) -> Callable[..., Any]:
+        self.graphs.append(gm.code)
+        return gm.forward
+
+    def count(self, step: str) -> int:
+        return sum(1 for code in self.graphs if step in code) if step else len(self.graphs)
+
+
+class EightPuts(Module):
+    """Two layers; the training step puts eight tensors, validation one."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.relu(self.fc1(x)))
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits, y)
+        self.put("train/loss", loss)
+        self.put("train/acc", (logits.argmax(-1) == y).float().mean())
+        self.put("train/logit_mean", logits.mean())
+        self.put("train/logit_max", logits.max())
+        self.put("train/w1", self.fc1.weight.norm())
+        self.put("train/w2", self.fc2.weight.norm())
+        self.put("train/bias", self.fc2.bias.sum(), destinations="loggers")
+        self.put("train/count", y.sum(), destinations=("callbacks", "loggers"))
+        return loss
+
+    def validation_step(self, batch: Any, ctx: Any) -> None:
+        x, y = batch
+        self.put("val/loss", F.cross_entropy(self(x), y))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
+def batches(sizes: list[int], seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(n, 8, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+Record = tuple[str, int, int, float]
+
+
+class EveryOtherStep(Plugin):
+    """Puts from a handler between steps, on every other step: the records pending when
+    a step starts vary, which compiled code must not see (a guard that changes)."""
+
+    @on(TrainBatchCompleted)
+    def completed(self, event: TrainBatchCompleted) -> None:
+        if event.step % 2:
+            self.put("plugin/step", event.step)
+
+
+async def fit(
+    compile: Any,
+    train: list[Any],
+    val: list[Any] | None = None,
+    *,
+    epochs: int = 2,
+    leak_check: Any = "raise",
+    module: EightPuts | None = None,
+) -> tuple[EightPuts, list[Record]]:
+    module = module or EightPuts()
+    trainer = Trainer(
+        max_epochs=epochs,
+        plugins=[EveryOtherStep()],
+        device="cpu",
+        compile=compile,
+        leak_check=leak_check,
+        num_sanity_val_steps=0,
+    )
+    records: list[Record] = []
+
+    def keep(record: PutRecord) -> None:
+        records.append((record.name, record.step, record.epoch, float(record.value)))
+
+    trainer.subscribe(PutRecord, keep, destination="loggers")
+    await trainer.fit(module, train, val)
+    return module, records
+
+
+def test_the_option_is_validated() -> None:
+    assert compile_options(False) is None
+    assert compile_options(None) is None
+    assert dict(compile_options(True) or {}) == {}
+    assert dict(compile_options({"backend": "aot_eager", "fullgraph": True}) or {}) == {
+        "backend": "aot_eager",
+        "fullgraph": True,
+    }
+    assert Trainer(plugins=[], device="cpu").options.compile is None
+    with pytest.raises(MisconfigurationError, match="CUDA graphs are not supported"):
+        Trainer(plugins=[], device="cpu", compile={"mode": "reduce-overhead"})
+    with pytest.raises(MisconfigurationError, match="CUDA graphs are not supported"):
+        Trainer(plugins=[], device="cpu", compile="cudagraphs")  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationError, match=r"unknown torch.compile option\(s\) \['fulgraph'\]"):
+        Trainer(plugins=[], device="cpu", compile={"fulgraph": True})
+    with pytest.raises(MisconfigurationError, match="must be True, False or a dict"):
+        Trainer(plugins=[], device="cpu", compile=3)  # type: ignore[arg-type]
+    with pytest.raises(MisconfigurationError, match=r"'fullgraph'.*True or False"):
+        Trainer(plugins=[], device="cpu", compile={"fullgraph": "yes"})
+    with pytest.raises(MisconfigurationError, match=r"not a torch\.compile mode"):
+        Trainer(plugins=[], device="cpu", compile={"mode": "fast"})
+    with pytest.raises(AttributeError, match="cannot be changed after the trainer is built"):
+        Trainer(plugins=[], device="cpu").compile = True  # type: ignore[assignment]
+
+
+async def test_eight_puts_compile_fullgraph_with_records_as_in_eager() -> None:
+    backend = CountingBackend()
+    train = batches([6, 6, 6, 4])
+    compiled, got = await fit({"backend": backend, "fullgraph": True}, train)
+    assert counters["graph_break"] == {}
+    assert backend.count("") >= 1  # it did compile
+    eager, expected = await fit(False, train)
+    assert [r[:3] for r in got] == [r[:3] for r in expected]
+    # Two epochs of four steps, eight puts each, and the plugin's every other step.
+    assert len(got) == 2 * 4 * 8 + 4
+    assert backend.count("") <= 2  # the short last batch: once more, whatever is pending
+    assert [r[0] for r in got[:8]] == [
+        "train/loss",
+        "train/acc",
+        "train/logit_mean",
+        "train/logit_max",
+        "train/w1",
+        "train/w2",
+        "train/bias",
+        "train/count",
+    ]
+    # The captured graph runs the eager kernels: values and weights agree exactly.
+    assert [r[3] for r in got] == [r[3] for r in expected]
+    for name, value in eager.state_dict().items():
+        assert torch.equal(compiled.state_dict()[name], value), name
+
+
+# torch's inductor imports a module that calls the deprecated torch.jit.script_method.
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+async def test_inductor_matches_eager_within_tolerance() -> None:
+    train = batches([6, 6, 6])
+    compiled, got = await fit({"fullgraph": True}, train, epochs=1, leak_check=None)
+    eager, expected = await fit(False, train, epochs=1, leak_check=None)
+    assert counters["graph_break"] == {}
+    assert [r[:3] for r in got] == [r[:3] for r in expected]
+    # Fused kernels reorder float sums: agreement within 1e-5 over three steps.
+    for (_, _, _, a), (_, _, _, b) in zip(got, expected, strict=True):
+        assert a == pytest.approx(b, rel=1e-5, abs=1e-5)
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(compiled.state_dict()[name], value, rtol=1e-5, atol=1e-5)
+
+
+async def test_a_short_last_batch_compiles_at_most_twice_per_fit() -> None:
+    backend = CountingBackend()
+    # Three epochs, each ending on a short batch; validation of yet other sizes.
+    train = batches([8, 8, 8, 5])
+    val = batches([7, 7, 3], seed=1)
+    await fit({"backend": backend}, train, val, epochs=3)
+    train_graphs = sum(1 for code in backend.graphs if "cross_entropy" in code and "argmax" in code)
+    val_graphs = len(backend.graphs) - train_graphs
+    assert 1 <= train_graphs <= 2
+    assert 1 <= val_graphs <= 2
+
+
+class BrokenGraph(EightPuts):
+    """Puts on both sides of a graph break, and a put_dict."""
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self(x), y)
+        self.put("before", loss)
+        torch._dynamo.graph_break()
+        self.put_dict({"after/a": loss * 2, "after/b": loss * 3})
+        self.put("after/c", 1.5)
+        return loss
+
+
+# torch's compiler reads .grad of the non-leaf loss when it resumes after the break.
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf:UserWarning")
+async def test_puts_around_a_graph_break_keep_their_order() -> None:
+    train = batches([5, 5, 5])
+    _, got = await fit({"backend": "eager"}, train, module=BrokenGraph())
+    assert sum(counters["graph_break"].values()) >= 1
+    _, expected = await fit(False, train, module=BrokenGraph())
+    assert got == expected
+    assert [r[0] for r in got[:5]] == ["before", "after/a", "after/b", "after/c", "plugin/step"]
+
+
+async def test_a_bad_put_inside_compiled_code_raises_the_eager_error() -> None:
+    class BadName(EightPuts):
+        def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+            loss = super().training_step(batch, ctx)
+            self.put("bad\nname", loss)
+            return loss
+
+    trainer = Trainer(max_steps=1, plugins=[], device="cpu", compile={"backend": "eager"})
+    with pytest.raises(ValueError, match="has the control character"):
+        await trainer.fit(BadName(), batches([4]))
+
+
+async def _legs(tmp_path: Path, compiles: list[Any]) -> tuple[EightPuts, list[Path]]:
+    """Fit two steps, then resume for one more step from the last checkpoint, leg after
+    leg, each leg compiled with its entry of ``compiles`` (False: eager)."""
+    train = batches([6, 6, 6, 6])
+    path: Path | None = None
+    paths: list[Path] = []
+    module = EightPuts()
+    for leg, compile in enumerate(compiles):
+        trainer = Trainer(max_steps=2 + leg, plugins=[], device="cpu", compile=compile)
+        module = EightPuts()
+        await trainer.fit(module, train, ckpt_path=path)
+        assert trainer.global_step == 2 + leg
+        path = trainer.save_checkpoint(tmp_path / f"leg{leg}-{bool(compile)}.ckpt")
+        paths.append(path)
+    return module, paths
+
+
+async def test_checkpoints_load_compiled_and_uncompiled_both_ways(tmp_path: Path) -> None:
+    aot = {"backend": "aot_eager"}
+    mixed, paths = await _legs(tmp_path / "mixed", [aot, False, aot])
+    for path in paths:
+        saved = torch.load(path, weights_only=True)["module"]
+        assert not [key for key in saved if "_orig_mod" in key]
+        assert set(saved) == set(mixed.state_dict())
+    eager, _ = await _legs(tmp_path / "eager", [False, False, False])
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(mixed.state_dict()[name], value, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,160 @@
+"""The eager fast path: without the leak check the training loop runs a fused iteration
+(one call for what ``on_advance_start``, ``advance`` and ``on_advance_end`` do) while
+nobody subscribes to ``TrainBatchStarted``, and reuses one iteration scope. It trains
+bit for bit as the evented path, and subscriptions made mid-run take effect at once."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from loopbus import PutRecord, Trainer
+from loopbus.engine import _loops
+from loopbus.engine._loops import TrainEpochLoop
+from loopbus.engine._scope import Scope
+from loopbus.events import TrainBatchCompleted, TrainBatchStarted, ValidationCompleted
+from tests.helpers import TinyModule, make_loader
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many batches ran through the fused iteration."""
+    calls: list[int] = []
+    real = _loops._fused_train_batch
+
+    async def counted(loop: TrainEpochLoop, it: Scope) -> None:
+        calls.append(loop.progress.current.ready - 1)
+        await real(loop, it)
+
+    monkeypatch.setattr(_loops, "_fused_train_batch", counted)
+    return calls
+
+
+Record = tuple[str, int, int, float]
+
+
+async def _fit(
+    *, evented: bool, leak_check: Any = None, **options: Any
+) -> tuple[dict[str, torch.Tensor], list[Record], list[int]]:
+    torch.manual_seed(0)
+    module = TinyModule()
+    trainer = Trainer(
+        max_epochs=2, plugins=[], device="cpu", leak_check=leak_check, **options
+    )
+    records: list[Record] = []
+    validations: list[int] = []
+    trainer.subscribe(
+        PutRecord,
+        lambda r: records.append((r.name, r.step, r.epoch, float(r.value))),
+        destination="loggers",
+    )
+    trainer.subscribe(ValidationCompleted, lambda e: validations.append(e.step))
+    if evented:
+        trainer.subscribe(TrainBatchStarted, lambda e: None)
+    # 70 samples in batches of 16: a short last batch.
+    await trainer.fit(module, make_loader(70, 16), make_loader(32, 8, seed=1))
+    return module.state_dict(), records, validations
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        pytest.param({}, id="plain"),
+        pytest.param({"val_check_interval": 2}, id="val-every-2"),
+        pytest.param({"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}, id="accumulate"),
+    ],
+)
+async def test_the_fused_and_the_evented_path_train_bit_identically(
+    options: dict[str, Any], fused_calls: list[int]
+) -> None:
+    fused_weights, fused_records, fused_vals = await _fit(evented=False, **options)
+    assert fused_calls == [0, 1, 2, 3, 4] * 2  # every batch of both epochs, fused
+    fused_calls.clear()
+    weights, records, vals = await _fit(evented=True, **options)
+    assert fused_calls == []  # a TrainBatchStarted subscriber: the hooks run one by one
+    tracked_weights, tracked_records, tracked_vals = await _fit(
+        evented=False, leak_check="raise", **options
+    )
+    assert fused_calls == []  # the leak check runs the hooks (and fresh scopes)
+    assert fused_records == records == tracked_records
+    assert fused_vals == vals == tracked_vals
+    assert len(fused_records) > 10
+    for name, value in weights.items():
+        assert torch.equal(fused_weights[name], value), name
+        assert torch.equal(tracked_weights[name], value), name
+
+
+async def test_a_subscriber_added_mid_run_receives_every_following_event(
+    fused_calls: list[int],
+) -> None:
+    trainer = Trainer(max_epochs=1, plugins=[], device="cpu", leak_check=None)
+    started: list[int] = []
+    completed: list[int] = []
+    handles: list[Any] = []
+
+    def on_record(record: PutRecord) -> None:
+        # Put by the step of batch 2 (the third step), delivered at its boundary.
+        if record.step == 3 and not handles:
+            handles.append(trainer.subscribe(TrainBatchStarted, lambda e: started.append(e.batch_idx)))
+            handles.append(trainer.subscribe(TrainBatchCompleted, lambda e: completed.append(e.batch_idx)))
+        if record.step == 6:
+            handles[0].unsubscribe()  # nobody watches batches start again: fused again
+
+    trainer.subscribe(PutRecord, on_record)
+    await trainer.fit(TinyModule(), make_loader(128, 16))
+    # Subscribed during batch 2: its completion and everything after it arrive.
+    assert completed == [2, 3, 4, 5, 6, 7]
+    assert started == [3, 4, 5]
+    # Fused before the subscription and after TrainBatchStarted lost its subscriber.
+    assert fused_calls == [0, 1, 2, 6, 7]
+
+
+async def test_one_iteration_scope_serves_the_run_and_is_emptied_after_each_batch() -> None:
+    trainer = Trainer(max_steps=4, plugins=[], device="cpu", leak_check=None)
+    scopes: list[Scope] = []
+    seen: list[list[str]] = []
+
+    def on_completed(event: TrainBatchCompleted) -> None:
+        scopes.append(event.ctx)
+        seen.append(sorted(event.ctx.names()))
+
+    trainer.subscribe(TrainBatchCompleted, on_completed)
+    await trainer.fit(TinyModule(), make_loader(64, 16))
+    assert len(scopes) == 4
+    assert all(scope is scopes[0] for scope in scopes)
+    assert seen == [["batch", "batch_idx", "output"]] * 4
+    assert scopes[0].names() == []  # emptied when the iteration ended
+    scopes.clear()
+
+
+def test_a_subclass_that_overrides_an_iteration_hook_runs_the_hooks() -> None:
+    class Logged(TrainEpochLoop):
+        async def on_advance_start(self, ctx: Scope) -> None:
+            await super().on_advance_start(ctx)
+
+    assert TrainEpochLoop().fused_iteration() is not None
+    assert Logged().fused_iteration() is None
+
+
+def _overhead_benchmark() -> Any:
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
+    spec = importlib.util.spec_from_file_location("loopbus_overhead", path)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("backend", ["asyncio", "trio"])
+def test_the_engine_adds_at_most_18_python_calls_a_step(backend: str) -> None:
+    # The deterministic figure benchmarks/overhead.py prints: profile events per step
+    # over the hand-written loop, put every step, no plugins (17 when this was written).
+    calls = _overhead_benchmark().extra_calls_per_step(backend, subscribers=False, n=100)
+    assert calls <= 18

@@ -63,11 +63,16 @@ class FlushingRecorder(Protocol):
     async def flush_step(self) -> None: ...
 
 
-class GradientSync(Protocol):
+class StepStrategy(Protocol):
     """What the training step asks of the strategy: a context in which backward does
-    not synchronise gradients (the non-final micro-batches of an accumulation window)."""
+    not synchronise gradients (the non-final micro-batches of an accumulation window,
+    DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync(False)``), and clipping."""
 
     def no_sync(self) -> AbstractContextManager[Any]: ...
+
+    def clip_gradients(
+        self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
+    ) -> None: ...
 
 
 class SchedulerStepper(Protocol):
@@ -198,7 +203,7 @@ class TrainStep:
         "precision",
         "schedulers",
         "state",
-        "sync",
+        "strategy",
         "variant",
         "worker",
     )
@@ -210,7 +215,7 @@ class TrainStep:
         optimizers: list[torch.optim.Optimizer],
         schedulers: SchedulerStepper,
         precision: Precision,
-        sync: GradientSync,
+        strategy: StepStrategy,
         state: RunState,
         events: StepEvents,
         options: StepOptions,
@@ -221,7 +226,7 @@ class TrainStep:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.precision = precision
-        self.sync = sync
+        self.strategy = strategy
         self.state = state
         self.events = events
         self.options = options
@@ -281,11 +286,11 @@ class TrainStep:
     ) -> Any:
         """The automatic step with what the options ask: autocast, grad scaling,
         accumulation (the non-final micro-batches under the strategy's ``no_sync``),
-        clipping, per-step schedulers."""
+        clipping (the strategy's), per-step schedulers."""
         accumulate = self.options.accumulate
         if accumulate > 1 and closes_window is not None and not closes_window(accumulate):
             # A non-final micro-batch: accumulate locally, synchronise on the last.
-            with self.sync.no_sync():
+            with self.strategy.no_sync():
                 output, _ = self._forward_backward(batch, ctx, accumulate)
             return output
         output, has_loss = self._forward_backward(batch, ctx, accumulate)
@@ -296,10 +301,7 @@ class TrainStep:
         if clip is not None:
             self.precision.unscale_(optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            if self.options.clip_algorithm == "norm":
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            else:
-                torch.nn.utils.clip_grad_value_(params, clip)
+            self.strategy.clip_gradients(params, clip, self.options.clip_algorithm)
         self._optimizer_step(ctx)
         if self.schedulers.per_step:
             self.schedulers.step("step")
@@ -380,7 +382,7 @@ def build_train_step(
     optimizers: list[torch.optim.Optimizer],
     schedulers: SchedulerStepper,
     precision: Precision,
-    sync: GradientSync,
+    strategy: StepStrategy,
     state: RunState,
     events: StepEvents,
     options: StepOptions,
@@ -402,7 +404,7 @@ def build_train_step(
         optimizers=optimizers,
         schedulers=schedulers,
         precision=precision,
-        sync=sync,
+        strategy=strategy,
         state=state,
         events=events,
         options=options,

@@ -121,7 +121,7 @@ class Trainer(OptionAttributes):
         prefetch: int = 0,
         device_prefetch: int = 1,
         put_lag: int = 4,
-        strategy: StrategyName = "auto",
+        strategy: StrategyName | Strategy = "auto",
         process_group_timeout: float = 1800.0,
         stop_check_interval: float = 0.05,
         num_sanity_val_steps: int = 2,
@@ -137,7 +137,8 @@ class Trainer(OptionAttributes):
         self.options = TrainerOptions.parse(**given)
         self.precision = resolve_precision(precision)
         options = self.options
-        #: How the run is spread over processes (one, or DDP); owns the DDP wrapper.
+        #: How the run is spread over processes (one, DDP, FSDP); owns the DDP wrapper or
+        #: the sharded module.
         self.strategy: Strategy = resolve_strategy(
             options.strategy, options.process_group_timeout, options.stop_check_interval
         )
@@ -324,7 +325,7 @@ class Trainer(OptionAttributes):
         if val_data is not None:
             _check_module(module, "fit with val_data", "validation_step")
         train_data = self.strategy.prepare_train_data(train_data)
-        async with self._stage("fit", module, train_data=train_data):
+        async with self._stage("fit", module, train_data=train_data, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await self._resume(ckpt_path, ckpt_strict)
             if val_data is not None:
@@ -367,7 +368,7 @@ class Trainer(OptionAttributes):
         loads the module's weights first (see :meth:`test`)."""
         _check_data(data, "data")
         _check_module(module, "predict", None)
-        async with self._stage("predict", module):
+        async with self._stage("predict", module, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             result: list[Any] = await self.predict_loop.run(data)
@@ -383,7 +384,7 @@ class Trainer(OptionAttributes):
     ) -> dict[str, float | int | bool]:
         _check_data(data, "data")
         _check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
-        async with self._stage(stage, module):
+        async with self._stage(stage, module, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             await loop.run(data)
@@ -397,7 +398,7 @@ class Trainer(OptionAttributes):
 
     @asynccontextmanager
     async def _stage(
-        self, stage: str, module: Module, *, train_data: Any = None
+        self, stage: str, module: Module, *, train_data: Any = None, ckpt_path: Any = None
     ) -> AsyncIterator[None]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         subscriptions: list[Subscription] = []
@@ -405,8 +406,8 @@ class Trainer(OptionAttributes):
         try:
             if stage == "fit":
                 self._train_data = train_data
+            active = active_plugins(self.plugins, self.options, self.strategy, ckpt_path)
             self._prepare(stage, module)
-            active = active_plugins(self.plugins, self.options, self.strategy)
             for plugin in active:
                 plugin.bind_recorder(self.recorder, type(plugin).__name__)
                 plugin.setup(self, stage)
@@ -448,8 +449,8 @@ class Trainer(OptionAttributes):
         self.recorder.reset()
         device = self.options.device
         self.recorder.use_device(device)
-        module.to(device)
         self.precision.setup(device)
+        self.strategy.prepare_module(module, device, self.precision)
         if stage == "fit":
             self._configure(module)
             module.train()
@@ -474,7 +475,7 @@ class Trainer(OptionAttributes):
         """The module's optimizers and schedulers (configured once per module)."""
         if self._configured_for is not module:
             opts, configs = parse_optimizers(module.configure_optimizers(), module)
-            self.optimizers = opts
+            self.optimizers = self.strategy.prepare_optimizers(opts, module)
             self._schedulers = LRSchedulers(configs, self.state, self.recorder)
             self._configured_for = module
         self._automatic = bool(module.automatic_optimization)

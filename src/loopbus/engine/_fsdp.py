@@ -192,18 +192,31 @@ class FSDPStrategy(DataParallel):
         meta: bool,
         options: dict[str, Any],
     ) -> None:
-        """``fully_shard`` every unit, innermost first, then the root; materialise each
-        just before (meta); activation checkpointing on the units when asked."""
+        """Walk the module tree: materialise each layer on the way down (meta: in module
+        order, the order a constructor initialises them in), ``fully_shard`` each unit on
+        the way up (innermost first, the root last), with activation checkpointing on the
+        units when asked. A unit is sharded as soon as its last layer is materialised,
+        which frees its full tensors: only one unit (and what the root holds itself)
+        exists whole at a time."""
         from torch.distributed.fsdp import fully_shard
 
-        for unit in _bottom_up(root, units):
-            if meta:
-                _materialise(unit, device)
-            if unit is not root and self.activation_checkpointing:
-                from torch.distributed._composable.checkpoint_activation import checkpoint
+        chosen = {id(u) for u in units}
+        checkpoint: Callable[[torch.nn.Module], Any] | None = None
+        if self.activation_checkpointing:
+            from torch.distributed._composable.checkpoint_activation import checkpoint
 
-                checkpoint(unit)
-            fully_shard(unit, **options)
+        def visit(module: torch.nn.Module, path: str) -> None:
+            if meta:
+                _materialise(module, ".".join(filter(None, (type(root).__name__, path))), device)
+            for name, child in module.named_children():
+                visit(child, f"{path}.{name}" if path else name)
+            if id(module) in chosen:
+                if checkpoint is not None:
+                    checkpoint(module)
+                fully_shard(module, **options)
+
+        visit(root, "")
+        fully_shard(root, **options)
 
     def prepare_optimizers(
         self, optimizers: list[torch.optim.Optimizer], module: Module
@@ -216,7 +229,7 @@ class FSDPStrategy(DataParallel):
                 if any(id(p) not in current for p in group["params"]):
                     raise MisconfigurationError(
                         f"optimizer {index} ({type(optimizer).__name__}) of "
-                        f"{type(module).__name__} holds tensors that are not the module's "
+                        f"{_class_name(module)} holds tensors that are not the module's "
                         "parameters after sharding: under strategy='fsdp' the parameters "
                         "are replaced by their shards (DTensors) before "
                         "configure_optimizers runs. Build the optimizer there from "
@@ -227,7 +240,7 @@ class FSDPStrategy(DataParallel):
     def wrap(self, module: Module, state: RunState) -> Any:
         if not module.automatic_optimization:
             raise MisconfigurationError(
-                f"{type(module).__name__} uses manual optimization, which strategy='fsdp' "
+                f"{_class_name(module)} uses manual optimization, which strategy='fsdp' "
                 "does not support yet: its backward would run inside the root unit's "
                 "forward, before FSDP has registered the hooks that reduce-scatter the "
                 "root's gradients. Use automatic optimization (return the loss from "
@@ -259,6 +272,17 @@ def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
         module.set_requires_gradient_sync(True)
 
 
+def _class_name(module: torch.nn.Module) -> str:
+    """The name of the module's own class (``fully_shard`` makes it an instance of a
+    subclass named ``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    for cls in type(module).__mro__:
+        if not issubclass(cls, FSDPModule):
+            return cls.__name__
+    return type(module).__name__
+
+
 def _check_units(units: Units | None) -> Units | None:
     if units is None or (callable(units) and not isinstance(units, type)):
         return units
@@ -285,7 +309,7 @@ def _check_units(units: Units | None) -> Units | None:
 def _find_units(root: torch.nn.Module, units: Units | None) -> list[torch.nn.Module]:
     """The submodules (not the root) that become shard units, in module order."""
     if units is None:
-        return [child for child in root.children() if any(True for _ in child.parameters())]
+        return list(_children_with_parameters(root))
     if callable(units) and not isinstance(units, tuple):
         return [m for m in root.modules() if m is not root and units(m)]
     classes = tuple(units)
@@ -300,24 +324,15 @@ def _find_units(root: torch.nn.Module, units: Units | None) -> list[torch.nn.Mod
     return found
 
 
-def _bottom_up(root: torch.nn.Module, units: list[torch.nn.Module]) -> list[torch.nn.Module]:
-    """The units and the root in an order ``fully_shard`` accepts: every unit after the
-    units inside it, in module order otherwise; the root last."""
-    chosen = {id(u) for u in units}
-    order: list[torch.nn.Module] = []
-
-    def visit(module: torch.nn.Module) -> None:
-        for child in module.children():
-            visit(child)
-        if id(module) in chosen:
-            order.append(module)
-
-    # Units that do not nest come out in module order (the order a constructor
-    # initialises them in, which materialising from meta repeats).
-    for child in root.children():
-        visit(child)
-    order.append(root)
-    return order
+def _children_with_parameters(module: torch.nn.Module) -> Iterator[torch.nn.Module]:
+    """The default units: every child that holds parameters; the items of a
+    ``ModuleList``/``ModuleDict`` (containers without a forward of their own) instead of
+    the container."""
+    for child in module.children():
+        if isinstance(child, (torch.nn.ModuleList, torch.nn.ModuleDict)):
+            yield from _children_with_parameters(child)
+        elif any(True for _ in child.parameters()):
+            yield child
 
 
 def _on_meta(module: torch.nn.Module) -> bool:
@@ -329,33 +344,20 @@ def _tensors(module: torch.nn.Module, recurse: bool) -> Iterator[torch.Tensor]:
     yield from module.buffers(recurse=recurse)
 
 
-def _materialise(unit: torch.nn.Module, device: torch.device) -> None:
-    """Give the ``meta`` tensors of ``unit`` (not those of units already sharded inside
-    it) memory on ``device``, one layer at a time in module order, each initialised by
-    its own ``reset_parameters()``."""
-    from torch.distributed.fsdp import FSDPModule
-
-    stack = [("", unit)]
-    while stack:
-        path, module = stack.pop()
-        if any(t.is_meta for t in _tensors(module, recurse=False)):
-            reset = getattr(module, "reset_parameters", None)
-            if not callable(reset):
-                where = f"{type(unit).__name__}.{path}" if path else type(unit).__name__
-                raise MisconfigurationError(
-                    f"{where} ({type(module).__name__}) was built on the meta device but has "
-                    "no reset_parameters() to initialise its own parameters and buffers; "
-                    "define one (as torch's layers do), or build the module on a real "
-                    "device."
-                )
-            module.to_empty(device=device, recurse=False)
-            reset()
-        children = [
-            (f"{path}.{name}" if path else name, child)
-            for name, child in module.named_children()
-            if not isinstance(child, FSDPModule)
-        ]
-        stack.extend(reversed(children))
+def _materialise(module: torch.nn.Module, where: str, device: torch.device) -> None:
+    """Give the ``meta`` parameters and buffers ``module`` holds itself memory on
+    ``device``, initialised by its own ``reset_parameters()``."""
+    if not any(t.is_meta for t in _tensors(module, recurse=False)):
+        return
+    reset = getattr(module, "reset_parameters", None)
+    if not callable(reset):
+        raise MisconfigurationError(
+            f"{where} ({type(module).__name__}) was built on the meta device but has no "
+            "reset_parameters() to initialise the parameters and buffers it holds itself; "
+            "define one (as torch's layers do), or build the module on a real device."
+        )
+    module.to_empty(device=device, recurse=False)
+    reset()
 
 
 def refuse_sharded_checkpoints(strategy: Any, plugins: Sequence[Any], ckpt_path: Any) -> None:

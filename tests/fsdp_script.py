@@ -247,7 +247,8 @@ def scenario_accumulate(args: argparse.Namespace) -> dict[str, Any]:
     initial = module.initial or {}
     return {
         "step": t.global_step,
-        "identical": all(torch.equal(engine[k], hand[k]) for k in engine) and engine.keys() == hand.keys(),
+        "identical": all(torch.equal(engine[k], hand[k]) for k in engine)
+        and engine.keys() == hand.keys(),
         "max_abs_diff": max(diffs.values()),
         "moved": max(float((engine[k] - initial[k]).abs().max()) for k in engine),
     }

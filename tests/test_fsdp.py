@@ -216,3 +216,18 @@ def test_fsdp_outside_a_launcher_explains(monkeypatch: pytest.MonkeyPatch) -> No
         Trainer(strategy="fsdp", device="cpu", plugins=[])
     with pytest.raises(MisconfigurationError, match="strategy='fsdp' needs the environment"):
         Trainer(strategy=FSDPStrategy(), device="cpu", plugins=[])
+
+
+def test_the_fsdp_example_trains_under_torchrun() -> None:
+    example = ROOT / "examples" / "fsdp_transformer.py"
+    cmd = _torchrun(
+        f"--nproc_per_node={WORLD}", f"--master_port={_free_port()}", str(example),
+        "--meta", "--epochs", "2", "--samples", "1024", "--layers", "2",
+    )  # fmt: skip
+    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
+    _ok(proc)
+    losses = [
+        float(line.rsplit(" ", 1)[1]) for line in proc.stdout.splitlines() if "mean loss" in line
+    ]
+    assert len(losses) == 2  # printed by rank 0 only
+    assert losses[1] < 0.6 * losses[0]

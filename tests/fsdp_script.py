@@ -14,6 +14,8 @@ summary per rank to ``--out``.
 * ``meta``: the model built on the ``meta`` device, materialised and sharded by the
   strategy, against one built normally with the same seed; then it trains.
 * ``refusals``: what FSDP refuses, with the messages.
+* ``stop``: a stop asked on one rank stops both at the same step; a logger writes on
+  rank 0 only.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import loopbus
-from loopbus import FSDPStrategy, MisconfigurationError, Module, Trainer, on
-from loopbus.events import TrainEpochStarted
-from loopbus.plugins import Checkpoint
+from loopbus import FSDPStrategy, MisconfigurationError, Module, Plugin, Trainer, on
+from loopbus.events import TrainBatchCompleted, TrainEpochStarted
+from loopbus.plugins import Checkpoint, CSVLogger
 
 VOCAB = 32
 SEQ = 16
@@ -271,6 +273,40 @@ def scenario_meta(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class StopOnRank1(Plugin):
+    """Asks to stop on rank 1 after step 5 (a plugin of every rank)."""
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(TrainBatchCompleted)
+    def _maybe_stop(self, event: TrainBatchCompleted) -> None:
+        t = self.trainer
+        if t.global_rank == 1 and t.global_step == 5:
+            t.request_stop("rank 1 asked at step 5")
+
+
+def scenario_stop(args: argparse.Namespace) -> dict[str, Any]:
+    """A stop asked on rank 1 stops both ranks at one step; a logger acts on rank 0."""
+    loopbus.seed_everything(0)
+    module = TinyLM()
+    rank = int(os.environ.get("RANK", "0"))
+    logs = Path(args.out) / f"logs_rank{rank}"
+    t = Trainer(
+        max_epochs=1,
+        strategy="fsdp",
+        plugins=[StopOnRank1(), CSVLogger(logs)],
+        stop_check_interval=0,
+    )
+    loopbus.run(t.fit, module, DataLoader(data(N_TRAIN, 0), batch_size=8))
+    return {
+        "step": t.global_step,
+        "stop_reason": t.stop_reason,
+        "weights": {k: v.sum().item() for k, v in full_state(module).items()},
+        "logged": (logs / "metrics.csv").is_file(),
+    }
+
+
 def _refused(fn: Any) -> str:
     try:
         fn()
@@ -289,7 +325,13 @@ def scenario_refusals(args: argparse.Namespace) -> dict[str, Any]:
         t = Trainer(max_epochs=1, strategy=strategy, plugins=plugins, **options)
         loopbus.run(t.fit, module, train, **kwargs)
 
+    def save_after_fit() -> None:
+        t = Trainer(max_epochs=1, strategy="fsdp", plugins=[])
+        loopbus.run(t.fit, TinyLM(), train)
+        t.save_checkpoint(out / "by-hand.ckpt")
+
     return {
+        "save_checkpoint": _refused(save_after_fit),
         "checkpoint_plugin": _refused(lambda: fit(TinyLM(), plugins=[Checkpoint(out / "ckpt")])),
         "ckpt_path": _refused(lambda: fit(TinyLM(), ckpt_path="last")),
         "manual": _refused(lambda: fit(ManualLM())),
@@ -321,6 +363,7 @@ SCENARIOS = {
     "accumulate": scenario_accumulate,
     "meta": scenario_meta,
     "refusals": scenario_refusals,
+    "stop": scenario_stop,
 }
 
 

@@ -120,6 +120,17 @@ def test_a_module_built_on_meta_is_materialised_like_a_normal_one(tmp_path: Path
     assert sum(s0["losses"][-4:]) / 4 < 2.1
 
 
+def test_a_stop_on_one_rank_stops_both_and_loggers_act_on_rank_zero(tmp_path: Path) -> None:
+    s0, s1 = _run(tmp_path, "stop")
+    # Asked by a handler after step 5, sent at boundary 5, read at boundary 6
+    # (stop_check_interval=0), as under DDP.
+    assert s0["step"] == s1["step"] == 6
+    assert s1["stop_reason"] == "rank 1 asked at step 5"
+    assert s0["stop_reason"] == "rank 1 asked at step 5 (on rank 1)"
+    assert s0["weights"] == s1["weights"]
+    assert (s0["logged"], s1["logged"]) == (True, False)
+
+
 @pytest.fixture(scope="module")
 def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     s0, s1 = _run(tmp_path_factory.mktemp("refusals"), "refusals")
@@ -149,7 +160,11 @@ def test_what_fsdp_refuses_is_refused_clearly(
 
 @pytest.mark.parametrize(
     ("case", "what"),
-    [("checkpoint_plugin", "the Checkpoint plugin"), ("ckpt_path", "ckpt_path='last'")],
+    [
+        ("checkpoint_plugin", "the Checkpoint plugin"),
+        ("ckpt_path", "ckpt_path='last'"),
+        ("save_checkpoint", "trainer.state_dict() (and save_checkpoint)"),
+    ],
 )
 def test_checkpoints_under_fsdp_are_refused_for_now(
     refusals: dict[str, str], case: str, what: str

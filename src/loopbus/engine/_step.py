@@ -5,8 +5,9 @@ yield to other tasks).
 A stage builds them once, from explicit inputs (:func:`build_train_step`,
 :func:`build_eval_step`), and the loops only call them. The variant of the training step
 (plain, general, manual) is chosen at build time from the options, so the per-step path
-pays only for what is configured. Compiled and CUDA-graph steps, and a sharding
-strategy's accumulation, plug in here.
+pays only for what is configured. Compiled and CUDA-graph steps plug in here; a strategy
+changes the step only through the ``StepStrategy`` seam (the gradient-sync context of
+accumulation, clipping).
 
 Per-step work here is on the hot path: no allocation or call that is not needed.
 """

@@ -37,6 +37,7 @@ from ._checkpoint import (
     resolve_weights_path,
     write_checkpoint,
 )
+from ._fsdp import refuse_sharded_checkpoints
 from ._lifecycle import running_stage, sanity_check
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -534,6 +535,7 @@ class Trainer(OptionAttributes):
         one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
         copies in host memory (safe to write while training goes on); otherwise the live
         tensors."""
+        refuse_sharded_checkpoints(self.strategy, (), None, saving=True)
         return collect_state(self, self.stateful_parts(), to_host=to_host)
 
     def load_state_dict(

@@ -45,7 +45,7 @@ import sys
 import time
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -94,7 +94,7 @@ class Block(torch.nn.Module):
         q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # type: ignore[no-any-return]
 
 
 class GPT(torch.nn.Module):
@@ -173,7 +173,7 @@ def hand_written(args: argparse.Namespace, dataset: TensorDataset, device: torch
             stamp(now())
             x, y = x.to(device), y.to(device)
             loss = model.loss(x, y)
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]
             opt.step()
             opt.zero_grad(set_to_none=True)
             n += 1
@@ -204,7 +204,7 @@ def full_state(model: torch.nn.Module, prefix: str = "") -> dict[str, torch.Tens
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    return {k.removeprefix(prefix): v for k, v in state.items()}
+    return {k.removeprefix(prefix): cast(torch.Tensor, v) for k, v in state.items()}
 
 
 def held_bytes(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int]:

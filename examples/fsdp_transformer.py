@@ -55,7 +55,7 @@ class Block(torch.nn.Module):
         q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # type: ignore[no-any-return]
 
 
 class TinyGPT(Module):
@@ -148,8 +148,9 @@ def main(argv: list[str] | None = None) -> list[float]:
         model.to_empty(device="cpu")
         loopbus.seed_everything(0)
         for module in model.modules():
-            if hasattr(module, "reset_parameters"):
-                module.reset_parameters()
+            reset = getattr(module, "reset_parameters", None)
+            if callable(reset):
+                reset()
     trainer = Trainer(
         max_epochs=args.epochs,
         strategy=strategy,

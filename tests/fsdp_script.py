@@ -23,8 +23,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
@@ -65,7 +66,7 @@ class Block(torch.nn.Module):
         q, k, v = (z.reshape(b, t, HEADS, d // HEADS).transpose(1, 2) for z in (q, k, v))
         a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # type: ignore[no-any-return]
 
 
 class TinyLM(Module):
@@ -145,10 +146,10 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     state = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
-    return {k: v.detach().clone() for k, v in state.items()}
+    return {k: cast(torch.Tensor, v).detach().clone() for k, v in state.items()}
 
 
-def local_and_full_bytes(tensors: list[torch.Tensor]) -> tuple[int, int]:
+def local_and_full_bytes(tensors: Sequence[torch.Tensor]) -> tuple[int, int]:
     from torch.distributed.tensor import DTensor
 
     local = full = 0

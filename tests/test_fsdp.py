@@ -135,7 +135,7 @@ def test_a_stop_on_one_rank_stops_both_and_loggers_act_on_rank_zero(tmp_path: Pa
 def refusals(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     s0, s1 = _run(tmp_path_factory.mktemp("refusals"), "refusals")
     assert s0 == s1
-    return s0  # type: ignore[no-any-return]
+    return s0
 
 
 @pytest.mark.parametrize(

@@ -193,11 +193,19 @@ def scenario_train(args: argparse.Namespace) -> dict[str, Any]:
     param_local, param_full = local_and_full_bytes(params)
     opt_local, opt_full = local_and_full_bytes(opt_state)
     loopbus.run(t.validate, module, DataLoader(data(N_VAL, 1), batch_size=16))
+    losses = mean_over_ranks(module.losses)
+    # A new trainer (a new strategy object) with the module as it is: it is not sharded
+    # again, and it goes on learning.
+    module.losses.clear()
+    again = trainer(args.strategy if args.strategy == "single" else FSDPStrategy())
+    loopbus.run(again.fit, module, train)
     return {
+        "again_step": again.global_step,
+        "again_losses": mean_over_ranks(module.losses),
         "strategy": t.strategy.name,
         "world_size": t.world_size,
         "step": t.global_step,
-        "losses": mean_over_ranks(module.losses),
+        "losses": losses,
         "val_loss": mean_over_ranks([torch.stack(module.val_losses).mean()])[0],
         "param_bytes": [param_local, param_full],
         "optimizer_bytes": [opt_local, opt_full],

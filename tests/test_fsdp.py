@@ -61,6 +61,10 @@ def test_a_small_transformer_trains_under_fsdp(fsdp_run: list[dict[str, Any]]) -
     assert sum(losses[-4:]) / 4 < 2.1
     # Validation runs through the sharded module too (every rank over all the data).
     assert s0["val_loss"] == s1["val_loss"] < 2.1
+    # A second fit with a new trainer uses the module as sharded, and goes on learning.
+    assert s0["again_step"] == 32
+    assert max(s0["again_losses"]) < losses[0]
+    assert sum(s0["again_losses"][-4:]) / 4 < sum(losses[-4:]) / 4
 
 
 def test_the_fsdp_loss_curve_matches_one_process_of_the_same_global_batch(

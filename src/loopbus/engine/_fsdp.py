@@ -24,6 +24,7 @@ the process group, the ``DistributedSampler``, the collective stop):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
@@ -51,6 +52,8 @@ Units = Sequence[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]
 #: The module's methods FSDP treats as forwards (the root's parameters are gathered
 #: around each).
 _FORWARD_METHODS = ("training_step", "validation_step", "test_step", "predict_step")
+#: The modules whose forward methods are registered already (by any FSDPStrategy).
+_FORWARD_REGISTERED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
 class FSDPStrategy(DataParallel):
@@ -134,7 +137,9 @@ class FSDPStrategy(DataParallel):
     # ------------------------------------------------------------ the module
     def prepare_module(self, module: Module, device: torch.device, precision: Precision) -> None:
         """Shard ``module`` (once per module): its units bottom-up, then the root; a module
-        on the ``meta`` device is materialised unit by unit on ``device``."""
+        on the ``meta`` device is materialised unit by unit on ``device``. A module already
+        sharded (by an earlier trainer, or by your own ``fully_shard`` calls) is used as
+        it is."""
         if self._sharded is module:
             return
         if precision.scaler is not None:
@@ -150,16 +155,19 @@ class FSDPStrategy(DataParallel):
                 f"device, but the trainer runs on {str(device)!r}; the parameters already "
                 "live in host memory there: leave cpu_offload off."
             )
-        from torch.distributed.fsdp import register_fsdp_forward_method
+        from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
-        meta = _on_meta(module)
-        if not meta:
-            module.to(device)
-        options = self._shard_options(device, precision)
-        units = _find_units(module, self.units)
-        self._shard(module, units, device, meta, options)
-        for name in _FORWARD_METHODS:
-            register_fsdp_forward_method(module, name)
+        if not isinstance(module, FSDPModule):
+            meta = _on_meta(module)
+            if not meta:
+                module.to(device)
+            options = self._shard_options(device, precision)
+            units = _find_units(module, self.units)
+            self._shard(module, units, device, meta, options)
+        if module not in _FORWARD_REGISTERED:
+            for name in _FORWARD_METHODS:
+                register_fsdp_forward_method(module, name)
+            _FORWARD_REGISTERED.add(module)
         self._sharded = module
 
     def _shard_options(self, device: torch.device, precision: Precision) -> dict[str, Any]:

@@ -183,7 +183,9 @@ def scenario_train(args: argparse.Namespace) -> dict[str, Any]:
     train = DataLoader(data(N_TRAIN, 0), batch_size=batch, shuffle=False)
     strategy: Any = args.strategy
     if args.strategy == "fsdp":
-        strategy = FSDPStrategy(activation_checkpointing=args.ac)
+        strategy = FSDPStrategy(
+            activation_checkpointing=args.ac, reshard_after_forward=not args.keep_gathered
+        )
     t = trainer(strategy, precision=args.precision)
     loopbus.run(t.fit, module, train)
     params = list(module.parameters())
@@ -384,6 +386,7 @@ def main() -> None:
     parser.add_argument("--global-batch", type=int, default=16)
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--precision", default="32")
+    parser.add_argument("--keep-gathered", action="store_true", help="reshard_after_forward=False")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

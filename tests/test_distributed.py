@@ -292,7 +292,7 @@ def _kill_and_resume(tmp_path: Path, kill_at: str, *options: str) -> None:
 
 def test_strategy_is_validated() -> None:
     with pytest.raises(MisconfigurationError, match="strategy"):
-        Trainer(strategy="fsdp", plugins=[])  # type: ignore[arg-type]
+        Trainer(strategy="horovod", plugins=[])  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match="process_group_timeout"):
         Trainer(process_group_timeout=0, plugins=[])
     trainer = Trainer(plugins=[])

@@ -47,9 +47,11 @@ from .stream import connect as connect
 if TYPE_CHECKING:
     from . import plugins as plugins
     from .engine import CheckpointMismatch as CheckpointMismatch
+    from .engine import DDPStrategy as DDPStrategy
     from .engine import Delivery as Delivery
     from .engine import EvaluationLoop as EvaluationLoop
     from .engine import FitLoop as FitLoop
+    from .engine import FSDPStrategy as FSDPStrategy
     from .engine import Loop as Loop
     from .engine import LoopEvents as LoopEvents
     from .engine import Module as Module
@@ -60,7 +62,9 @@ if TYPE_CHECKING:
     from .engine import Publication as Publication
     from .engine import SchedulerConfig as SchedulerConfig
     from .engine import Scope as Scope
+    from .engine import SingleProcess as SingleProcess
     from .engine import Stateful as Stateful
+    from .engine import Strategy as Strategy
     from .engine import TrainEpochLoop as TrainEpochLoop
     from .engine import Trainer as Trainer
     from .engine import latest_checkpoint as latest_checkpoint
@@ -79,8 +83,10 @@ __version__ = "0.1.0"
 #: The names re-exported from ``loopbus.engine``, imported on first use.
 _ENGINE_NAMES = (
     "CheckpointMismatch",
+    "DDPStrategy",
     "Delivery",
     "EvaluationLoop",
+    "FSDPStrategy",
     "FitLoop",
     "Loop",
     "LoopEvents",
@@ -92,7 +98,9 @@ _ENGINE_NAMES = (
     "Publication",
     "SchedulerConfig",
     "Scope",
+    "SingleProcess",
     "Stateful",
+    "Strategy",
     "TrainEpochLoop",
     "Trainer",
     "TrainerOptions",
@@ -114,9 +122,11 @@ __all__ = [
     "CustomEvent",
     "Delivery",
     "CheckpointMismatch",
+    "DDPStrategy",
     "EvaluationLoop",
     "Event",
     "EventBus",
+    "FSDPStrategy",
     "FitLoop",
     "HandlerError",
     "Loop",
@@ -134,8 +144,10 @@ __all__ = [
     "SchedulerConfig",
     "Scope",
     "ScopeLeakError",
+    "SingleProcess",
     "Stateful",
     "StopLoop",
+    "Strategy",
     "StreamError",
     "Subscription",
     "SubscriptionError",

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from loopbus import MisconfigurationError, Plugin, Precision, Trainer, TrainerOptions
+from loopbus import MisconfigurationError, Plugin, Precision, Strategy, Trainer, TrainerOptions
 from loopbus.engine._runstate import RunState
 from loopbus.engine._step import (
     StepBoundary,
@@ -32,7 +32,7 @@ class _Schedulers:
         self.steps.append(interval)
 
 
-class _Sync:
+class _Strategy(Strategy):
     def no_sync(self) -> Any:
         raise AssertionError("no accumulation here")
 
@@ -50,7 +50,7 @@ def _step(
         optimizers=opts,
         schedulers=_Schedulers(per_step),
         precision=Precision(),
-        sync=_Sync(),
+        strategy=_Strategy(),
         state=state,
         events=StepEvents(bus.table, bus.deliver_sync, "train", state),
         options=options,

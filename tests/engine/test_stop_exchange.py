@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from loopbus import Module
+from loopbus.engine._ddp import TrainingStepAdapter
 from loopbus.engine._runstate import RunState
-from loopbus.engine._strategy import StopExchange, TrainingStepAdapter
+from loopbus.engine._strategy import StopExchange
 
 
 class World:

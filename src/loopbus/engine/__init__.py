@@ -8,6 +8,8 @@ from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import remove_checkpoint as remove_checkpoint
 from ._checkpoint import remove_stale_temporaries as remove_stale_temporaries
 from ._checkpoint import write_checkpoint as write_checkpoint
+from ._ddp import DDPStrategy as DDPStrategy
+from ._fsdp import FSDPStrategy as FSDPStrategy
 from ._loop import Loop as Loop
 from ._loop import LoopEvents as LoopEvents
 from ._loops import EvaluationLoop as EvaluationLoop
@@ -31,6 +33,8 @@ from ._runstate import RunState as RunState
 from ._scope import Scope as Scope
 from ._seed import seed_everything as seed_everything
 from ._state import Stateful as Stateful
+from ._strategy import SingleProcess as SingleProcess
+from ._strategy import Strategy as Strategy
 from ._trainer import SchedulerConfig as SchedulerConfig
 from ._trainer import Trainer as Trainer
 from ._trainer import set_default_plugins as set_default_plugins
@@ -38,7 +42,9 @@ from ._trainer import set_default_plugins as set_default_plugins
 __all__ = [
     "CheckpointMismatch",
     "Counters",
+    "DDPStrategy",
     "EvaluationLoop",
+    "FSDPStrategy",
     "FitLoop",
     "Loop",
     "LoopEvents",
@@ -54,7 +60,9 @@ __all__ = [
     "RunState",
     "SchedulerConfig",
     "Scope",
+    "SingleProcess",
     "Stateful",
+    "Strategy",
     "TrainEpochLoop",
     "Trainer",
     "TrainerOptions",

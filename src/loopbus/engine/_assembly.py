@@ -27,6 +27,7 @@ from ._checkpoint import (
     SchedulerPart,
 )
 from ._device import CudaBatchSource, pin_batch
+from ._fsdp import refuse_sharded_checkpoints
 from ._loop import Loop
 from ._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
 from ._module import Module
@@ -174,7 +175,7 @@ def build_host(
             optimizers=optimizers,
             schedulers=schedulers,
             precision=precision,
-            sync=strategy,
+            strategy=strategy,
             state=state,
             events=StepEvents(bus.table, emit, train_loop, state),
             options=StepOptions(
@@ -311,10 +312,13 @@ def check_registration(
 
 
 def active_plugins(
-    plugins: list[Plugin], options: TrainerOptions, strategy: Strategy
+    plugins: list[Plugin], options: TrainerOptions, strategy: Strategy, ckpt_path: Any = None
 ) -> list[Plugin]:
     """The plugins that act in this process: those of every rank, and on rank 0 those
-    of rank 0 too; under ``fast_dev_run`` none that writes files."""
+    of rank 0 too; under ``fast_dev_run`` none that writes files. (A strategy with
+    sharded state refuses checkpoint plugins and ``ckpt_path`` until sharded checkpoints
+    are available.)"""
+    refuse_sharded_checkpoints(strategy, plugins, ckpt_path)
     return [
         p
         for p in plugins

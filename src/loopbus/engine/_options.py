@@ -23,6 +23,7 @@ from .._exceptions import MisconfigurationError
 from .._validate import check_choice, check_int, check_number
 from ._loop import _default_leak_check
 from ._scope import LeakCheck
+from ._strategy import Strategy
 
 __all__ = [
     "Executor",
@@ -40,6 +41,7 @@ T = TypeVar("T")
 _STRATEGIES = {
     "auto": "DDP under torchrun, else one process",
     "ddp": "DistributedDataParallel, one process per device",
+    "fsdp": "FSDP2: the module sharded over the processes",
     "single": "this process only",
 }
 
@@ -147,8 +149,10 @@ class TrainerOptions:
       ``docs/performance.md``.
     * ``strategy``: ``"auto"`` (default) runs DDP when launched by ``torchrun`` with
       more than one process (``WORLD_SIZE > 1``), else in this process; ``"ddp"`` or
-      ``"single"`` force one (see ``docs/distributed.md``). Under DDP the trainer joins
-      the process group unless the script already did (gloo on CPU, NCCL on CUDA).
+      ``"single"`` force one; ``"fsdp"`` shards the module over the processes (FSDP2),
+      and a strategy object (``loopbus.FSDPStrategy(units=[Block], ...)``) carries its
+      options (see ``docs/distributed.md``). Under DDP and FSDP the trainer joins the
+      process group unless the script already did (gloo on CPU, NCCL on CUDA).
     * ``process_group_timeout``: seconds a collective may wait for the other ranks
       before it fails (default 1800, torch's default); a rank that dies is normally
       noticed sooner, since torchrun then stops the others.
@@ -205,7 +209,7 @@ class TrainerOptions:
     prefetch: int = 0
     device_prefetch: int = 1
     put_lag: int = 4
-    strategy: str = "auto"
+    strategy: str | Strategy = "auto"
     process_group_timeout: float = 1800.0
     stop_check_interval: float = 0.05
     num_sanity_val_steps: int = 2
@@ -483,7 +487,13 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
         raise MisconfigurationError(
             f"enable_model_summary must be True or False, got {raw['enable_model_summary']!r}."
         )
-    check_choice("strategy", raw["strategy"], _STRATEGIES)
+    if not isinstance(raw["strategy"], Strategy):
+        check_choice(
+            "strategy",
+            raw["strategy"],
+            _STRATEGIES,
+            hint="or a strategy object, such as loopbus.FSDPStrategy(units=[Block])",
+        )
     hints = {
         "prefetch": "0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
         "device_prefetch": "0 moves each batch on the compute stream; N >= 1 copies up to N ahead",

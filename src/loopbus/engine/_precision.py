@@ -26,6 +26,10 @@ class Precision:
     #: The grad scaler, or None.
     scaler: Any = None
     name: str = "32"
+    #: The dtype a sharding strategy computes with its gathered parameters in (FSDP's
+    #: ``MixedPrecisionPolicy.param_dtype``; gradients are reduced in fp32), or None for
+    #: the parameters' own.
+    param_dtype: torch.dtype | None = None
 
     def setup(self, device: torch.device) -> None:
         """Called when a stage starts, with the device the module runs on."""

@@ -7,8 +7,9 @@ A stage builds them once, from explicit inputs (:func:`build_train_step`,
 (plain, general, manual) is chosen at build time from the options, so the per-step path
 pays only for what is configured. A compiled step (``Trainer(compile=...)``) is chosen
 there too: the step's forward (the module's ``training_step``, the loss included) is
-compiled once per stage, so no step asks whether it is. CUDA-graph steps and a sharding
-strategy's accumulation plug in here.
+compiled once per stage, so no step asks whether it is. CUDA-graph steps plug in here; a
+strategy changes the step only through the ``StepStrategy`` seam (the gradient-sync
+context of accumulation, clipping).
 
 Per-step work here is on the hot path: no allocation or call that is not needed.
 """
@@ -68,11 +69,16 @@ class FlushingRecorder(Protocol):
     def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
 
 
-class GradientSync(Protocol):
+class StepStrategy(Protocol):
     """What the training step asks of the strategy: a context in which backward does
-    not synchronise gradients (the non-final micro-batches of an accumulation window)."""
+    not synchronise gradients (the non-final micro-batches of an accumulation window,
+    DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync(False)``), and clipping."""
 
     def no_sync(self) -> AbstractContextManager[Any]: ...
+
+    def clip_gradients(
+        self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
+    ) -> None: ...
 
 
 class SchedulerStepper(Protocol):
@@ -203,7 +209,7 @@ class TrainStep:
         "precision",
         "schedulers",
         "state",
-        "sync",
+        "strategy",
         "variant",
         "worker",
     )
@@ -215,7 +221,7 @@ class TrainStep:
         optimizers: list[torch.optim.Optimizer],
         schedulers: SchedulerStepper,
         precision: Precision,
-        sync: GradientSync,
+        strategy: StepStrategy,
         state: RunState,
         events: StepEvents,
         options: StepOptions,
@@ -226,7 +232,7 @@ class TrainStep:
         self.optimizers = optimizers
         self.schedulers = schedulers
         self.precision = precision
-        self.sync = sync
+        self.strategy = strategy
         self.state = state
         self.events = events
         self.options = options
@@ -286,11 +292,11 @@ class TrainStep:
     ) -> Any:
         """The automatic step with what the options ask: autocast, grad scaling,
         accumulation (the non-final micro-batches under the strategy's ``no_sync``),
-        clipping, per-step schedulers."""
+        clipping (the strategy's), per-step schedulers."""
         accumulate = self.options.accumulate
         if accumulate > 1 and closes_window is not None and not closes_window(accumulate):
             # A non-final micro-batch: accumulate locally, synchronise on the last.
-            with self.sync.no_sync():
+            with self.strategy.no_sync():
                 output, _ = self._forward_backward(batch, ctx, accumulate)
             return output
         output, has_loss = self._forward_backward(batch, ctx, accumulate)
@@ -301,10 +307,7 @@ class TrainStep:
         if clip is not None:
             self.precision.unscale_(optimizer)
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            if self.options.clip_algorithm == "norm":
-                torch.nn.utils.clip_grad_norm_(params, clip)
-            else:
-                torch.nn.utils.clip_grad_value_(params, clip)
+            self.strategy.clip_gradients(params, clip, self.options.clip_algorithm)
         self._optimizer_step(ctx)
         if self.schedulers.per_step:
             self.schedulers.step("step")
@@ -402,7 +405,7 @@ def build_train_step(
     optimizers: list[torch.optim.Optimizer],
     schedulers: SchedulerStepper,
     precision: Precision,
-    sync: GradientSync,
+    strategy: StepStrategy,
     state: RunState,
     events: StepEvents,
     options: StepOptions,
@@ -426,7 +429,7 @@ def build_train_step(
         optimizers=optimizers,
         schedulers=schedulers,
         precision=precision,
-        sync=sync,
+        strategy=strategy,
         state=state,
         events=events,
         options=options,

@@ -1,62 +1,50 @@
-"""How a trainer spreads a run over processes: one process, or DDP under ``torchrun``.
+"""How a trainer spreads a run over processes: the :class:`Strategy` interface, one
+process (:class:`SingleProcess`), and how stop requests become collective
+(:class:`StopExchange`). The distributed strategies live in modules of their own behind
+the same interface: DDP in ``_ddp.py``, FSDP2 (``fully_shard``) in ``_fsdp.py``.
 
-``Trainer(strategy="auto")`` picks :class:`DDPStrategy` when the launcher says the world
-has more than one process (``WORLD_SIZE > 1`` with ``RANK``/``LOCAL_RANK`` set, as
-``torchrun`` does), else :class:`SingleProcess`, which changes nothing. The trainer owns
-its strategy (``trainer.strategy``); the strategy owns the DDP wrapper.
+``Trainer(strategy="auto")`` picks DDP when the launcher says the world has more than one
+process (``WORLD_SIZE > 1`` with ``RANK``/``LOCAL_RANK`` set, as ``torchrun`` does), else
+:class:`SingleProcess`, which changes nothing. ``strategy="fsdp"`` (or an
+``FSDPStrategy(...)`` with options) shards the module. The trainer owns its strategy
+(``trainer.strategy``); the strategy owns what it wraps or shards.
 
-What DDP adds, and what it costs:
+What the rest of the engine asks of a strategy, and nothing more (loops and plugins never
+ask which one runs):
 
-* the training step's forward goes through a ``DistributedDataParallel`` wrapper of a
-  :class:`TrainingStepAdapter` (its ``forward`` is the module's ``training_step``), so
-  gradients are averaged over ranks during ``backward``; the module's own ``forward``
-  is untouched (validation and predict call it directly, without DDP);
-* the training loader is rebuilt around a ``DistributedSampler``;
-* gradient accumulation runs the non-final micro-batches under ``no_sync()``;
-* stop requests are made collective without a collective per step: every
-  ``stop_check_interval`` seconds (about; the ranks agree on the number of steps) the
-  ranks start an asynchronous all-reduce of two integers on the host (gloo) carrying
-  "a rank asked to stop", and read it at the next such check, so every rank stops at
-  the same batch boundary, within about two intervals of the request, and no step
-  waits for it. After a validation and at every epoch boundary a blocking all-reduce
-  covers the requests made since the last check (see :class:`StopExchange`);
-* manual optimization is refused (its backward would run inside DDP's forward);
-* checkpoints hold every rank's random generators (an ``all_gather_object`` per save),
-  are written by rank 0 only, and are read by every rank.
+* ``prepare_module`` (a stage starts: put the module where it runs; FSDP shards it),
+  ``prepare_optimizers`` (after ``configure_optimizers``), ``prepare_train_data``;
+* ``wrap`` (what the training step's forward calls), ``no_sync`` (the context of an
+  accumulation window's non-final micro-batches), ``clip_gradients``;
+* the collective stop (``exchange_stop``, ``settle_stop``) and the small collectives a
+  checkpoint needs (``all_gather_object``, ``broadcast_object``, ``barrier``).
 """
 
 from __future__ import annotations
 
-import atexit
-import datetime
-import gc
 import os
-import warnings
 from collections.abc import Callable
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
-
-from .._exceptions import MisconfigurationError
 
 if TYPE_CHECKING:
     from ._module import Module
+    from ._precision import Precision
     from ._runstate import RunState
 
 __all__ = [
-    "DDPStrategy",
     "SingleProcess",
     "StopExchange",
     "Strategy",
-    "TrainingStepAdapter",
+    "StrategyName",
     "launched_distributed",
+    "resolve_strategy",
 ]
 
-StrategyName = Literal["auto", "ddp", "single"]
+StrategyName = Literal["auto", "ddp", "fsdp", "single"]
 
 
 def launched_distributed() -> bool:
@@ -67,24 +55,6 @@ def launched_distributed() -> bool:
     except ValueError:
         return False
     return world > 1 and ("RANK" in env or "LOCAL_RANK" in env)
-
-
-class TrainingStepAdapter(torch.nn.Module):
-    """A module whose ``forward(batch, ctx)`` is ``module.training_step(batch, ctx)``:
-    wrapped in DDP, it routes the training step through DDP's forward (which is what
-    makes DDP synchronise gradients) without touching the module's own ``forward``.
-    It adds no parameter of its own: DDP averages exactly the module's gradients."""
-
-    _target: Module
-
-    def __init__(self, module: Module) -> None:
-        super().__init__()
-        self.module = module  # registered: its parameters are the adapter's
-        # The same module as a plain attribute, read without nn.Module's __getattr__.
-        self.__dict__["_target"] = module
-
-    def forward(self, batch: Any, ctx: Any) -> Any:
-        return self._target.training_step(batch, ctx)
 
 
 class StopExchange:
@@ -202,6 +172,7 @@ class StopExchange:
 
 class Strategy:
     """One process (the default): no wrapper, no collectives."""
+    sharded_state: bool = False
 
     name = "single"
     world_size = 1
@@ -219,6 +190,19 @@ class Strategy:
     def setup_environment(self, device: torch.device) -> None:
         """Called when the trainer is built."""
 
+    def prepare_module(self, module: Module, device: torch.device, precision: Precision) -> None:
+        """A stage starts (before ``configure_optimizers``): put the module where it runs.
+        Here and under DDP it is moved to ``device``; FSDP shards it (and materialises a
+        module built on the ``meta`` device)."""
+        module.to(device)
+
+    def prepare_optimizers(
+        self, optimizers: list[torch.optim.Optimizer], module: Module
+    ) -> list[torch.optim.Optimizer]:
+        """The optimizers ``configure_optimizers`` returned, checked or adapted for this
+        strategy (as they are, here)."""
+        return optimizers
+
     def wrap(self, module: Module, state: RunState) -> Any:
         """What the training step's forward calls (``fit`` starts): ``module.training_step``
         here; a distributed strategy's wrapper of it, which also makes ``state``'s stop
@@ -228,9 +212,21 @@ class Strategy:
     def unwrap(self) -> None:
         """Forget the wrapper (the stage ended)."""
 
-    def no_sync(self) -> Any:
-        """A context in which backward does not synchronise gradients."""
+    def no_sync(self) -> AbstractContextManager[Any]:
+        """A context in which backward does not synchronise gradients (the non-final
+        micro-batches of an accumulation window)."""
         return nullcontext()
+
+    def clip_gradients(
+        self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
+    ) -> None:
+        """Clip the gradients of ``parameters`` to ``value``: their norm over every rank's
+        gradients (``"norm"``) or each element (``"value"``). torch's clipping handles
+        DTensor gradients (FSDP): the norm of sharded gradients is the global one."""
+        if algorithm == "norm":
+            torch.nn.utils.clip_grad_norm_(parameters, value)
+        else:
+            torch.nn.utils.clip_grad_value_(parameters, value)
 
     def prepare_train_data(self, data: Any) -> Any:
         return data
@@ -258,252 +254,23 @@ class SingleProcess(Strategy):
     """``strategy="single"``: the run stays in this process."""
 
 
-class DDPStrategy(Strategy):
-    """``strategy="ddp"``: one process per device, gradients averaged by DDP over a
-    ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
-
-    name = "ddp"
-
-    def __init__(
-        self, process_group_timeout: float = 1800.0, stop_check_interval: float = 0.05
-    ) -> None:
-        self.process_group_timeout = float(process_group_timeout)
-        self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
-        self._wrapped: Module | None = None
-        self._device: torch.device | None = None
-        # Stop requests travel on the host (gloo): the default group when it is gloo,
-        # else a gloo group of the same ranks, made at the first exchange.
-        self._stop_group: Any = None
-        self._stop = StopExchange(stop_check_interval, self._start_stop_reduce, self._agree_on_stop)
-        # The blocking exchange of the rare boundaries: one flag.
-        self._stop_flag = torch.zeros(1, dtype=torch.int32)
-
-    @property
-    def distributed(self) -> bool:
-        return True
-
-    @property
-    def world_size(self) -> int:  # type: ignore[override]
-        return dist.get_world_size() if dist.is_initialized() else _env_int("WORLD_SIZE", 1)
-
-    @property
-    def global_rank(self) -> int:  # type: ignore[override]
-        return dist.get_rank() if dist.is_initialized() else _env_int("RANK", 0)
-
-    @property
-    def local_rank(self) -> int:  # type: ignore[override]
-        return _env_int("LOCAL_RANK", 0)
-
-    def setup_environment(self, device: torch.device) -> None:
-        """Join the process group (unless the user already did) and pin the device."""
-        self._device = device
-        if not dist.is_available():
-            raise MisconfigurationError(
-                "strategy='ddp' needs torch.distributed, which this build of torch lacks."
-            )
-        if dist.is_initialized():
-            return
-        if "MASTER_ADDR" not in os.environ and "TORCHELASTIC_RUN_ID" not in os.environ:
-            raise MisconfigurationError(
-                "strategy='ddp' needs the environment torchrun sets (MASTER_ADDR, "
-                "MASTER_PORT, RANK, WORLD_SIZE): launch with `torchrun --nproc_per_node=N "
-                "script.py`, or call torch.distributed.init_process_group yourself first."
-            )
-        if device.type == "cuda":
-            torch.cuda.set_device(device)
-        dist.init_process_group(
-            backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=self.process_group_timeout),
-        )
-        # Created here, so left here: a group still alive when the interpreter tears
-        # down its modules can abort the process on exit (gloo).
-        atexit.register(_leave_process_group)
-
-    def wrap(self, module: Module, state: RunState) -> Any:
-        if not module.automatic_optimization:
-            raise MisconfigurationError(
-                f"{type(module).__name__} uses manual optimization, which strategy='ddp' "
-                "does not support yet: its backward would run inside DDP's forward, "
-                "before DDP is ready to average the gradients. Use automatic "
-                "optimization (return the loss from training_step), or run it in one "
-                "process."
-            )
-        if self._wrapped is not module or self._wrapper is None:
-            device = self._device
-            ids = [device] if device is not None and device.type == "cuda" else None
-            self._wrapper = torch.nn.parallel.DistributedDataParallel(
-                TrainingStepAdapter(module), device_ids=ids, find_unused_parameters=False
-            )
-            self._wrapped = module
-        self._stop.reset()
-        # Stop requests wait for the ranks to agree (see exchange_stop).
-        state.make_stop_collective()
-        return self._wrapper
-
-    @property
-    def wrapper(self) -> torch.nn.parallel.DistributedDataParallel | None:
-        """The DDP wrapper of the current module's training step, once built."""
-        return self._wrapper
-
-    def unwrap(self) -> None:
-        # Kept for the next fit of the same module (building it broadcasts the weights).
-        pass
-
-    def no_sync(self) -> Any:
-        wrapper = self._wrapper
-        if wrapper is None:
-            return nullcontext()
-        return wrapper.no_sync()
-
-    def prepare_train_data(self, data: Any) -> Any:
-        if not isinstance(data, DataLoader):
-            warnings.warn(
-                f"under DDP the training data ({type(data).__name__}) is not a DataLoader, "
-                "so loopbus cannot give it a DistributedSampler: every rank trains on "
-                "whatever it yields. Shard it per rank yourself (trainer.global_rank, "
-                "trainer.world_size), or pass a torch DataLoader.",
-                UserWarning,
-                stacklevel=4,
-            )
-            return data
-        if _distributed_sampler(data) is not None:
-            return data  # the user shards already
-        if data.batch_size is None:
-            # Built with batch_sampler=...: how it batches is the user's, not ours to redo.
-            raise MisconfigurationError(
-                f"under DDP the training loader has its own batch_sampler "
-                f"({type(data.batch_sampler).__name__}), which loopbus cannot shard: build "
-                "it over a DistributedSampler yourself (loopbus then calls its set_epoch), "
-                "or give the loader batch_size and sampler/shuffle instead."
-            )
-        sampler: DistributedSampler[Any] = DistributedSampler(
-            data.dataset,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
-            shuffle=_shuffles(data.sampler),
-            drop_last=data.drop_last,
-        )
-        # The same kind of loader: torchdata's StatefulDataLoader stays stateful (its
-        # position is then checkpointed and restored in O(1)); any other subclass
-        # becomes a plain DataLoader with the same options.
-        cls = type(data) if _is_torchdata_loader(data) else DataLoader
-        extra = {
-            name: getattr(data, name)
-            for name in ("in_order", "snapshot_every_n_steps")
-            if cls is not DataLoader and hasattr(data, name)
-        }
-        return cls(
-            data.dataset,
-            batch_size=data.batch_size,
-            sampler=sampler,
-            num_workers=data.num_workers,
-            collate_fn=data.collate_fn,
-            pin_memory=data.pin_memory,
-            drop_last=data.drop_last,
-            timeout=data.timeout,
-            worker_init_fn=data.worker_init_fn,
-            multiprocessing_context=data.multiprocessing_context,
-            generator=data.generator,
-            prefetch_factor=data.prefetch_factor,
-            persistent_workers=data.persistent_workers,
-            pin_memory_device=data.pin_memory_device,
-            **extra,
-        )
-
-    def _stop_process_group(self) -> Any:
-        """The group the stop flag travels on: the default one when it is gloo, else a
-        gloo group of the same ranks (host to host: no device sync, no NCCL stream)."""
-        group = self._stop_group
-        if group is None:
-            if dist.get_backend() == "gloo":
-                group = dist.group.WORLD
-            else:
-                group = dist.new_group(backend="gloo")
-            self._stop_group = group
-        return group
-
-    def _start_stop_reduce(self, flag: torch.Tensor) -> Any:
-        return dist.all_reduce(
-            flag, op=dist.ReduceOp.MAX, group=self._stop_process_group(), async_op=True
-        )
-
-    def _agree_on_stop(self, state: RunState) -> None:
-        """A rank asked to stop: every rank learns who and why, and stops."""
-        reasons: list[Any] = [None] * self.world_size
-        dist.all_gather_object(reasons, state.pending_stop, group=self._stop_process_group())
-        for rank, reason in enumerate(reasons):
-            if reason is not None:
-                text = reason if rank == self.global_rank else f"{reason} (on rank {rank})"
-                state.confirm_stop(text)
-                return
-        # Asked, then withdrawn by a new stage: nobody has a reason left.
-        state.confirm_stop("stop requested (on another rank)")
-
-    def exchange_stop(self, state: RunState) -> None:
-        self._stop.boundary(state)
-
-    def settle_stop(self, state: RunState) -> None:
-        self._stop.settle(state)
-        if state.stop_requested:
-            return
-        # Rare boundaries (after a validation, between epochs): a blocking all-reduce
-        # of the flag, for the requests made since the last exchange.
-        flag = self._stop_flag
-        flag[0] = 0 if state.pending_stop is None else 1
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_process_group())
-        if int(flag[0]):
-            self._agree_on_stop(state)
-
-    def all_gather_object(self, obj: Any) -> list[Any]:
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
-        return out
-
-    def broadcast_object(self, obj: Any) -> Any:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-
-    def barrier(self) -> None:
-        dist.barrier()
-
-
-def _leave_process_group() -> None:
-    if dist.is_available() and dist.is_initialized():
-        gc.collect()  # drop DDP reducers that still refer to the group
-        dist.destroy_process_group()
-
-
-def _env_int(name: str, default: int) -> int:
-    value = os.environ.get(name)
-    return int(value) if value is not None and value.isdigit() else default
-
-
-def _is_torchdata_loader(data: DataLoader[Any]) -> bool:
-    return type(data).__module__.startswith("torchdata.")
-
-
-def _shuffles(sampler: Any) -> bool:
-    """Whether a loader's sampler shuffles: torch's RandomSampler, or torchdata's (a
-    class of its own, not a subclass)."""
-    cls = type(sampler)
-    return isinstance(sampler, RandomSampler) or (
-        cls.__name__ == "RandomSampler" and cls.__module__.startswith("torchdata.")
-    )
-
-
-def _distributed_sampler(data: DataLoader[Any]) -> DistributedSampler[Any] | None:
-    for sampler in (data.sampler, getattr(data.batch_sampler, "sampler", None)):
-        if isinstance(sampler, DistributedSampler):
-            return sampler
-    return None
-
-
 def resolve_strategy(
-    name: str, process_group_timeout: float, stop_check_interval: float
+    name: str | Strategy, process_group_timeout: float, stop_check_interval: float
 ) -> Strategy:
+    """The strategy of ``Trainer(strategy=...)``: an instance as given, or one by name
+    (``"auto"``: DDP under a launcher of several processes, else one process)."""
+    if isinstance(name, Strategy):
+        return name
     if name == "auto":
         name = "ddp" if launched_distributed() else "single"
     if name == "ddp":
+        from ._ddp import DDPStrategy
+
         return DDPStrategy(process_group_timeout, stop_check_interval)
+    if name == "fsdp":
+        from ._fsdp import FSDPStrategy
+
+        return FSDPStrategy(
+            process_group_timeout=process_group_timeout, stop_check_interval=stop_check_interval
+        )
     return SingleProcess()

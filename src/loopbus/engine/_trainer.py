@@ -34,6 +34,7 @@ from ._checkpoint import (
     resolve_weights_path,
     write_checkpoint,
 )
+from ._fsdp import refuse_sharded_checkpoints
 from ._lifecycle import resume_from, running_stage, sanity_check
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -119,7 +120,7 @@ class Trainer(OptionAttributes):
         prefetch: int = 0,
         device_prefetch: int = 1,
         put_lag: int = 4,
-        strategy: StrategyName = "auto",
+        strategy: StrategyName | Strategy = "auto",
         process_group_timeout: float = 1800.0,
         stop_check_interval: float = 0.05,
         num_sanity_val_steps: int = 2,
@@ -139,7 +140,8 @@ class Trainer(OptionAttributes):
         self.options = TrainerOptions.parse(**given)
         self.precision = resolve_precision(precision)
         options = self.options
-        #: How the run is spread over processes (one, or DDP); owns the DDP wrapper.
+        #: How the run is spread over processes (one, DDP, FSDP); owns the DDP wrapper or
+        #: the sharded module.
         self.strategy: Strategy = resolve_strategy(
             options.strategy, options.process_group_timeout, options.stop_check_interval
         )
@@ -327,7 +329,7 @@ class Trainer(OptionAttributes):
         if val_data is not None:
             _check_module(module, "fit with val_data", "validation_step")
         train_data = self.strategy.prepare_train_data(train_data)
-        async with self._stage("fit", module, train_data=train_data):
+        async with self._stage("fit", module, train_data=train_data, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await resume_from(ckpt_path, ckpt_strict, self.plugins, self.strategy, self._load)
             if val_data is not None:
@@ -370,7 +372,7 @@ class Trainer(OptionAttributes):
         loads the module's weights first (see :meth:`test`)."""
         _check_data(data, "data")
         _check_module(module, "predict", None)
-        async with self._stage("predict", module):
+        async with self._stage("predict", module, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             result: list[Any] = await self.predict_loop.run(data)
@@ -386,7 +388,7 @@ class Trainer(OptionAttributes):
     ) -> dict[str, float | int | bool]:
         _check_data(data, "data")
         _check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
-        async with self._stage(stage, module):
+        async with self._stage(stage, module, ckpt_path=ckpt_path):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             await loop.run(data)
@@ -400,7 +402,7 @@ class Trainer(OptionAttributes):
 
     @asynccontextmanager
     async def _stage(
-        self, stage: str, module: Module, *, train_data: Any = None
+        self, stage: str, module: Module, *, train_data: Any = None, ckpt_path: Any = None
     ) -> AsyncIterator[None]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         subscriptions: list[Subscription] = []
@@ -408,8 +410,8 @@ class Trainer(OptionAttributes):
         try:
             if stage == "fit":
                 self._train_data = train_data
+            active = active_plugins(self.plugins, self.options, self.strategy, ckpt_path)
             self._prepare(stage, module)
-            active = active_plugins(self.plugins, self.options, self.strategy)
             for plugin in active:
                 plugin.bind_recorder(self.recorder, type(plugin).__name__)
                 plugin.setup(self, stage)
@@ -452,8 +454,8 @@ class Trainer(OptionAttributes):
         self.recorder.reset()
         device = self.options.device
         self.recorder.use_device(device, compiled=self.options.compile is not None)
-        module.to(device)
         self.precision.setup(device)
+        self.strategy.prepare_module(module, device, self.precision)
         if stage == "fit":
             self._configure(module)
             module.train()
@@ -479,7 +481,7 @@ class Trainer(OptionAttributes):
         """The module's optimizers and schedulers (configured once per module)."""
         if self._configured_for is not module:
             opts, configs = parse_optimizers(module.configure_optimizers(), module)
-            self.optimizers = opts
+            self.optimizers = self.strategy.prepare_optimizers(opts, module)
             self._schedulers = LRSchedulers(configs, self.state, self.recorder)
             self._configured_for = module
         self._automatic = bool(module.automatic_optimization)
@@ -524,6 +526,7 @@ class Trainer(OptionAttributes):
         one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
         copies in host memory (safe to write while training goes on); otherwise the live
         tensors."""
+        refuse_sharded_checkpoints(self.strategy, (), None, saving=True)
         return collect_state(self, self.stateful_parts(), to_host=to_host)
 
     def load_state_dict(

@@ -19,6 +19,10 @@ class MixedPrecision(Precision):
 
     The forward of every step (training and evaluation) runs under
     ``torch.autocast(device_type, dtype)``; parameters and optimizer state stay fp32.
+    Under ``strategy="fsdp"`` the gathered parameters are also cast to ``dtype`` for the
+    forward and backward and gradients are reduced in fp32 (FSDP's
+    ``MixedPrecisionPolicy``); ``"16-mixed"`` is refused there (its scaler's inf check
+    would see one shard).
     ``"16-mixed"`` adds a ``torch.amp.GradScaler`` for the device: the loss is scaled
     before backward, gradients are unscaled before clipping, and steps with inf/NaN
     gradients are skipped while the scale adapts. The scaler's state is this precision's
@@ -44,6 +48,8 @@ class MixedPrecision(Precision):
         check_choice("precision", precision, sorted(_DTYPES), owner="MixedPrecision")
         self.name = precision
         self.dtype = _DTYPES[precision]
+        # Under FSDP: gathered parameters in this dtype, gradients reduced in fp32.
+        self.param_dtype = self.dtype
         self.device_type: str | None = None
         self.init_scale = float(init_scale)
         self.growth_interval = int(growth_interval)

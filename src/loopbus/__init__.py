@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     from . import plugins as plugins
     from .engine import CheckpointMismatch as CheckpointMismatch
     from .engine import Delivery as Delivery
+    from .engine import ElasticDistributedSampler as ElasticDistributedSampler
     from .engine import EvaluationLoop as EvaluationLoop
     from .engine import FitLoop as FitLoop
     from .engine import Loop as Loop
@@ -59,9 +60,13 @@ if TYPE_CHECKING:
     from .engine import Publication as Publication
     from .engine import SchedulerConfig as SchedulerConfig
     from .engine import Scope as Scope
+    from .engine import ShardedCheckpointWriter as ShardedCheckpointWriter
+    from .engine import ShardedSave as ShardedSave
     from .engine import Stateful as Stateful
     from .engine import TrainEpochLoop as TrainEpochLoop
     from .engine import Trainer as Trainer
+    from .engine import consolidate_checkpoint as consolidate_checkpoint
+    from .engine import is_sharded_checkpoint as is_sharded_checkpoint
     from .engine import latest_checkpoint as latest_checkpoint
     from .engine import load_checkpoint as load_checkpoint
     from .engine import register_destination as register_destination
@@ -77,6 +82,11 @@ __version__ = "0.1.0"
 
 #: The names re-exported from ``loopbus.engine``, imported on first use.
 _ENGINE_NAMES = (
+    "ElasticDistributedSampler",
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "CheckpointMismatch",
     "Delivery",
     "EvaluationLoop",
@@ -108,6 +118,11 @@ _ENGINE_NAMES = (
 )
 
 __all__ = [
+    "ElasticDistributedSampler",
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "DESTINATIONS",
     "CheckpointError",
     "CustomEvent",

@@ -42,6 +42,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from .._exceptions import MisconfigurationError
+from ._sampler import ElasticDistributedSampler
 
 if TYPE_CHECKING:
     from ._module import Module
@@ -202,6 +203,8 @@ class StopExchange:
 
 class Strategy:
     """One process (the default): no wrapper, no collectives."""
+
+    sharded_state: bool = False
 
     name = "single"
     world_size = 1
@@ -376,7 +379,8 @@ class DDPStrategy(Strategy):
                 "it over a DistributedSampler yourself (loopbus then calls its set_epoch), "
                 "or give the loader batch_size and sampler/shuffle instead."
             )
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        # DistributedSampler's order, resumable at another world size (see _sampler.py).
+        sampler = ElasticDistributedSampler(
             data.dataset,
             num_replicas=self.world_size,
             rank=self.global_rank,

@@ -30,13 +30,13 @@ from ._assembly import (
 from ._checkpoint import (
     CheckpointMismatch,
     collect_state,
-    load_checkpoint,
     load_state,
     load_weights,
     resolve_resume_path,
     resolve_weights_path,
     write_checkpoint,
 )
+from ._dcp import read_for_resume
 from ._lifecycle import running_stage, sanity_check
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -46,7 +46,7 @@ from ._options import Executor, OptionAttributes, TrainerOptions, unknown_option
 from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
 from ._records import Publication, Recorder
-from ._runstate import RunState
+from ._runstate import ResumePlan, RunState
 from ._scope import LeakCheck
 from ._state import Stateful
 from ._strategy import Strategy, StrategyName, resolve_strategy
@@ -483,8 +483,9 @@ class Trainer(OptionAttributes):
         path = resolve_resume_path(ckpt_path, self.plugins, self.strategy)
         if path is None:
             return
-        state = await anyio.to_thread.run_sync(load_checkpoint, path)
-        mismatch = self._load(state, strict=strict, source=str(path))
+        # A sharded checkpoint is read by every rank (DCP reshards); a file in a thread.
+        loaded = await read_for_resume(self.stateful_parts(), path, self.world_size, strict)
+        mismatch = self._load(*loaded)
         if mismatch:
             warnings.warn(
                 f"resumed from {path} with ckpt_strict=False; what did not match kept its "
@@ -542,12 +543,9 @@ class Trainer(OptionAttributes):
         resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
         missing, unexpected or incompatible raises :class:`CheckpointError`; without,
         what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
-        return self._load(state, strict=strict)
+        return self._load(*load_state(self.stateful_parts(), state, strict=strict))
 
-    def _load(
-        self, state: dict[str, Any], *, strict: bool, source: str | None = None
-    ) -> CheckpointMismatch:
-        mismatch, plan = load_state(self.stateful_parts(), state, strict=strict, source=source)
+    def _load(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
         self.state.plan_resume(plan)
         self._schedulers.resumed_at(plan.step)
         return mismatch

@@ -46,6 +46,7 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
@@ -150,10 +151,11 @@ class _ReadAllPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
 # ---------------------------------------------------------------- saving
 
 
-def _shard_error(path: Path, exc: Exception) -> CheckpointError:
+def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
     """A DCP failure as a :class:`CheckpointError`: one of ours that DCP wrapped (it
     gathers every rank's exception) as it is, anything else naming the checkpoint."""
-    for failure in getattr(exc, "failures", {}).values():
+    for wrapped in getattr(exc, "failures", {}).values():
+        failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, trace)
         if isinstance(failure, CheckpointError):
             return failure
     if isinstance(exc, CheckpointError):
@@ -214,7 +216,7 @@ class ShardedSave:
         if self.future is not None:
             try:
                 self.future.result()
-            except Exception as exc:
+            except (Exception, CheckpointException) as exc:
                 raise CheckpointError(
                     f"the sharded checkpoint {self.path} could not be written: "
                     f"{type(exc).__name__}: {exc}. The previous checkpoints are unchanged."
@@ -485,10 +487,30 @@ def _for_world_size(state: dict[str, Any], world_size: int, parts: Mapping[str, 
             "DataLoader (loopbus then keeps the position as samples consumed, valid at any "
             "world size)."
         )
+    if _mid_epoch(state) and not ("data/sampler" in state and "data/sampler" in parts):
+        raise CheckpointError(
+            f"the checkpoint was taken inside an epoch on {saved} rank(s) and this run has "
+            f"{world_size}, but the position in that epoch is not kept as samples consumed "
+            "on both sides (only a training DataLoader that loopbus shards under DDP or "
+            "FSDP keeps it so; one process does not shard its loader). Resume on "
+            f"{saved} rank(s), or from a checkpoint taken between epochs."
+        )
+    if "data/sampler" not in parts:
+        state.pop("data/sampler", None)  # between epochs: the next one starts afresh
     rng = state.get("rng")
     if isinstance(rng, dict) and isinstance(rng.get("ranks"), list) and rng["ranks"]:
         ranks = rng["ranks"]
         state["rng"] = {"ranks": [ranks[r % len(ranks)] for r in range(world_size)]}
+
+
+def _mid_epoch(state: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's training loop was inside an epoch."""
+    for key, value in state.items():
+        if key.startswith("loops/") and isinstance(value, Mapping):
+            train = value.get("loops", {}).get("epoch_loop")
+            if isinstance(train, Mapping) and train.get("state", {}).get("in_epoch"):
+                return True
+    return False
 
 
 def load_sharded(
@@ -564,7 +586,7 @@ def _load_tensors(
             planner=_LoadPlanner(allow_partial_load=partial),
             no_dist=not _distributed(),
         )
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise _shard_error(path, exc) from None
     if optimizers:
         set_state_dict(
@@ -632,7 +654,7 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
             planner=_ReadAllPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )
-    except Exception as exc:
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         raise _shard_error(p, exc) from None
     sharded = state["loopbus"]["sharded"]
     state["module"] = tensors.get("module", {})

@@ -229,3 +229,17 @@ def test_pickled_objects_in_the_shards_are_refused(tmp_path: Path) -> None:
     (good / SHARDED_MARKER).write_text(json.dumps(info))
     with pytest.raises(CheckpointError, match="refusing the entry 'extra'"):
         loopbus.load_checkpoint(good)
+
+
+def test_the_consolidate_command(
+    saved: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from loopbus.__main__ import main
+
+    directory, final = saved
+    out = tmp_path / "full.ckpt"
+    assert main(["consolidate", str(directory / "epoch=1-step=16.ckpt"), str(out)]) == 0
+    state = torch.load(out, weights_only=True)
+    assert all(torch.equal(state["module"][k], v) for k, v in final["module"].items())
+    assert main(["consolidate", str(directory / "epoch=1-step=16.ckpt"), str(out)]) == 1
+    assert "will not overwrite" in capsys.readouterr().err

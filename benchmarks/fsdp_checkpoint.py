@@ -155,6 +155,7 @@ def measure(kind: dict[str, bool], width: int, saves: int, every: int) -> dict[s
 
 
 def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("gloo")  # the trainers' DDP strategy joins this one
     results = {
         name: measure(kind, args.width, args.saves, args.every) for name, kind in KINDS.items()
     }

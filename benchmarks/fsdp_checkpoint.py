@@ -22,6 +22,7 @@ import argparse
 import copy
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -163,6 +164,12 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps(results))
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2304)
@@ -182,7 +189,7 @@ def main() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
         sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        "--master_port=0", __file__, "--worker", "--width", str(args.width),
+        f"--master_port={_free_port()}", __file__, "--worker", "--width", str(args.width),
         "--saves", str(args.saves), "--every", str(args.every),
     ]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)

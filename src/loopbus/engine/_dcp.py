@@ -195,8 +195,10 @@ class ShardedSave:
         writer_rank: bool,
         info: dict[str, Any],
         update_last: bool,
+        plain: dict[str, Any] | None = None,
     ) -> None:
         self.path = target
+        self.plain = plain
         self.temp = temp
         self.future = future
         self.writer_rank = writer_rank
@@ -228,6 +230,10 @@ class ShardedSave:
 
     def _complete(self) -> None:
         temp, target = self.temp, self.path
+        if self.plain is not None:  # host copies, taken at the save: written off the step
+            temp.mkdir(parents=True, exist_ok=True)
+            plain, self.plain = self.plain, None
+            _write_durably(temp / SHARDED_STATE, lambda f: torch.save(plain, f))
         files = {
             entry.name: entry.stat().st_size
             for entry in sorted(temp.iterdir())
@@ -327,9 +333,6 @@ class ShardedCheckpointWriter:
             ],
             "grads": grads,
         }
-        if zero:
-            temp.mkdir(parents=True, exist_ok=True)  # other ranks may make it first
-            _write_durably(temp / SHARDED_STATE, lambda f: torch.save(state, f))
         tensors = _tensor_state(module, optimizers)
         future = _write_shards(tensors, temp, self._process_group(), asynchronous)
         info = {
@@ -343,7 +346,13 @@ class ShardedCheckpointWriter:
             "strategy": strategy.name,
         }
         return ShardedSave(
-            target, temp, future, writer_rank=zero, info=info, update_last=update_last
+            target,
+            temp,
+            future,
+            writer_rank=zero,
+            info=info,
+            update_last=update_last,
+            plain=state if zero else None,
         )
 
 

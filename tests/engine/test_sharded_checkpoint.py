@@ -243,3 +243,24 @@ def test_the_consolidate_command(
     assert all(torch.equal(state["module"][k], v) for k, v in final["module"].items())
     assert main(["consolidate", str(directory / "epoch=1-step=16.ckpt"), str(out)]) == 1
     assert "will not overwrite" in capsys.readouterr().err
+
+
+def test_best_and_last_resolve_to_complete_directories(tmp_path: Path) -> None:
+    loopbus.seed_everything(5)
+    net = Net()
+    train, val = make_data("plain", n_train=N_TRAIN, batch=BATCH)
+    best = Checkpoint(tmp_path / "best", sharded=True, monitor="val/loss", keep_best=1)
+    trainer = Trainer(max_epochs=3, plugins=[best], device="cpu")
+    loopbus.run(trainer.fit, net, train, val)
+    path = best.best_model_path
+    assert path is not None
+    assert (path / SHARDED_MARKER).is_file()
+    expected = loopbus.load_checkpoint(path)["module"]
+    # Weights only, from the consolidated best checkpoint.
+    torch.nn.init.zeros_(net.net[0].weight)
+    loopbus.run(trainer.validate, net, val, ckpt_path="best")
+    assert all(torch.equal(net.state_dict()[k], v) for k, v in expected.items())
+    loopbus.run(trainer.validate, net, val, ckpt_path="last")
+    last = loopbus.latest_checkpoint(tmp_path / "best")
+    assert last is not None
+    assert last.is_dir()

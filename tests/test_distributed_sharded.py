@@ -185,3 +185,28 @@ def test_resume_at_another_world_size(
     left = (N_TRAIN - consumed) // (after * BATCH)
     assert _summary(tmp_path, 0)["step"] == saved_step + left + N_TRAIN // (after * BATCH)
     assert _summary(tmp_path, 0)["world_size"] == after
+
+
+def test_a_checkpoint_between_epochs_resumes_in_one_process(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    # Taken by 2 DDP ranks when fit ended (between epochs), resumed by one plain process
+    # for a third epoch: DCP reads the shards of both ranks, rank 0's generators apply.
+    directory = tmp_path / "ckpt_sharded"
+    directory.mkdir()
+    source = uninterrupted / "ckpt_sharded" / "epoch=1-step=32.ckpt"
+    (directory / source.name).symlink_to(source, target_is_directory=True)
+    options = ("--epochs", "3", "--ckpt", "10", "--sharded", "--keep-last", "2")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *options, "--resume"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _ok(proc)
+    loaded = torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)
+    assert loaded["step"] == 32
+    assert _same(loaded["module"], _weights(uninterrupted, 0))
+    summary = _summary(tmp_path, 0)
+    assert (summary["strategy"], summary["step"]) == ("single", 32 + N_TRAIN // BATCH)

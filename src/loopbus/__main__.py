@@ -185,9 +185,7 @@ async def _open(args: argparse.Namespace, names: list[str] | None) -> Stream:
     topics = ["records", "events"] if args.events else ["records"]
     deadline = time.monotonic() + max(0.0, args.wait)
     while True:
-        stream = connect(
-            args.address, names=names, topics=topics, token=args.token, yield_gaps=True
-        )
+        stream = connect(args.address, names=names, topics=topics, token=args.token, yield_gaps=True)
         try:
             return await stream.__aenter__()
         except StreamError as exc:

@@ -65,15 +65,7 @@ class StageHost:
     options, the batch sources, the training step (``fit`` only), the evaluation steps,
     the records and the collective stop. Built once per stage by :func:`build_host`."""
 
-    __slots__ = (
-        "_eval_step",
-        "_train_step",
-        "collective",
-        "options",
-        "records",
-        "sources",
-        "state",
-    )
+    __slots__ = ("_eval_step", "_train_step", "collective", "options", "records", "sources", "state")
 
     def __init__(
         self,
@@ -121,7 +113,9 @@ def build_sources(options: TrainerOptions) -> Sources:
                 CudaBatchSource, device=device, depth=options.device_prefetch
             ),
         )
-    return Sources(prefetch=options.prefetch, move_to=None if device.type == "cpu" else device)
+    return Sources(
+        prefetch=options.prefetch, move_to=None if device.type == "cpu" else device
+    )
 
 
 def _emit_from_worker(deliver: Callable[[Any, Any], None], entries: Any, event: Any) -> None:

@@ -147,7 +147,9 @@ class Module(PutMixin, torch.nn.Module):
         return self.__dict__.get("_loopbus_hparams", _NO_HPARAMS)  # type: ignore[no-any-return]
 
     @classmethod
-    def load_from_checkpoint(cls: type[M], path: str | os.PathLike[str], /, **overrides: Any) -> M:
+    def load_from_checkpoint(
+        cls: type[M], path: str | os.PathLike[str], /, **overrides: Any
+    ) -> M:
         """Build the module again from a checkpoint: ``cls(**hparams | overrides)`` with
         the hyperparameters it holds, then load its weights (on the CPU). The file is read
         weights-only, like every checkpoint (see :func:`loopbus.load_checkpoint`)::

@@ -273,6 +273,7 @@ class OptionAttributes:
     fast_dev_run: Option[int] = Option()
     enable_model_summary: Option[bool] = Option()
 
+
     def set_options(self, **changes: Any) -> None:
         """Change options between stages, each validated as ``Trainer(...)`` validates
         it; only the limits and the step options can change after the trainer is built
@@ -452,7 +453,9 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
         **{name: check_int(name, raw[name], minimum=0, hint=hint) for name, hint in hints.items()},
         "strategy": raw["strategy"],
         "process_group_timeout": float(
-            check_number("process_group_timeout", raw["process_group_timeout"], exclusive_minimum=0)
+            check_number(
+                "process_group_timeout", raw["process_group_timeout"], exclusive_minimum=0
+            )
         ),
         "stop_check_interval": float(
             check_number(

@@ -536,7 +536,9 @@ class Trainer(OptionAttributes):
         tensors."""
         return collect_state(self, self.stateful_parts(), to_host=to_host)
 
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
+    def load_state_dict(
+        self, state: dict[str, Any], strict: bool = True
+    ) -> CheckpointMismatch:
         """Load a checkpoint dict into this run (module and optimizers must be set up:
         resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
         missing, unexpected or incompatible raises :class:`CheckpointError`; without,

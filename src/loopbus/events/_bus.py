@@ -107,7 +107,9 @@ def _check_event_type(event_type: object) -> type[Event]:
             if guess
             else " See loopbus.events.__all__ for the event types."
         )
-        raise SubscriptionError(f"event types are classes, not strings: got {event_type!r}.{hint}")
+        raise SubscriptionError(
+            f"event types are classes, not strings: got {event_type!r}.{hint}"
+        )
     if isinstance(event_type, Event):
         raise SubscriptionError(
             f"pass the event class, not an instance: got {event_type!r}; "
@@ -599,12 +601,7 @@ class EventBus:
         scope = anyio.CancelScope(shield=True)
         self._consumers.append(scope)
         tg.start_soon(
-            self._consume_shielded,
-            scope,
-            sub,
-            recv,
-            sub._done,
-            name=f"loopbus consumer {sub.owner}",
+            self._consume_shielded, scope, sub, recv, sub._done, name=f"loopbus consumer {sub.owner}"
         )
 
     async def _consume_shielded(
@@ -730,7 +727,9 @@ def on(
         )
 
     def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        specs: list[tuple[type[Event], dict[str, Any]]] = list(getattr(func, "__loopbus_on__", ()))
+        specs: list[tuple[type[Event], dict[str, Any]]] = list(
+            getattr(func, "__loopbus_on__", ())
+        )
         specs.append((event_type, options))
         func.__loopbus_on__ = specs  # type: ignore[attr-defined]
         return func
@@ -753,3 +752,4 @@ _ON_OPTIONS = frozenset(
         "destination",
     }
 )
+

@@ -394,7 +394,9 @@ def _continue_after(
         if parsed is None:
             return False
         line_step, line_time = parsed
-        return line_step > step or (line_step == step and taken is not None and line_time > taken)
+        return line_step > step or (
+            line_step == step and taken is not None and line_time > taken
+        )
 
     with path.open("rb") as src:
         dropped = False

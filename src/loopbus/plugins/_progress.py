@@ -280,7 +280,9 @@ class ProgressBar(Plugin):
         self._tasks = {}
         # Shown at once and until the first batch is done: the start-up (worker
         # processes, the first batch, compilation) can take seconds.
-        self._starting = progress.add_task(f"Starting {stage}…", total=None, info="")
+        self._starting = progress.add_task(
+            f"Starting {stage}…", total=None, info=""
+        )
         progress.refresh()
         scope = self._refresher = anyio.CancelScope()
         task_group.start_soon(self._refresh_loop, scope, name="ProgressBar refresh")
@@ -418,7 +420,9 @@ class ProgressBar(Plugin):
             # Printing above a live display redraws it too: one redraw for both.
             # Word-wrapped at the console's width (a summary line comes wrapped at its
             # " | " separators already).
-            progress.console.print("\n".join(lines), markup=False, highlight=False, overflow="fold")
+            progress.console.print(
+                "\n".join(lines), markup=False, highlight=False, overflow="fold"
+            )
         else:
             progress.refresh()
 

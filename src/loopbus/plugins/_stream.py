@@ -249,9 +249,7 @@ class StreamServer(loopbus.Plugin):
                 file=sys.stderr,
                 flush=True,
             )
-        await trainer.publish(
-            ServerStarted(address=address, addresses=server.addresses, stage=stage)
-        )
+        await trainer.publish(ServerStarted(address=address, addresses=server.addresses, stage=stage))
 
     async def stop(self, trainer: loopbus.Trainer, stage: str) -> None:
         if self.scope == "stage":

@@ -68,7 +68,8 @@ def _patterns(value: Iterable[str] | str | None, what: str, default: list[str]) 
     for item in items:
         if not isinstance(item, str) or not item or len(item) > 256:
             raise MisconfigurationError(
-                f"{what} must be a list of non-empty str of at most 256 characters, got {value!r}."
+                f"{what} must be a list of non-empty str of at most 256 characters, got "
+                f"{value!r}."
             )
     if len(items) > 64:
         raise MisconfigurationError(f"{what} takes at most 64 entries, got {len(items)}.")
@@ -379,3 +380,4 @@ class Stream:
         error = StreamError(message)
         error.__cause__ = cause
         self._error = error
+

@@ -161,7 +161,9 @@ def _append_items(
         del buffer[mark:]
         for offset, item in enumerate(chunk):
             mark = len(buffer)
-            size = append_frame(encoder, RawBatch(seq=seq + start + offset, items=[item]), buffer)
+            size = append_frame(
+                encoder, RawBatch(seq=seq + start + offset, items=[item]), buffer
+            )
             if size > MAX_SERVER_FRAME:
                 del buffer[mark:]
                 dropped += 1

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
 from loopbus import Module, Plugin, Trainer, on
-from loopbus.events import TrainBatchCompleted, ValidationCompleted
+from loopbus.events import FitStarted, TrainBatchCompleted, ValidationCompleted
 from loopbus.plugins import Checkpoint, CSVLogger
 
 N_TRAIN = 512
@@ -42,6 +42,7 @@ class Net(Module):
         self.seen = 0
         # (rank, step): ask to stop inside the training step there (before backward).
         self.stop_in_step: tuple[int, int] | None = None
+        self.record: Path | None = None
         # Synchronised over the ranks by compute() (torchmetrics' sync_on_compute=True).
         self.val_seen = torchmetrics.SumMetric()
         self.val_acc = torchmetrics.MeanMetric()
@@ -50,9 +51,14 @@ class Net(Module):
         return self.net(x)  # type: ignore[no-any-return]
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
-        x, y = batch
+        x, y = batch[0], batch[1]
         # Read the trainer only when asked to: a compiled step would see the step
         # number as a constant that changes every step.
+        if self.record is not None:  # the sample indices of the batch (see --record)
+            trainer = self.trainer
+            entry = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+            with open(self.record, "a") as file:
+                file.write(json.dumps({**entry, "idx": batch[2].tolist()}) + "\n")
         if self.stop_in_step is not None:
             trainer = self.trainer
             if self.stop_in_step == (trainer.global_rank, trainer.global_step):
@@ -64,7 +70,7 @@ class Net(Module):
         return loss
 
     def validation_step(self, batch: Any, ctx: Any) -> None:
-        x, y = batch
+        x, y = batch[0], batch[1]
         hits = self(x).argmax(1) == y
         self.correct += int(hits.sum())
         self.seen += len(y)
@@ -97,12 +103,50 @@ class ManualNet(Net):
         return loss.detach()
 
 
-def data(n: int, seed: int) -> TensorDataset:
+def data(n: int, seed: int, indexed: bool = False) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, FEATURES, generator=g)
     w = torch.arange(1, FEATURES + 1, dtype=torch.float32)
     y = (x @ w > 0).long()
-    return TensorDataset(x, y)
+    return TensorDataset(x, y, torch.arange(n)) if indexed else TensorDataset(x, y)
+
+
+class Loaded(Plugin):
+    """Writes, when fit starts (after a resume loaded its checkpoint), the step and the
+    module's and optimizer's state as loaded."""
+
+    def __init__(self, out: Path, rank: int) -> None:
+        self.out = out
+        self.rank = rank
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self._trainer = trainer
+
+    @on(FitStarted)
+    def _dump(self, event: FitStarted) -> None:
+        trainer = self._trainer
+        state = {
+            "step": trainer.global_step,
+            "module": trainer.module.state_dict(),
+            "optimizer": trainer.optimizers[0].state_dict()["state"],
+        }
+        torch.save(state, self.out / f"loaded_rank{self.rank}.pt")
+
+
+def _kill_inside_the_writer(step: int) -> None:
+    """SIGKILL rank 1 (torchrun then stops the others) while it writes its shards of the
+    sharded checkpoint of ``step``: in DCP's writer, in the background thread of an
+    asynchronous save."""
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    original = FileSystemWriter.write_data
+
+    def write_data(self: Any, plan: Any, planner: Any) -> Any:
+        if f"step={step}." in str(self.path) and int(os.environ.get("RANK", "0")) == 1:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return original(self, plan, planner)
+
+    FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
 
 class Trouble(Plugin):
@@ -165,12 +209,22 @@ def main() -> None:
         "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
     )
     parser.add_argument("--compile", default="", help="compile the steps with this backend")
+    parser.add_argument("--sharded", action="store_true", help="sharded checkpoints (DCP)")
+    parser.add_argument("--sync-save", action="store_true", help="no asynchronous save")
+    parser.add_argument("--kill-in-save", type=int, default=-1, help="SIGKILL in that save")
+    parser.add_argument("--record", action="store_true", help="record the trained samples")
+    parser.add_argument("--keep-last", type=int, default=1)
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
     loopbus.seed_everything(0)
     module = ManualNet() if args.manual else Net()
+    rank = int(os.environ.get("RANK", "0"))
+    if args.record:
+        module.record = out / f"samples_rank{rank}.jsonl"
+    if args.kill_in_save >= 0:
+        _kill_inside_the_writer(args.kill_in_save)
     if args.stop_in == "step" and args.stop_rank >= 0:
         module.stop_in_step = (args.stop_rank, args.stop_at)
     if args.loader == "stateful":
@@ -180,15 +234,25 @@ def main() -> None:
             warnings.filterwarnings("ignore", "'set_vital' is deprecated")
             train: Any = StatefulDataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
     else:
-        train = DataLoader(data(N_TRAIN, 0), batch_size=args.batch, shuffle=True)
+        train = DataLoader(data(N_TRAIN, 0, args.record), batch_size=args.batch, shuffle=True)
     val = DataLoader(data(N_VAL, 1), batch_size=128)
     # Directories named after the rank the process starts as (shared ones work too):
     # the tests check that only rank 0's appear.
-    rank = int(os.environ.get("RANK", "0"))
-    plugins: list[Plugin] = [Trouble(args)]
+    plugins: list[Plugin] = [Trouble(args), Loaded(out, rank)]
     if args.csv:
         plugins.append(CSVLogger(out / f"logs_rank{rank}"))
-    if args.ckpt:
+    if args.ckpt and args.sharded:
+        # One directory that every rank writes its shards into.
+        plugins.append(
+            Checkpoint(
+                out / "ckpt_sharded",
+                every_n_steps=args.ckpt,
+                keep_last=args.keep_last,
+                sharded=True,
+                background=not args.sync_save,
+            )
+        )
+    elif args.ckpt:
         plugins.append(Checkpoint(out / f"ckpt_rank{rank}", every_n_steps=args.ckpt, keep_last=1))
     trainer = Trainer(
         max_epochs=args.epochs,
@@ -207,6 +271,7 @@ def main() -> None:
     loopbus.run(trainer.validate, module, val)
     assert rank == trainer.global_rank
     torch.save(module.state_dict(), out / f"weights_rank{rank}.pt")
+    torch.save(trainer.optimizers[0].state_dict(), out / f"optimizer_rank{rank}.pt")
     summary = {
         "rank": rank,
         "world_size": trainer.world_size,

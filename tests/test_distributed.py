@@ -18,6 +18,7 @@ import torch
 import loopbus
 from loopbus import MisconfigurationError, Trainer
 from loopbus.engine._checkpoint_io import _host_tag, _temp_path
+from loopbus.engine._strategy import SingleProcess
 from loopbus.plugins import Checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -359,6 +360,7 @@ class _Rank:
 
     def __init__(self, zero: bool) -> None:
         self.is_global_zero = zero
+        self.strategy = SingleProcess()  # what it says of sharding: nothing is sharded
 
 
 @pytest.mark.parametrize("zero", [True, False], ids=["rank0", "rank1"])

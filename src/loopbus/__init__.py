@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from .engine import CheckpointMismatch as CheckpointMismatch
     from .engine import DDPStrategy as DDPStrategy
     from .engine import Delivery as Delivery
+    from .engine import ElasticDistributedSampler as ElasticDistributedSampler
     from .engine import EvaluationLoop as EvaluationLoop
     from .engine import FitLoop as FitLoop
     from .engine import FSDPStrategy as FSDPStrategy
@@ -62,11 +63,15 @@ if TYPE_CHECKING:
     from .engine import Publication as Publication
     from .engine import SchedulerConfig as SchedulerConfig
     from .engine import Scope as Scope
+    from .engine import ShardedCheckpointWriter as ShardedCheckpointWriter
+    from .engine import ShardedSave as ShardedSave
     from .engine import SingleProcess as SingleProcess
     from .engine import Stateful as Stateful
     from .engine import Strategy as Strategy
     from .engine import TrainEpochLoop as TrainEpochLoop
     from .engine import Trainer as Trainer
+    from .engine import consolidate_checkpoint as consolidate_checkpoint
+    from .engine import is_sharded_checkpoint as is_sharded_checkpoint
     from .engine import latest_checkpoint as latest_checkpoint
     from .engine import load_checkpoint as load_checkpoint
     from .engine import register_destination as register_destination
@@ -82,6 +87,11 @@ __version__ = "0.1.0"
 
 #: The names re-exported from ``loopbus.engine``, imported on first use.
 _ENGINE_NAMES = (
+    "ElasticDistributedSampler",
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "CheckpointMismatch",
     "DDPStrategy",
     "Delivery",
@@ -117,6 +127,11 @@ _ENGINE_NAMES = (
 )
 
 __all__ = [
+    "ElasticDistributedSampler",
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "DESTINATIONS",
     "CheckpointError",
     "CustomEvent",

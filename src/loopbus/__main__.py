@@ -1,9 +1,11 @@
-"""The ``loopbus`` command (it imports neither torch nor the engine: it starts fast).
+"""The ``loopbus`` command (it imports neither torch nor the engine: it starts fast;
+``loopbus consolidate`` alone imports them when it runs).
 
 ``loopbus watch ADDRESS`` shows a live table of a running run's records (latest value,
 step and rate of each name); ``loopbus watch --jsonl ADDRESS`` prints one JSON object
 per record instead, for piping into other tools. ``ADDRESS`` is what the run's
 ``StreamServer`` printed: ``tcp://127.0.0.1:PORT`` or ``unix:///path``.
+``loopbus consolidate CHECKPOINT OUT`` writes a sharded checkpoint as one file.
 """
 
 from __future__ import annotations
@@ -105,7 +107,33 @@ def _parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--label", action="append", help="a job's name on the page (repeat)")
     dashboard.add_argument("--open", action="store_true", help="open the page in a browser")
     dashboard.set_defaults(run=_dashboard)
+    consolidate = commands.add_parser(
+        "consolidate",
+        help="write a sharded checkpoint as one checkpoint file",
+        description=(
+            "Read every shard of a sharded checkpoint (a directory the Checkpoint plugin "
+            "wrote with sharded=True) in this process and write it as one checkpoint file, "
+            "loadable with torch.load(OUT, weights_only=True). OUT must not exist."
+        ),
+    )
+    consolidate.add_argument("checkpoint", help="the sharded checkpoint's directory")
+    consolidate.add_argument("out", help="the checkpoint file to write")
+    consolidate.set_defaults(run=_consolidate)
     return parser
+
+
+def _consolidate(args: argparse.Namespace) -> int:
+    # Imports torch and the engine: only this command needs them.
+    from ._exceptions import CheckpointError
+    from .engine import consolidate_checkpoint
+
+    try:
+        written = consolidate_checkpoint(args.checkpoint, args.out)
+    except CheckpointError as exc:
+        print(f"loopbus consolidate: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {written}")
+    return 0
 
 
 def _dashboard(args: argparse.Namespace) -> int:

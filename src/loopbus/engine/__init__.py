@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 from ._checkpoint import CheckpointMismatch as CheckpointMismatch
+from ._checkpoint import is_sharded_checkpoint as is_sharded_checkpoint
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
 from ._checkpoint import remove_checkpoint as remove_checkpoint
 from ._checkpoint import remove_stale_temporaries as remove_stale_temporaries
 from ._checkpoint import write_checkpoint as write_checkpoint
+from ._dcp import ShardedCheckpointWriter as ShardedCheckpointWriter
+from ._dcp import ShardedSave as ShardedSave
+from ._dcp import consolidate_checkpoint as consolidate_checkpoint
 from ._ddp import DDPStrategy as DDPStrategy
 from ._fsdp import FSDPStrategy as FSDPStrategy
 from ._loop import Loop as Loop
@@ -30,6 +34,7 @@ from ._records import register_destination as register_destination
 from ._run import run as run
 from ._runstate import ResumePlan as ResumePlan
 from ._runstate import RunState as RunState
+from ._sampler import ElasticDistributedSampler as ElasticDistributedSampler
 from ._scope import Scope as Scope
 from ._seed import seed_everything as seed_everything
 from ._state import Stateful as Stateful
@@ -40,6 +45,11 @@ from ._trainer import Trainer as Trainer
 from ._trainer import set_default_plugins as set_default_plugins
 
 __all__ = [
+    "ElasticDistributedSampler",
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate_checkpoint",
+    "is_sharded_checkpoint",
     "CheckpointMismatch",
     "Counters",
     "DDPStrategy",

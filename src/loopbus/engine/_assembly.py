@@ -37,6 +37,7 @@ from ._plugin import Plugin
 from ._precision import Precision
 from ._records import Recorder
 from ._runstate import RunState
+from ._sampler import ElasticDistributedSampler, SamplerPart
 from ._sources import Sources
 from ._state import Stateful
 from ._step import (
@@ -277,6 +278,10 @@ def build_registry(
             epoch_loop.loader_position,
             lambda: epoch_loop.next_epoch_fresh,
             lambda: state.epoch,
+        )
+    elif isinstance(sampler := getattr(train_data, "sampler", None), ElasticDistributedSampler):
+        parts["data/sampler"] = SamplerPart(
+            sampler, train_data.batch_size, lambda: epoch_loop.progress.current.completed
         )
     parts["grads"] = GradsPart(module)
     parts["records"] = recorder

@@ -51,6 +51,7 @@ from ._checkpoint_io import (
     FORMAT,
     FORMAT_VERSION,
     check_header,
+    is_sharded_checkpoint,
     latest_checkpoint,
     load_checkpoint,
     newest,
@@ -85,6 +86,7 @@ __all__ = [
     "RngPart",
     "SchedulerPart",
     "collect_state",
+    "is_sharded_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "load_state",
@@ -624,6 +626,7 @@ def load_state(
         epoch=int(run["epoch"]) if isinstance(run, Mapping) else int(header.get("epoch", 0)),
         rng=_own_rng(parts.get("rng"), rng) if isinstance(rng, dict) else None,
         loader_restored="data/train" in parts and "data/train" not in skip,
+        sampler_positioned="data/sampler" in parts and "data/sampler" not in skip,
         source=where,
         created=_created(header),
     )

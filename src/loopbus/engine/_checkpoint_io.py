@@ -11,6 +11,11 @@ modified file is refused with a clear error.
 Reading (:func:`load_checkpoint`): ``torch.load(..., weights_only=True)`` only, so a file
 holding pickled Python objects is refused and nothing from it runs; then the header is
 checked (format, version).
+
+A sharded checkpoint (``_dcp.py``) is a directory instead of a file: it is written under a
+temporary name, its completeness marker (``loopbus.complete``, JSON: the size of every
+file in it) goes inside it last, and only then is it renamed to its own name. Pointer,
+scan for the newest, removal and the cleaning of temporaries treat both kinds alike.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pickle
 import pickletools
 import re
 import secrets
+import shutil
 import socket
 import stat
 import zipfile
@@ -58,6 +64,8 @@ FORMAT_VERSION = 2
 #: The name of the pointer file that names the last checkpoint written into a directory.
 LAST_POINTER = "last.json"
 MARKER_SUFFIX = ".complete"
+#: The completeness marker inside a sharded checkpoint's directory, written last.
+SHARDED_MARKER = "loopbus.complete"
 _TMP_TAG = ".tmp-"
 #: Separates a temporary file's writer (``<pid>-<random>``) from its host's name.
 _HOST_SEP = "@"
@@ -164,8 +172,11 @@ def to_plain(state: Any, *, copy: bool = False, where: str = "the state") -> Any
 
 
 def marker_path(path: PathLike) -> Path:
-    """The completeness marker of the checkpoint at ``path``."""
+    """The completeness marker of the checkpoint at ``path``: ``<file>.complete`` beside
+    a file, ``<directory>/loopbus.complete`` inside a sharded checkpoint's directory."""
     p = Path(path)
+    if p.is_dir():
+        return p / SHARDED_MARKER
     return p.with_name(p.name + MARKER_SUFFIX)
 
 
@@ -304,10 +315,14 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
 
 def remove_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint and its completeness marker (the marker first, so that a crash
-    in between never leaves a marker without its file). Missing files are ignored."""
+    in between never leaves a marker without its file): a file, or a sharded checkpoint's
+    whole directory. Missing files are ignored."""
     target = Path(os.fspath(path))
     marker_path(target).unlink(missing_ok=True)
-    target.unlink(missing_ok=True)
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
 
 
 def remove_stale_temporaries(directory: PathLike) -> list[Path]:
@@ -338,7 +353,10 @@ def remove_stale_temporaries(directory: PathLike) -> list[Path]:
         if pid != os.getpid() and _alive(pid):
             continue
         with contextlib.suppress(OSError):
-            entry.unlink()
+            if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
             removed.append(entry)
     return removed
 
@@ -453,9 +471,19 @@ def latest_checkpoint(directory: PathLike) -> Path | None:
     d = Path(os.fspath(directory))
     pointer = d / LAST_POINTER
     if pointer.exists():
-        return _follow_pointer(pointer)
+        found = _follow_pointer(pointer)
+        if found.exists():
+            return found
+        # A sharded checkpoint that replaces one of the same name moves it aside for a
+        # moment (a directory cannot be replaced atomically): then the newest complete.
+        return _newest_complete(d) or found
     if not d.is_dir():
         return None
+    return _newest_complete(d)
+
+
+def _newest_complete(d: Path) -> Path | None:
+    """The newest checkpoint in ``d`` whose completeness marker is there and matches."""
     complete = []
     for marker in d.glob("*" + MARKER_SUFFIX):
         file = marker.with_name(marker.name[: -len(MARKER_SUFFIX)])
@@ -465,6 +493,11 @@ def latest_checkpoint(directory: PathLike) -> Path | None:
             continue
         if info is not None and file.is_file() and file.stat().st_size == info.get("size"):
             complete.append(file)
+    complete += [
+        entry
+        for entry in d.iterdir()
+        if not entry.name.startswith(".") and (entry / SHARDED_MARKER).is_file()
+    ]
     return newest(complete)
 
 
@@ -490,6 +523,8 @@ def resolve_checkpoint(path: PathLike) -> Path:
     """The checkpoint file ``path`` means: a file, a directory (its last checkpoint) or a
     ``last.json`` pointer."""
     p = Path(os.fspath(path))
+    if p.is_dir() and is_sharded_checkpoint(p):
+        return p
     if p.is_dir():
         found = latest_checkpoint(p)
         if found is None:
@@ -509,6 +544,19 @@ def resolve_checkpoint(path: PathLike) -> Path:
                 nearby = f" Checkpoints in {p.parent}: {', '.join(names)}."
         raise CheckpointError(f"no checkpoint at {p}: the file does not exist.{nearby}")
     return p
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory: it holds a completeness
+    marker, the torch.distributed.checkpoint metadata or loopbus's state file."""
+    p = Path(os.fspath(path))
+    return p.is_dir() and any(
+        (p / name).is_file() for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE)
+    )
+
+
+#: The file of a sharded checkpoint that holds everything but the sharded tensors.
+SHARDED_STATE = "loopbus_state.pt"
 
 
 def _unmarked_files(directory: Path) -> str:
@@ -862,8 +910,9 @@ def load_checkpoint(
 ) -> dict[str, Any]:
     """Read a checkpoint written by loopbus, safely.
 
-    ``path`` is a checkpoint file, a directory (its last checkpoint) or a ``last.json``
-    pointer. The file is read with ``torch.load(..., weights_only=True)``: a file holding
+    ``path`` is a checkpoint file, a sharded checkpoint's directory (consolidated here,
+    in this process, into the same full dict a file holds), a directory (its last
+    checkpoint) or a ``last.json`` pointer. The file is read with ``torch.load(..., weights_only=True)``: a file holding
     pickled Python objects is refused and nothing from it runs. With ``verify`` the file
     is first checked against its completeness marker (size and CRC-32) when it has one.
     Raises :class:`CheckpointError` naming the file and what is wrong with it for a
@@ -872,6 +921,10 @@ def load_checkpoint(
     never handed to an unpickler.
     """
     file = resolve_checkpoint(path)
+    if file.is_dir():
+        from ._dcp import consolidate  # it builds on this module
+
+        return consolidate(file)
     if verify:
         _verify(file)
     container = _sniff(file)

@@ -7,7 +7,8 @@ What DDP adds, and what it costs:
   :class:`TrainingStepAdapter` (its ``forward`` is the module's ``training_step``), so
   gradients are averaged over ranks during ``backward``; the module's own ``forward``
   is untouched (validation and predict call it directly, without DDP);
-* the training loader is rebuilt around a ``DistributedSampler``;
+* the training loader is rebuilt around an ``ElasticDistributedSampler`` (DistributedSampler's
+  order, its position kept as samples consumed);
 * gradient accumulation runs the non-final micro-batches under ``no_sync()``;
 * stop requests are made collective without a collective per step: every
   ``stop_check_interval`` seconds (about; the ranks agree on the number of steps) the
@@ -36,6 +37,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from .._exceptions import MisconfigurationError
+from ._sampler import ElasticDistributedSampler
 from ._strategy import StopExchange, Strategy
 
 if TYPE_CHECKING:
@@ -145,7 +147,8 @@ class DataParallel(Strategy):
                 "it over a DistributedSampler yourself (loopbus then calls its set_epoch), "
                 "or give the loader batch_size and sampler/shuffle instead."
             )
-        sampler: DistributedSampler[Any] = DistributedSampler(
+        # DistributedSampler's order, resumable at another world size (see _sampler.py).
+        sampler = ElasticDistributedSampler(
             data.dataset,
             num_replicas=self.world_size,
             rank=self.global_rank,

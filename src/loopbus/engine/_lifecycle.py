@@ -15,7 +15,8 @@ import anyio
 from anyio.abc import TaskGroup
 
 from ..events import EventBus, ExceptionRaised, Teardown
-from ._checkpoint import CheckpointMismatch, load_checkpoint, resolve_resume_path
+from ._checkpoint import CheckpointMismatch, resolve_resume_path
+from ._dcp import read_for_resume
 from ._loop import Loop
 from ._loops import SanityCheckLoop
 from ._module import Module
@@ -255,16 +256,18 @@ async def resume_from(
     strict: bool,
     plugins: list[Plugin],
     strategy: Strategy,
+    parts: Mapping[str, Any],
     load: Callable[..., CheckpointMismatch],
 ) -> None:
     """``fit(..., ckpt_path=...)``: find the checkpoint (``"last"``: the plugins' newest;
-    names resolved on rank 0 and broadcast), read it in a worker thread and ``load(state,
-    strict=..., source=...)`` it; warn about what did not match under ``strict=False``."""
+    names resolved on rank 0 and broadcast), read it into ``parts`` (a file in a worker
+    thread; a sharded checkpoint by every rank) and ``load(mismatch, plan)`` the result;
+    warn about what did not match under ``strict=False``."""
     path = resolve_resume_path(ckpt_path, plugins, strategy)
     if path is None:
         return
-    state = await anyio.to_thread.run_sync(load_checkpoint, path)
-    mismatch = load(state, strict=strict, source=str(path))
+    # A sharded checkpoint is read by every rank (DCP reshards); a file in a thread.
+    mismatch = load(*await read_for_resume(parts, path, strategy.world_size, strict))
     if mismatch:
         warnings.warn(
             f"resumed from {path} with ckpt_strict=False; what did not match kept its "

@@ -377,7 +377,8 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         if plan is not None and plan.loader_restored:
             iterator = iter(data)
         else:
-            consumed = self.progress.current.completed
+            positioned = plan is not None and plan.sampler_positioned
+            consumed = 0 if positioned else self.progress.current.completed
             if self._epoch_rng is not None:
                 restore_epoch_rng(self._epoch_rng, data)
             iterator = iter(data)

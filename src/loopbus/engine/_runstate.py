@@ -26,6 +26,9 @@ class ResumePlan:
     * ``loader_restored``: the training loader is stateful and was repositioned from
       the checkpoint, so the resumed epoch iterates it as it is instead of skipping
       the batches the epoch already consumed.
+    * ``sampler_positioned``: the training loader's distributed sampler was set to skip
+      the samples the epoch already consumed (its position is kept as a sample count,
+      valid at any world size), so the resumed epoch skips no batches either.
     * ``source``: where the checkpoint came from, for messages.
     * ``created``: when the checkpoint was taken (``time.time()``), if it says; what a
       run published later at ``step`` is not part of the resumed history.
@@ -35,6 +38,7 @@ class ResumePlan:
     epoch: int
     rng: dict[str, Any] | None = None
     loader_restored: bool = False
+    sampler_positioned: bool = False
     source: str = ""
     created: float | None = None
 

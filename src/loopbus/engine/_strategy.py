@@ -172,6 +172,7 @@ class StopExchange:
 
 class Strategy:
     """One process (the default): no wrapper, no collectives."""
+
     sharded_state: bool = False
 
     name = "single"

@@ -45,7 +45,7 @@ from ._plugin import Plugin
 from ._precision import Precision, resolve_precision
 from ._preemption import Preemption
 from ._records import Publication, Recorder
-from ._runstate import RunState
+from ._runstate import ResumePlan, RunState
 from ._scope import LeakCheck
 from ._state import Stateful
 from ._strategy import Strategy, StrategyName, resolve_strategy
@@ -331,7 +331,14 @@ class Trainer(OptionAttributes):
         train_data = self.strategy.prepare_train_data(train_data)
         async with self._stage("fit", module, train_data=train_data, ckpt_path=ckpt_path):
             if ckpt_path is not None:
-                await resume_from(ckpt_path, ckpt_strict, self.plugins, self.strategy, self._load)
+                await resume_from(
+                    ckpt_path,
+                    ckpt_strict,
+                    self.plugins,
+                    self.strategy,
+                    self.stateful_parts(),
+                    self._load,
+                )
             if val_data is not None:
                 await sanity_check(
                     module,
@@ -529,19 +536,14 @@ class Trainer(OptionAttributes):
         refuse_sharded_checkpoints(self.strategy, (), None, saving=True)
         return collect_state(self, self.stateful_parts(), to_host=to_host)
 
-    def load_state_dict(
-        self, state: dict[str, Any], strict: bool = True
-    ) -> CheckpointMismatch:
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
         """Load a checkpoint dict into this run (module and optimizers must be set up:
         resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
         missing, unexpected or incompatible raises :class:`CheckpointError`; without,
         what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
-        return self._load(state, strict=strict)
+        return self._load(*load_state(self.stateful_parts(), state, strict=strict))
 
-    def _load(
-        self, state: dict[str, Any], *, strict: bool, source: str | None = None
-    ) -> CheckpointMismatch:
-        mismatch, plan = load_state(self.stateful_parts(), state, strict=strict, source=source)
+    def _load(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
         self.state.plan_resume(plan)
         self._schedulers.resumed_at(plan.step)
         return mismatch

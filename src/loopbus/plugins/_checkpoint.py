@@ -22,6 +22,8 @@ from loopbus import (
     Event,
     MisconfigurationError,
     Plugin,
+    ShardedCheckpointWriter,
+    ShardedSave,
     check_choice,
     check_int,
     latest_checkpoint,
@@ -101,6 +103,16 @@ class Checkpoint(Plugin):
     the previous one), and ``fit`` returns only once the last one is durable. A failed
     background write is raised at the next save or when ``fit`` ends.
 
+    ``sharded=True`` (the default under a strategy that shards the model's state, such as
+    FSDP; an option under DDP and in one process): every rank writes its own shards
+    through ``torch.distributed.checkpoint`` into a checkpoint *directory* (``dirpath``
+    must then be one directory that every rank sees), which resumes at any world size.
+    ``background`` then defaults to True and uses ``dcp.async_save``: the step waits
+    while the state is staged to host memory, a thread writes the shards; a save due
+    while the previous one is still writing waits for it (none is skipped). A sharded
+    checkpoint is complete (rank 0 writes its marker and renames it into place once
+    every rank has written its shards) or ignored. See ``docs/checkpointing.md``.
+
     File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``;
     two saves at the same epoch and step share a name, and the later one replaces the
     earlier (atomically).
@@ -128,8 +140,9 @@ class Checkpoint(Plugin):
         keep_last: int | None = 1,
         keep_best: int | None = 1,
         filename: str = "epoch={epoch}-step={step}",
-        background: bool = False,
+        background: bool | None = None,
         save_on_end: bool = True,
+        sharded: bool | None = None,
     ) -> None:
         if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
             raise MisconfigurationError(
@@ -171,8 +184,11 @@ class Checkpoint(Plugin):
                 "directory separators, not starting with a dot)."
             )
         self.filename = filename
-        self.background = bool(background)
+        self.sharded = None if sharded is None else bool(sharded)
+        self._background = background
         self.save_on_end = bool(save_on_end)
+        self._writer = ShardedCheckpointWriter()
+        self._sharded_now = False
 
         # Checkpointed state (see state_dict).
         self._recent: list[str] = []
@@ -195,6 +211,14 @@ class Checkpoint(Plugin):
 
     def __repr__(self) -> str:
         return f"Checkpoint(dirpath={str(self.dirpath)!r})"
+
+    @property
+    def background(self) -> bool:
+        """Whether saves are written in the background: as given, else for sharded
+        checkpoints only (``dcp.async_save``)."""
+        if self._background is not None:
+            return bool(self._background)
+        return self._sharded_now
 
     @property
     def state_key(self) -> str:
@@ -246,6 +270,13 @@ class Checkpoint(Plugin):
         if stage != "fit":
             return
         self._trainer = trainer
+        self._sharded_now = trainer.strategy.sharded_state if self.sharded is None else self.sharded
+        if trainer.strategy.sharded_state and not self._sharded_now:
+            raise MisconfigurationError(
+                f"Checkpoint(sharded=False) under strategy {trainer.strategy.name!r}, which "
+                "shards the model's state over the ranks: its checkpoints are sharded "
+                "directories. Leave sharded unset (or True)."
+            )
         self._error = None
         self._idle = None
         self._unannounced = None
@@ -492,6 +523,9 @@ class Checkpoint(Plugin):
             best=best is not None and any(n == name for _, n in self._best),
             removed=tuple(str(self.dirpath / old) for old in evicted if old != name),
         )
+        if self._sharded_now:
+            await self._save_sharded(name, evicted, saved)
+            return
         # Every rank takes the state (under DDP that gathers every rank's generators);
         # rank 0 alone writes it.
         if self.background and self._task_group is not None:
@@ -509,6 +543,43 @@ class Checkpoint(Plugin):
                 return
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
             await trainer.publish(saved)
+
+    async def _save_sharded(self, name: str, evicted: list[str], saved: CheckpointSaved) -> None:
+        """Every rank writes its shards; rank 0 completes the checkpoint once all have.
+        In the background the step waits only for the staging to host memory."""
+        trainer = self._trainer
+        assert trainer is not None
+        pending = self._writer.save(
+            trainer, self.dirpath / name, asynchronous=self.background, update_last=True
+        )
+        if self.background and self._task_group is not None:
+            self._idle = anyio.Event()
+            self._task_group.start_soon(self._finish_sharded, pending, evicted, self._idle, saved)
+            return
+        await self._finish_sharded(pending, evicted, None, saved)
+        if self._error is not None:
+            await self._wait_idle()  # raises it
+        await self._announce()
+
+    async def _finish_sharded(
+        self,
+        pending: ShardedSave,
+        evicted: list[str],
+        done: anyio.Event | None,
+        saved: CheckpointSaved,
+    ) -> None:
+        try:
+            await anyio.to_thread.run_sync(pending.wait)
+            if pending.writer_rank:
+                for old in evicted:
+                    if old != pending.path.name:
+                        remove_checkpoint(self.dirpath / old)
+                self._unannounced = saved  # published from the run's own path (_announce)
+        except Exception as exc:  # raised at the next save, or when fit ends
+            self._error = exc
+        finally:
+            if done is not None:
+                done.set()
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
         write_checkpoint(state, self.dirpath / name, update_last=True)

@@ -1,0 +1,691 @@
+"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
+
+A sharded checkpoint is a directory. Every rank writes its own shards of the module's
+weights, the optimizers' state and gradients held mid-accumulation (``dcp.save``, or
+``dcp.async_save``: the step waits only while the state is staged to host memory, the
+files are written by a background thread); rank 0 adds everything else the registry
+holds (loop progress, every rank's generators, the loader's position, schedulers,
+plugins, hyperparameters, records) as one plain file, ``loopbus_state.pt``, read with
+``torch.load(..., weights_only=True)``::
+
+    epoch=0-step=10.ckpt/          the checkpoint's name, as for a file checkpoint
+      .metadata                    DCP: which shard holds what
+      __0_0.distcp, __1_0.distcp   DCP: each rank's shards
+      loopbus_state.pt             the header and the parts that are not sharded
+      loopbus.complete             the completeness marker (JSON: every file's size)
+
+It is written under a temporary name (``.<name>.tmp-<pid>-<random>@<host>``, rank 0's
+process); once DCP reports the save finished on every rank (its closing collective has
+every rank's write results), rank 0 writes the marker into it and only then renames it
+to its name. A checkpoint is therefore complete or absent: ``ckpt_path="last"`` and the
+scan for the newest see only complete ones, and a temporary whose writer died is removed
+by the next run's ``Checkpoint`` plugin.
+
+Loading for a resume (:func:`load_sharded`) lets DCP read each rank's part of every
+tensor, whatever the world size or the sharding at save time; :func:`consolidate` reads
+all shards in one process (no process group) into one full checkpoint dict, the same
+as a file checkpoint's.
+
+Non-tensor values DCP saves inside its shard files (the optimizers' parameter groups)
+are read with ``torch.load(..., weights_only=True)`` too: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import (
+    DefaultLoadPlanner,
+    _EmptyStateDictLoadPlanner,
+)
+from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.planner import ReadItem
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
+from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
+from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
+
+from .._exceptions import CheckpointError
+from ._checkpoint import (
+    CheckpointMismatch,
+    _check,
+    collect_state,
+    load_state,
+    qualname,
+)
+from ._checkpoint_io import (
+    LAST_POINTER,
+    SHARDED_MARKER,
+    SHARDED_STATE,
+    _fsync_dir,
+    _refusal,
+    _temp_path,
+    _write_durably,
+    _write_json,
+    check_header,
+    is_sharded_checkpoint,
+    load_checkpoint,
+    to_plain,
+    write_checkpoint,
+)
+from ._runstate import ResumePlan
+
+if TYPE_CHECKING:
+    from ._trainer import Trainer
+
+__all__ = [
+    "ShardedCheckpointWriter",
+    "ShardedSave",
+    "consolidate",
+    "consolidate_checkpoint",
+    "load_sharded",
+    "verify_sharded",
+]
+
+#: What a sharded checkpoint's marker says it is.
+LAYOUT = "sharded"
+
+
+def is_tensor_part(key: str) -> bool:
+    """Whether a registry part is written through DCP (sharded) rather than into the
+    plain state file."""
+    return key in ("module", "grads") or key.startswith("optimizers/")
+
+
+# ---------------------------------------------------------------- safe reading
+
+
+class _WeightsOnlyBytes:
+    """DCP's planners read the non-tensor values of a checkpoint with ``torch.load``
+    and ``weights_only=False``; these read them weights-only."""
+
+    flatten_state_dict: bool
+    mappings: Any
+    original_state_dict: Any
+    state_dict: Any
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        fqn = read_item.dest_index.fqn
+        try:
+            obj = torch.load(value, weights_only=True)
+        except Exception as exc:
+            raise CheckpointError(
+                f"refusing the entry {fqn!r} of a sharded checkpoint: it holds pickled "
+                f"Python objects that weights-only loading refuses ({_refusal(exc)}). "
+                "Nothing from it was run. loopbus checkpoints hold only tensors and Python "
+                "primitives."
+            ) from None
+        if self.flatten_state_dict:
+            set_element(self.original_state_dict, self.mappings[fqn], obj)
+        else:
+            self.state_dict[fqn] = obj
+
+
+class _LoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
+    pass
+
+
+class _ReadAllPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
+    pass
+
+
+# ---------------------------------------------------------------- saving
+
+
+def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
+    """A DCP failure as a :class:`CheckpointError`: one of ours that DCP wrapped (it
+    gathers every rank's exception) as it is, anything else naming the checkpoint."""
+    for wrapped in getattr(exc, "failures", {}).values():
+        failure = wrapped[0] if isinstance(wrapped, tuple) else wrapped  # (exception, trace)
+        if isinstance(failure, CheckpointError):
+            return failure
+    if isinstance(exc, CheckpointError):
+        return exc
+    return CheckpointError(f"cannot read the shards of {path}: {type(exc).__name__}: {exc}")
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> Any:
+    """What DCP writes: the module's and the optimizers' state dicts as
+    ``torch.distributed.checkpoint.state_dict`` gives them (keyed by parameter name;
+    local shards of DTensors under FSDP), and the gradients held mid-accumulation."""
+    if optimizers:
+        model, optim = get_state_dict(module, optimizers)
+    else:
+        model, optim = get_model_state_dict(module), {}
+    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
+    return {"module": model, "optim": optim, "grads": grads}
+
+
+class ShardedSave:
+    """One sharded save: written (``dcp.save``) or being written (``dcp.async_save``).
+
+    :meth:`wait` waits until this rank's shards are written; on rank 0 it then makes the
+    checkpoint complete (marker, rename, ``last.json``). Call it on every rank before the
+    next save (the plugin does)."""
+
+    def __init__(
+        self,
+        target: Path,
+        temp: Path,
+        future: Future[Any] | None,
+        *,
+        writer_rank: bool,
+        info: dict[str, Any],
+        update_last: bool,
+        plain: dict[str, Any] | None = None,
+    ) -> None:
+        self.path = target
+        self.plain = plain
+        self.temp = temp
+        self.future = future
+        self.writer_rank = writer_rank
+        self.info = info
+        self.update_last = update_last
+        self._finished = False
+
+    def done(self) -> bool:
+        """Whether this rank's shards are written (it does not wait)."""
+        return self.future is None or self.future.done()
+
+    def wait(self) -> Path:
+        """Wait for this rank's shards; on rank 0 then complete the checkpoint. Returns
+        its path. Raises :class:`CheckpointError` if the write failed."""
+        if self._finished:
+            return self.path
+        if self.future is not None:
+            try:
+                self.future.result()
+            except (Exception, CheckpointException) as exc:
+                raise CheckpointError(
+                    f"the sharded checkpoint {self.path} could not be written: "
+                    f"{type(exc).__name__}: {exc}. The previous checkpoints are unchanged."
+                ) from exc
+        if self.writer_rank:
+            self._complete()
+        self._finished = True
+        return self.path
+
+    def _complete(self) -> None:
+        temp, target = self.temp, self.path
+        if self.plain is not None:  # host copies, taken at the save: written off the step
+            temp.mkdir(parents=True, exist_ok=True)
+            plain, self.plain = self.plain, None
+            _write_durably(temp / SHARDED_STATE, lambda f: torch.save(plain, f))
+        files = {
+            entry.name: entry.stat().st_size
+            for entry in sorted(temp.iterdir())
+            if entry.is_file() and entry.name != SHARDED_MARKER
+        }
+        info = dict(self.info, files=files, checkpoint=target.name)
+        _write_json(temp / SHARDED_MARKER, info)
+        aside = None
+        if target.exists():
+            # A directory cannot replace another atomically: the old one is moved aside
+            # under a temporary name (cleaned as stale if this process dies meanwhile).
+            aside = _temp_path(target)
+            os.replace(target, aside)
+        os.replace(temp, target)
+        _fsync_dir(target.parent)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
+        if self.update_last:
+            pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
+            pointer["checkpoint"] = target.name
+            _write_json(target.parent / LAST_POINTER, pointer)
+
+
+def _write_shards(tensors: Any, temp: Path, group: Any, asynchronous: bool) -> Future[Any] | None:
+    """Every rank writes its shards into ``temp``: ``dcp.async_save`` (returns once the
+    state is staged) or ``dcp.save``. In one process (no process group) DCP's entry
+    points only warn that there is none; its writer is called directly, in a thread of
+    its own after a host copy when asynchronous."""
+    if group is not None:
+        if asynchronous:
+            return dcp_async_save(tensors, checkpoint_id=temp, process_group=group)  # type: ignore[return-value]
+        dcp_save(tensors, checkpoint_id=temp, process_group=group)
+        return None
+
+    def write(state: Any) -> None:
+        _save_state_dict(state, storage_writer=FileSystemWriter(temp), no_dist=True)
+
+    if not asynchronous:
+        write(tensors)
+        return None
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopbus-dcp")
+    future = pool.submit(write, to_plain(tensors, copy=True, where="the sharded state"))
+    pool.shutdown(wait=False)
+    return future
+
+
+class ShardedCheckpointWriter:
+    """Writes sharded checkpoints of a trainer's run (see the module docstring).
+
+    Under a process group its collectives run on a gloo group of their own, made at the
+    first save (every rank saves together), so that an asynchronous save's background
+    thread never interleaves with the step's collectives."""
+
+    def __init__(self) -> None:
+        self._group: Any = None
+
+    def _process_group(self) -> Any:
+        if not _distributed():
+            return None
+        if self._group is None:
+            self._group = dist.new_group(backend="gloo")
+        return self._group
+
+    def save(
+        self,
+        trainer: Trainer,
+        path: str | os.PathLike[str],
+        *,
+        asynchronous: bool = False,
+        update_last: bool = False,
+    ) -> ShardedSave:
+        """Start a sharded save of ``trainer``'s run to the directory ``path``; every rank
+        calls it at the same boundary. With ``asynchronous`` it returns once the state is
+        staged to host memory (``dcp.async_save``); otherwise once this rank's shards are
+        written. Either way the checkpoint is complete only after :meth:`ShardedSave.wait`
+        (on rank 0)."""
+        strategy = trainer.strategy
+        target = Path(os.fspath(path))
+        zero = strategy.is_global_zero
+        temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
+        parts = trainer.stateful_parts()
+        module = trainer.module
+        if module is None:
+            raise CheckpointError("there is no module to save yet: fit has not started.")
+        optimizers = list(trainer.optimizers)
+        plain = {k: p for k, p in parts.items() if not is_tensor_part(k)}
+        state = collect_state(trainer, plain, to_host=True)  # gathers every rank's generators
+        header = state["loopbus"]
+        header["parts"] = list(parts)
+        header["layout"] = LAYOUT
+        grads = [n for n, p in module.named_parameters() if p.grad is not None]
+        header["sharded"] = {
+            "world_size": strategy.world_size,
+            "strategy": strategy.name,
+            "optimizers": [
+                {"class": qualname(type(o)), "groups": len(o.param_groups)} for o in optimizers
+            ],
+            "grads": grads,
+        }
+        tensors = _tensor_state(module, optimizers)
+        future = _write_shards(tensors, temp, self._process_group(), asynchronous)
+        info = {
+            "format": header["format"],
+            "format_version": header["format_version"],
+            "layout": LAYOUT,
+            "global_step": header["global_step"],
+            "epoch": header["epoch"],
+            "created": header["created"],
+            "world_size": strategy.world_size,
+            "strategy": strategy.name,
+        }
+        return ShardedSave(
+            target,
+            temp,
+            future,
+            writer_rank=zero,
+            info=info,
+            update_last=update_last,
+            plain=state if zero else None,
+        )
+
+
+# ---------------------------------------------------------------- checking
+
+
+def _marker(path: Path) -> dict[str, Any]:
+    marker = path / SHARDED_MARKER
+    if not path.is_dir():
+        raise CheckpointError(f"no sharded checkpoint at {path}: it is not a directory.")
+    if not marker.is_file():
+        names = sorted(p.name for p in path.iterdir())[:10]
+        if (path / ".metadata").is_file() or (path / SHARDED_STATE).is_file():
+            raise CheckpointError(
+                f"the sharded checkpoint {path} is incomplete: it has no completeness "
+                f"marker {marker.name}, which rank 0 writes last, once every rank has "
+                "written its shards (the save was interrupted, or the marker was deleted). "
+                "Load another checkpoint, for example the previous one in its directory."
+            )
+        raise CheckpointError(
+            f"{path} is not a loopbus checkpoint: a directory without a completeness "
+            f"marker ({marker.name}) nor checkpoint files (it holds {names}). Pass a "
+            "checkpoint file, a sharded checkpoint's directory or a directory the "
+            "Checkpoint plugin writes into."
+        )
+    try:
+        info = json.loads(marker.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(
+            f"the completeness marker {marker} cannot be read ({exc}); it was modified."
+        ) from None
+    if not isinstance(info, dict) or info.get("layout") != LAYOUT:
+        raise CheckpointError(f"the completeness marker {marker} is not a sharded checkpoint's.")
+    return info
+
+
+def verify_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Check a sharded checkpoint against its completeness marker: every file it lists is
+    there with the size it had when written. Returns the marker; raises
+    :class:`CheckpointError` naming the file that is missing or has another size."""
+    p = Path(os.fspath(path))
+    info = _marker(p)
+    files = info.get("files")
+    if not isinstance(files, dict) or SHARDED_STATE not in files:
+        raise CheckpointError(f"the completeness marker {p / SHARDED_MARKER} lists no files.")
+    for name, size in files.items():
+        file = p / str(name)
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"the sharded checkpoint {p} is missing its file {file} (a shard "
+                "or its metadata): it was deleted or not copied. Load another checkpoint, "
+                "or copy the whole directory."
+            ) from None
+        if actual != size:
+            raise CheckpointError(
+                f"the file {file} of the sharded checkpoint {p} is truncated or modified: "
+                f"its completeness marker records {size} bytes but it has {actual}. Load "
+                "another checkpoint, for example the previous one in its directory."
+            )
+    return info
+
+
+def _read_state(path: Path) -> dict[str, Any]:
+    file = path / SHARDED_STATE
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read {file}, the plain part of the sharded checkpoint {path}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
+    header = check_header(state, str(path))
+    if not isinstance(header.get("sharded"), Mapping):
+        raise CheckpointError(f"{file} is not the state file of a sharded checkpoint.")
+    return state  # type: ignore[no-any-return]
+
+
+# ---------------------------------------------------------------- loading
+
+
+def _module_problems(
+    path: Path, module: torch.nn.Module, metadata: Any
+) -> tuple[list[str], list[str], list[str]]:
+    """The module's entries missing from the checkpoint, those unexpected in it, and
+    those whose (global) shapes differ."""
+    saved: dict[str, Any] = {
+        key[len("module.") :]: getattr(meta, "size", None)
+        for key, meta in metadata.state_dict_metadata.items()
+        if key.startswith("module.")
+    }
+    current: dict[str, Any] = get_model_state_dict(module)
+    name = type(module).__name__
+    missing = [k for k in current if k not in saved]
+    unexpected = [k for k in saved if k not in current]
+    reshaped = [
+        f"module: {k!r} has shape {tuple(saved[k])} in the checkpoint but "
+        f"{tuple(v.shape)} in {name}"
+        for k, v in current.items()
+        if k in saved and saved[k] is not None and tuple(saved[k]) != tuple(v.shape)
+    ]
+    return (
+        [f"module: {name} has {k!r}" for k in missing[:8]],
+        [f"module: {k!r} (not in {name})" for k in unexpected[:8]],
+        reshaped,
+    )
+
+
+def _optimizer_problems(saved: list[Any], optimizers: list[torch.optim.Optimizer]) -> list[str]:
+    if len(saved) != len(optimizers):
+        return [f"optimizers: {len(saved)} in the checkpoint but {len(optimizers)} in this run"]
+    problems = []
+    for index, (spec, opt) in enumerate(zip(saved, optimizers, strict=True)):
+        cls = qualname(type(opt))
+        if spec.get("class") != cls:
+            problems.append(
+                f"optimizers/{index}: a {spec.get('class')} in the checkpoint but a {cls} "
+                "in this run"
+            )
+        elif spec.get("groups") != len(opt.param_groups):
+            problems.append(
+                f"optimizers/{index}: {spec.get('groups')} parameter groups in the "
+                f"checkpoint but {len(opt.param_groups)} in this run"
+            )
+    return problems
+
+
+def _for_world_size(state: dict[str, Any], world_size: int, parts: Mapping[str, Any]) -> None:
+    """Adapt the plain state to another world size: every rank needs generators (rank
+    ``r`` takes those of saved rank ``r mod W``); a stateful loader's position is one
+    rank's, which means nothing at another world size."""
+    saved = int(state["loopbus"]["sharded"].get("world_size", 1))
+    if saved == world_size:
+        return
+    if "data/train" in parts and "data/train" in state:
+        raise CheckpointError(
+            f"the checkpoint was taken on {saved} ranks and this run has {world_size}: the "
+            "position of its stateful training loader (StatefulDataLoader) is one rank's "
+            "and cannot be resharded. Resume on the same number of ranks, or pass a plain "
+            "DataLoader (loopbus then keeps the position as samples consumed, valid at any "
+            "world size)."
+        )
+    if _mid_epoch(state) and not ("data/sampler" in state and "data/sampler" in parts):
+        raise CheckpointError(
+            f"the checkpoint was taken inside an epoch on {saved} rank(s) and this run has "
+            f"{world_size}, but the position in that epoch is not kept as samples consumed "
+            "on both sides (only a training DataLoader that loopbus shards under DDP or "
+            "FSDP keeps it so; one process does not shard its loader). Resume on "
+            f"{saved} rank(s), or from a checkpoint taken between epochs."
+        )
+    if "data/sampler" not in parts:
+        state.pop("data/sampler", None)  # between epochs: the next one starts afresh
+    rng = state.get("rng")
+    if isinstance(rng, dict) and isinstance(rng.get("ranks"), list) and rng["ranks"]:
+        ranks = rng["ranks"]
+        state["rng"] = {"ranks": [ranks[r % len(ranks)] for r in range(world_size)]}
+
+
+def _mid_epoch(state: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's training loop was inside an epoch."""
+    for key, value in state.items():
+        if key.startswith("loops/") and isinstance(value, Mapping):
+            train = value.get("loops", {}).get("epoch_loop")
+            if isinstance(train, Mapping) and train.get("state", {}).get("in_epoch"):
+                return True
+    return False
+
+
+def load_sharded(
+    parts: Mapping[str, Any],
+    path: str | os.PathLike[str],
+    *,
+    world_size: int,
+    strict: bool = True,
+) -> tuple[CheckpointMismatch, ResumePlan]:
+    """Load the sharded checkpoint at ``path`` into a registry's parts, on every rank
+    (collective under a process group): DCP reads each rank's part of every tensor,
+    resharding as needed; the plain parts load as from a file checkpoint. Every part is
+    checked before any loads."""
+    p = Path(os.fspath(path))
+    verify_sharded(p)
+    state = _read_state(p)
+    sharded = state["loopbus"]["sharded"]
+    module = parts["module"].module
+    keys = sorted((k for k in parts if k.startswith("optimizers/")), key=lambda k: int(k[11:]))
+    optimizers = [parts[k].obj for k in keys]
+    try:
+        metadata = FileSystemReader(p).read_metadata()
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read the shard index {p / '.metadata'} of {p}: {type(exc).__name__}: {exc}"
+        ) from exc
+    missing, unexpected, mismatched = _module_problems(p, module, metadata)
+    mismatched += _optimizer_problems(list(sharded.get("optimizers", [])), optimizers)
+    _for_world_size(state, world_size, parts)
+    plain = {k: part for k, part in parts.items() if not is_tensor_part(k)}
+    result, _, _ = _check(plain, state)
+    tensors = CheckpointMismatch(tuple(missing), tuple(unexpected), tuple(mismatched))
+    if strict and (result or tensors):
+        both = "\n".join(
+            x for x in (str(tensors) if tensors else "", str(result) if result else "") if x
+        )
+        raise CheckpointError(
+            f"the checkpoint {p} does not match this run:\n{both}\nMake the run match the "
+            "checkpoint (same model, optimizers, schedulers, plugins, registered objects "
+            "and kind of loader), or load what matches with strict=False."
+        )
+    _load_tensors(p, module, optimizers, list(sharded.get("grads", [])), partial=not strict)
+    result, plan = load_state(plain, state, strict=strict, source=str(p))
+    merged = CheckpointMismatch(
+        result.missing + tensors.missing,
+        result.unexpected + tensors.unexpected,
+        result.mismatched + tensors.mismatched,
+    )
+    return merged, plan
+
+
+def _load_tensors(
+    path: Path,
+    module: torch.nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    grad_names: list[str],
+    *,
+    partial: bool,
+) -> None:
+    params = dict(module.named_parameters())
+    for param in params.values():
+        param.grad = None  # the optimizers' state is initialised without gradients
+    targets = _tensor_state(module, optimizers)
+    targets["grads"] = {n: torch.zeros_like(params[n]) for n in grad_names if n in params}
+    if not targets["grads"]:
+        del targets["grads"]
+    if not optimizers:
+        del targets["optim"]
+    try:
+        _load_state_dict(
+            targets,
+            storage_reader=FileSystemReader(path),
+            planner=_LoadPlanner(allow_partial_load=partial),
+            no_dist=not _distributed(),
+        )
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        raise _shard_error(path, exc) from None
+    if optimizers:
+        set_state_dict(
+            module,
+            optimizers,
+            model_state_dict=targets["module"],
+            optim_state_dict=targets["optim"],
+        )
+    else:
+        set_model_state_dict(module, targets["module"])
+    for name, grad in targets.get("grads", {}).items():
+        params[name].grad = grad
+
+
+async def read_for_resume(
+    parts: Mapping[str, Any], path: str | os.PathLike[str], world_size: int, strict: bool
+) -> tuple[CheckpointMismatch, ResumePlan]:
+    """Load the checkpoint ``fit(ckpt_path=...)`` resumes from into a registry's parts: a
+    sharded one on every rank (:func:`load_sharded`), a file read in a worker thread."""
+    if is_sharded_checkpoint(path):
+        return load_sharded(parts, path, world_size=world_size, strict=strict)
+    state = await anyio.to_thread.run_sync(load_checkpoint, path)
+    return load_state(parts, state, strict=strict, source=str(path))
+
+
+# ---------------------------------------------------------------- consolidation
+
+
+def _indexed_optimizers(optim: Mapping[str, Any], specs: list[Any]) -> dict[str, Any]:
+    """Split DCP's optimizer state (keyed by parameter name, the optimizers' parameter
+    groups one after the other) into each optimizer's own ``state_dict()`` (keyed by
+    position, as ``torch.optim`` saves it)."""
+    groups = list(optim.get("param_groups", []))
+    states = optim.get("state", {})
+    out: dict[str, Any] = {}
+    at = 0
+    for index, spec in enumerate(specs):
+        mine = groups[at : at + int(spec["groups"])]
+        at += int(spec["groups"])
+        names = [n for g in mine for n in g["params"]]
+        position = {n: i for i, n in enumerate(names)}
+        out[f"optimizers/{index}"] = {
+            "class": spec["class"],
+            "state_dict": {
+                "state": {position[n]: states[n] for n in names if n in states},
+                "param_groups": [dict(g, params=[position[n] for n in g["params"]]) for g in mine],
+            },
+        }
+    return out
+
+
+def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """The sharded checkpoint at ``path`` as one full checkpoint dict, read in this
+    process (no process group; every shard is read, so the whole state must fit in this
+    host's memory). The same dict a file checkpoint holds: ``module`` is the full state
+    dict, each ``optimizers/<i>`` its optimizer's own ``state_dict()``."""
+    p = Path(os.fspath(path))
+    verify_sharded(p)
+    state = _read_state(p)
+    tensors: dict[str, Any] = {}
+    try:
+        _load_state_dict(
+            tensors,
+            storage_reader=FileSystemReader(p),
+            planner=_ReadAllPlanner(),  # type: ignore[no-untyped-call]
+            no_dist=True,
+        )
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+        raise _shard_error(p, exc) from None
+    sharded = state["loopbus"]["sharded"]
+    state["module"] = tensors.get("module", {})
+    state["grads"] = tensors.get("grads", {})
+    state.update(_indexed_optimizers(tensors.get("optim", {}), list(sharded["optimizers"])))
+    header = dict(state["loopbus"])
+    header["layout"] = "consolidated"
+    header["consolidated"] = {"from": p.name, "at": time.time()}
+    state["loopbus"] = header
+    return state
+
+
+def consolidate_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+    """Write the sharded checkpoint at ``path`` as one checkpoint file ``out`` (atomically,
+    with its completeness marker), loadable with ``torch.load(out, weights_only=True)``,
+    :func:`loopbus.load_checkpoint`, ``Module.load_from_checkpoint`` or a single-process
+    ``fit(ckpt_path=out)``. Run it in one process. ``out`` must not exist: nothing is
+    overwritten."""
+    target = Path(os.fspath(out))
+    if target.exists():
+        raise CheckpointError(
+            f"will not overwrite {target} with the consolidated checkpoint of {path}: it "
+            "exists. Pass a new file name."
+        )
+    return write_checkpoint(consolidate(path), target)

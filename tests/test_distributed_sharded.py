@@ -1,0 +1,212 @@
+"""Sharded checkpoints under DDP for real: ``tests/distributed_script.py --sharded`` under
+``torchrun`` (gloo, CPU). Every rank writes its shards through torch.distributed.checkpoint
+into one directory; kill -9 at any point (also inside an asynchronous save) resumes
+bit-identical from the last complete checkpoint; a checkpoint taken on 4 ranks resumes on
+2 and one taken on 2 resumes on 4, training every sample of the interrupted epoch once."""
+
+from __future__ import annotations
+
+import json
+import random
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import loopbus
+from loopbus.engine._checkpoint_io import SHARDED_MARKER
+from tests.test_distributed import SCRIPT, _env, _launch, _ok, _same, _summary, _weights
+
+pytestmark = pytest.mark.skipif(
+    not torch.distributed.is_available(), reason="torch.distributed is not available"
+)
+
+N_TRAIN = 512
+BATCH = 16
+#: 2 epochs of 16 steps on 2 ranks; a sharded checkpoint every 10 steps, 2 kept.
+COMMON = ("--epochs", "2", "--ckpt", "10", "--sharded", "--keep-last", "2")
+#: Where the killed runs die: a point drawn once (seeded), and inside the writer
+#: thread of the asynchronous save of step 20 (rank 1 dies while writing its shards).
+KILLS = [("--kill-at", str(random.Random(27).randrange(5, 32)))]
+KILLS.append(("--kill-in-save", "20"))
+
+
+def _optimizer(out: Path, rank: int) -> dict[str, Any]:
+    return torch.load(out / f"optimizer_rank{rank}.pt", weights_only=True)  # type: ignore[no-any-return]
+
+
+def _same_optimizer_state(a: dict[Any, Any], b: dict[Any, Any]) -> bool:
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in a
+    )
+
+
+def _step_of(checkpoint: Path | None) -> int:
+    if checkpoint is None:
+        return 0
+    return int(json.loads((checkpoint / SHARDED_MARKER).read_text())["global_step"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _ok(_launch(out, *COMMON))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k[0][2:]}-{k[1]}")
+def test_killed_sharded_job_resumes_bit_identical(
+    uninterrupted: Path, tmp_path: Path, kill: tuple[str, str]
+) -> None:
+    killed = tmp_path / "killed"
+    proc = _launch(killed, *COMMON, *kill)
+    assert proc.returncode != 0
+    directory = killed / "ckpt_sharded"
+    last = loopbus.latest_checkpoint(directory) if directory.exists() else None
+    if kill[0] == "--kill-in-save":
+        # The interrupted save left a temporary directory and no checkpoint.
+        names = [p.name for p in directory.iterdir()]
+        assert any(n.startswith(".epoch=1-step=20.ckpt.tmp-") for n in names), names
+        assert "epoch=1-step=20.ckpt" not in names
+        assert last is not None
+        assert _step_of(last) == 10
+    assert last is None or (last / SHARDED_MARKER).is_file()
+    step = _step_of(last)
+    _ok(_launch(killed, *COMMON, "--resume"))
+    # The resumed job loaded the last complete checkpoint (or started afresh).
+    assert torch.load(killed / "loaded_rank0.pt", weights_only=True)["step"] == step
+    for rank in (0, 1):
+        assert _same(_weights(uninterrupted, rank), _weights(killed, rank))
+        assert _same_optimizer_state(
+            _optimizer(uninterrupted, rank)["state"], _optimizer(killed, rank)["state"]
+        )
+    assert _summary(killed, 0)["step"] == _summary(uninterrupted, 0)["step"] == 32
+    # The dead writers' temporaries are gone; whole directories were kept and removed.
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "epoch=1-step=30.ckpt",
+        "epoch=1-step=32.ckpt",
+        "last.json",
+    ]
+
+
+def test_a_sharded_checkpoint_consolidates_in_one_process(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    last = loopbus.latest_checkpoint(uninterrupted / "ckpt_sharded")
+    assert last is not None
+    info = json.loads((last / SHARDED_MARKER).read_text())
+    assert (info["world_size"], info["strategy"]) == (2, "ddp")
+    # Each rank wrote shards (DCP spreads the replicated DDP tensors over the ranks).
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(info["files"])
+    out = loopbus.consolidate_checkpoint(last, tmp_path / "full.ckpt")
+    state = torch.load(out, weights_only=True)
+    assert _same(state["module"], _weights(uninterrupted, 0))
+    assert _same_optimizer_state(
+        state["optimizers/0"]["state_dict"]["state"], _optimizer(uninterrupted, 0)["state"]
+    )
+    assert len(state["rng"]["ranks"]) == 2
+
+
+def test_resuming_mid_epoch_in_one_process_is_refused(uninterrupted: Path, tmp_path: Path) -> None:
+    # A checkpoint of 2 DDP ranks taken inside an epoch, resumed by one plain process:
+    # its loader keeps no position in samples, so the epoch cannot continue exactly.
+    directory = tmp_path / "ckpt_sharded"
+    directory.mkdir()
+    source = uninterrupted / "ckpt_sharded" / "epoch=1-step=30.ckpt"
+    (directory / source.name).symlink_to(source, target_is_directory=True)
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *COMMON, "--resume"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode != 0
+    assert "taken inside an epoch on 2 rank(s) and this run has 1" in proc.stderr
+
+
+def _trained(out: Path, ranks: int) -> list[dict[str, Any]]:
+    entries = []
+    for rank in range(ranks):
+        path = out / f"samples_rank{rank}.jsonl"
+        entries += [json.loads(line) for line in path.read_text().splitlines()]
+        path.unlink()
+    return entries
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("before", "after", "every", "kill_at"),
+    [
+        # 8 steps an epoch on 4 ranks: saved at step 4, 256 samples into the epoch.
+        pytest.param(4, 2, 4, 6, id="4-to-2"),
+        # 16 steps an epoch on 2 ranks: saved at step 12, 384 samples into the epoch.
+        pytest.param(2, 4, 6, 14, id="2-to-4"),
+    ],
+)
+def test_resume_at_another_world_size(
+    tmp_path: Path, before: int, after: int, every: int, kill_at: int
+) -> None:
+    common = ("--epochs", "2", "--sharded", "--sync-save", "--record", "--ckpt", str(every))
+    proc = _launch(tmp_path, *common, "--kill-at", str(kill_at), nproc=before, timeout=180)
+    assert proc.returncode != 0
+    last = loopbus.latest_checkpoint(tmp_path / "ckpt_sharded")
+    saved_step = _step_of(last)
+    assert saved_step == kill_at // every * every
+    saved = loopbus.load_checkpoint(last)  # consolidated here, in one process
+    consumed = before * BATCH * saved_step
+    assert saved["data/sampler"]["consumed"] == consumed
+    # What the checkpoint holds of the interrupted epoch: the batches before it.
+    kept = [e for e in _trained(tmp_path, before) if e["epoch"] == 0 and e["step"] < saved_step]
+
+    _ok(_launch(tmp_path, *common, "--resume", nproc=after, timeout=180))
+    for rank in range(after):
+        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=True)
+        assert loaded["step"] == saved_step
+        assert _same(loaded["module"], saved["module"])
+        assert _same_optimizer_state(
+            loaded["optimizer"], saved["optimizers/0"]["state_dict"]["state"]
+        )
+    resumed = [e for e in _trained(tmp_path, after) if e["epoch"] == 0]
+    first = [i for e in kept for i in e["idx"]]
+    rest = [i for e in resumed for i in e["idx"]]
+    # The uninterrupted run trains each sample once in the epoch, in the order of
+    # DistributedSampler's permutation: the checkpoint holds its first `consumed`, the
+    # resumed run the others, each once.
+    order = torch.randperm(N_TRAIN, generator=torch.Generator().manual_seed(0)).tolist()
+    assert sorted(first) == sorted(order[:consumed])
+    assert sorted(rest) == sorted(order[consumed:])
+    assert sorted(first + rest) == list(range(N_TRAIN))
+    # The run finishes: the rest of the epoch and one more on `after` ranks.
+    left = (N_TRAIN - consumed) // (after * BATCH)
+    assert _summary(tmp_path, 0)["step"] == saved_step + left + N_TRAIN // (after * BATCH)
+    assert _summary(tmp_path, 0)["world_size"] == after
+
+
+def test_a_checkpoint_between_epochs_resumes_in_one_process(
+    uninterrupted: Path, tmp_path: Path
+) -> None:
+    # Taken by 2 DDP ranks when fit ended (between epochs), resumed by one plain process
+    # for a third epoch: DCP reads the shards of both ranks, rank 0's generators apply.
+    directory = tmp_path / "ckpt_sharded"
+    directory.mkdir()
+    source = uninterrupted / "ckpt_sharded" / "epoch=1-step=32.ckpt"
+    (directory / source.name).symlink_to(source, target_is_directory=True)
+    options = ("--epochs", "3", "--ckpt", "10", "--sharded", "--keep-last", "2")
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--out", str(tmp_path), *options, "--resume"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    _ok(proc)
+    loaded = torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)
+    assert loaded["step"] == 32
+    assert _same(loaded["module"], _weights(uninterrupted, 0))
+    summary = _summary(tmp_path, 0)
+    assert (summary["strategy"], summary["step"]) == ("single", 32 + N_TRAIN // BATCH)

@@ -44,7 +44,7 @@ if TYPE_CHECKING:
     from ._precision import Precision
     from ._runstate import RunState
 
-__all__ = ["FSDPStrategy", "refuse_sharded_checkpoints"]
+__all__ = ["FSDPStrategy"]
 
 #: Which submodules become shard units: classes, or a predicate over submodules.
 Units = Sequence[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]
@@ -367,32 +367,3 @@ def _materialise(module: torch.nn.Module, where: str, device: torch.device) -> N
     module.to_empty(device=device, recurse=False)
     reset()
 
-
-def refuse_sharded_checkpoints(
-    strategy: Any, plugins: Sequence[Any], ckpt_path: Any, *, saving: bool = False
-) -> None:
-    """Until sharded checkpoints land: refuse a run whose strategy shards its state
-    (``sharded_state``) and that has a plugin writing checkpoints (one with
-    ``last_checkpoint_path``, such as ``Checkpoint``), loads one (``ckpt_path``), or
-    takes the run's state (``saving``: ``Trainer.state_dict``/``save_checkpoint``).
-    Today's checkpoints are one file of full tensors written by rank 0, which cannot hold
-    a sharded module's state."""
-    if not strategy.sharded_state:
-        return
-    writers = [
-        type(p).__name__ for p in plugins if hasattr(type(p), "last_checkpoint_path")
-    ]
-    if writers:
-        what = f"the {', '.join(writers)} plugin"
-    elif ckpt_path is not None:
-        what = f"ckpt_path={ckpt_path!r}"
-    elif saving:
-        what = "trainer.state_dict() (and save_checkpoint)"
-    else:
-        return
-    raise MisconfigurationError(
-        f"sharded checkpoints are not yet available for strategy={strategy.name!r}: "
-        f"{what} would save or load the run as one full file, which cannot hold a "
-        "sharded module's state. Run without checkpoints under FSDP for now (remove "
-        "the plugin / ckpt_path), or use strategy='ddp'."
-    )

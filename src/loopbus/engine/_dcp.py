@@ -96,13 +96,13 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ShardedCheckpointWriter",
-    "save_sharded",
-    "save_sharded_async",
     "ShardedSave",
     "consolidate",
     "consolidate_checkpoint",
     "load_sharded",
     "no_full_state",
+    "save_sharded",
+    "save_sharded_async",
     "verify_sharded",
 ]
 

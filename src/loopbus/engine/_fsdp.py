@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._exceptions import MisconfigurationError
+from ._checkpoint import class_name
 from ._ddp import DataParallel
 
 # torch.distributed.fsdp is imported where it is used: importing it costs about half a
@@ -283,12 +284,7 @@ def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
 def _class_name(module: torch.nn.Module) -> str:
     """The name of the module's own class (``fully_shard`` makes it an instance of a
     subclass named ``FSDP<name>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for cls in type(module).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls.__name__
-    return type(module).__name__
+    return class_name(module).__name__
 
 
 def _check_units(units: Units | None) -> Units | None:
@@ -366,4 +362,3 @@ def _materialise(module: torch.nn.Module, where: str, device: torch.device) -> N
         )
     module.to_empty(device=device, recurse=False)
     reset()
-

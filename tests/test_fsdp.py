@@ -280,11 +280,12 @@ def test_fsdp_outside_a_launcher_explains(monkeypatch: pytest.MonkeyPatch) -> No
         Trainer(strategy=FSDPStrategy(), device="cpu", plugins=[])
 
 
-def test_the_fsdp_example_trains_under_torchrun() -> None:
+def test_the_fsdp_example_trains_under_torchrun(tmp_path: Path) -> None:
     example = ROOT / "examples" / "fsdp_transformer.py"
     cmd = _torchrun(
         f"--nproc_per_node={WORLD}", f"--master_port={_free_port()}", str(example),
         "--meta", "--epochs", "2", "--samples", "1024", "--layers", "2",
+        "--ckpt", str(tmp_path / "ckpt"),
     )  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     _ok(proc)
@@ -293,3 +294,8 @@ def test_the_fsdp_example_trains_under_torchrun() -> None:
     ]
     assert len(losses) == 2  # printed by rank 0 only
     assert losses[1] < 0.6 * losses[0]
+    last = loopbus.latest_checkpoint(tmp_path / "ckpt")  # a sharded checkpoint an epoch
+    assert last is not None
+    assert last.name == "epoch=1-step=32.ckpt"
+    info = json.loads((last / SHARDED_MARKER).read_text())
+    assert (info["strategy"], info["world_size"]) == ("fsdp", WORLD)

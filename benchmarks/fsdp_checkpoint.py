@@ -12,6 +12,12 @@ save is measured alone), then times a hand-written host copy of the same state
 asynchronous save must do on the step), then times the handler: how long the step is
 held up. The figures are rank 0's medians over the saves, all kinds in one run.
 
+The same model then runs under FSDP (``strategy="fsdp"``: each rank holds half of the
+weights and momentum): the Checkpoint plugin's sharded saves (asynchronous, synchronous),
+and a full file written by rank 0 from the state dict gathered by hand
+(``get_state_dict(..., full_state_dict=True, cpu_offload=True)``, the only full file an
+FSDP run can write). Under FSDP the host copy is of this rank's shards.
+
     ./dev bench fsdp_checkpoint                # launches itself under torchrun
     ./dev bench fsdp_checkpoint --saves 12 --width 2048
 """
@@ -44,11 +50,16 @@ from loopbus.plugins import Checkpoint
 
 torch.set_num_threads(1)
 
-KINDS = {
-    "sharded, async (dcp.async_save)": {"sharded": True, "background": True},
-    "sharded, sync (dcp.save)": {"sharded": True, "background": False},
-    "rank-0 full file, sync": {"sharded": False, "background": False},
-    "rank-0 full file, background": {"sharded": False, "background": True},
+KINDS: dict[str, tuple[str, dict[str, bool] | None]] = {
+    "sharded, async (dcp.async_save)": ("ddp", {"sharded": True, "background": True}),
+    "sharded, sync (dcp.save)": ("ddp", {"sharded": True, "background": False}),
+    "rank-0 full file, sync": ("ddp", {"sharded": False, "background": False}),
+    "rank-0 full file, background": ("ddp", {"sharded": False, "background": True}),
+    # The model itself sharded: the Checkpoint plugin's saves, and a full file that rank 0
+    # writes from the state dict gathered by hand (the usual FSDP recipe).
+    "FSDP sharded, async (dcp.async_save)": ("fsdp", {"background": True}),
+    "FSDP sharded, sync (dcp.save)": ("fsdp", {"background": False}),
+    "FSDP rank-0 full file (gathered)": ("fsdp", None),
 }
 
 
@@ -75,13 +86,51 @@ class Wide(Module):
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
 
 
-class Stopwatch(Plugin):
-    """Checkpoint's handler has priority -100: ``before`` runs just ahead of it, ``after``
-    just behind it."""
+class FullFile(Plugin):
+    """Every ``every`` steps: the full state dict gathered to rank 0
+    (``get_state_dict(full_state_dict=True, cpu_offload=True)``), which writes it to one
+    file (``torch.save``, fsync, rename); every rank waits for it. At Checkpoint's
+    priority."""
 
     def __init__(self, directory: Path, every: int) -> None:
         self.directory = directory
         self.every = every
+        self.trainer: Trainer | None = None
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(TrainBatchCompleted, priority=-100)
+    def save(self, event: TrainBatchCompleted) -> None:
+        if event.step % self.every:
+            return
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+        trainer = self.trainer
+        assert trainer is not None
+        assert trainer.module is not None
+        options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+        model, optim = get_state_dict(trainer.module, trainer.optimizers, options=options)
+        if dist.get_rank() == 0:
+            temp = self.directory / ".full.tmp"
+            with open(temp, "wb") as file:
+                torch.save({"module": model, "optim": optim}, file)
+                file.flush()
+                os.fsync(file.fileno())
+            for old in self.directory.glob("step=*.pt"):
+                old.unlink()  # one kept, as keep_last=1
+            os.replace(temp, self.directory / f"step={event.step}.pt")
+        dist.barrier()
+
+
+class Stopwatch(Plugin):
+    """Checkpoint's handler has priority -100: ``before`` runs just ahead of it, ``after``
+    just behind it."""
+
+    def __init__(self, directory: Path, every: int, settle: bool = True) -> None:
+        self.directory = directory
+        self.every = every
+        self.settle = settle
         self.blocked: list[float] = []
         self.host_copy: list[float] = []
         self.previous: Path | None = None
@@ -92,7 +141,7 @@ class Stopwatch(Plugin):
         self.trainer = trainer
 
     def _settled(self) -> bool:
-        if self.previous is None:
+        if self.previous is None or not self.settle:
             return True
         return loopbus.latest_checkpoint(self.directory) == self.previous and not any(
             p.name.startswith(".") for p in self.directory.iterdir()
@@ -126,7 +175,9 @@ class Stopwatch(Plugin):
         self.previous = self.directory / f"epoch={event.epoch}-step={event.step}.ckpt"
 
 
-def measure(kind: dict[str, bool], width: int, saves: int, every: int) -> dict[str, float]:
+def measure(
+    strategy: str, kind: dict[str, bool] | None, width: int, saves: int, every: int
+) -> dict[str, float]:
     torch.manual_seed(0)
     steps = every * saves
     x = torch.randn(32 * steps * dist.get_world_size(), 32)
@@ -135,11 +186,15 @@ def measure(kind: dict[str, bool], width: int, saves: int, every: int) -> dict[s
     shared = [tempfile.mkdtemp(prefix="loopbus-bench-") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(shared)
     directory = Path(str(shared[0]))
-    watch = Stopwatch(directory, every)
-    checkpoint = Checkpoint(directory, every_n_steps=every, keep_last=1, save_on_end=False, **kind)
-    trainer = Trainer(max_epochs=1, plugins=[checkpoint, watch], device="cpu", strategy="ddp")
+    watch = Stopwatch(directory, every, settle=kind is not None)
+    saver: Plugin = (
+        FullFile(directory, every)
+        if kind is None
+        else Checkpoint(directory, every_n_steps=every, keep_last=1, save_on_end=False, **kind)
+    )
+    trainer = Trainer(max_epochs=1, plugins=[saver, watch], device="cpu", strategy=strategy)
     loopbus.run(trainer.fit, Wide(width), data)
-    if dist.get_rank() == 0:
+    if dist.get_rank() == 0 and kind is not None:
         last = loopbus.latest_checkpoint(directory)
         assert last is not None
         info = checkpoint_info(last)  # the completeness marker: the save is complete
@@ -158,7 +213,8 @@ def measure(kind: dict[str, bool], width: int, saves: int, every: int) -> dict[s
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")  # the trainers' DDP strategy joins this one
     results = {
-        name: measure(kind, args.width, args.saves, args.every) for name, kind in KINDS.items()
+        name: measure(strategy, kind, args.width, args.saves, args.every)
+        for name, (strategy, kind) in KINDS.items()
     }
     if dist.get_rank() == 0:
         print(json.dumps(results))
@@ -196,10 +252,11 @@ def main() -> None:
     if proc.returncode != 0:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-6000:])
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    async_ms = results["sharded, async (dcp.async_save)"]["blocked_ms"]
     for name, r in results.items():
+        base = "FSDP sharded, async" if name.startswith("FSDP") else "sharded, async"
+        async_ms = results[f"{base} (dcp.async_save)"]["blocked_ms"]
         print(
-            f"{name:>32}: step blocked {r['blocked_ms']:8.1f} ms, hand-written host copy "
+            f"{name:>36}: step blocked {r['blocked_ms']:8.1f} ms, hand-written host copy "
             f"{r['host_copy_ms']:6.1f} ms, blocked/host copy {r['ratio']:5.2f}, "
             f"blocked/async {r['blocked_ms'] / async_ms:5.2f} (median of {r['saves']})"
         )

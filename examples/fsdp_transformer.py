@@ -17,8 +17,10 @@ layer's ``reset_parameters()``), sharding each unit as soon as it is initialised
 whole model never exists in one process. With the same seed on every rank the weights
 are those of a normal construction.
 
-Checkpoints under FSDP (sharded, through ``torch.distributed.checkpoint``) are not
-available yet; this example trains without them.
+``--ckpt DIR`` writes a sharded checkpoint at the end of every epoch (every rank its
+shards, through ``torch.distributed.checkpoint``, in the background) and resumes from the
+last one there when started again, also on another number of ranks. One process makes
+one full file of a checkpoint: ``loopbus consolidate DIR/<name>.ckpt full.ckpt``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import loopbus
 from loopbus import FSDPStrategy, Module, Trainer, on
 from loopbus.events import TrainEpochCompleted
+from loopbus.plugins import Checkpoint
 
 
 class Block(torch.nn.Module):
@@ -130,6 +133,7 @@ def main(argv: list[str] | None = None) -> list[float]:
     parser.add_argument("--ac", action="store_true", help="activation checkpointing")
     parser.add_argument("--precision", default="32", help="'32' or 'bf16-mixed'")
     parser.add_argument("--device", default="auto")
+    parser.add_argument("--ckpt", default=None, help="checkpoint directory (resumes)")
     args = parser.parse_args(argv)
 
     loopbus.seed_everything(0)  # the same seed on every rank: the same initial weights
@@ -156,12 +160,12 @@ def main(argv: list[str] | None = None) -> list[float]:
         strategy=strategy,
         precision=args.precision,
         device=args.device,
-        plugins=[],
+        plugins=[Checkpoint(args.ckpt, every_n_epochs=1)] if args.ckpt else [],
     )
     data = DataLoader(
         sequences(args.samples, args.vocab, args.seq, seed=1), batch_size=args.batch, shuffle=True
     )
-    loopbus.run(trainer.fit, model, data)
+    loopbus.run(trainer.fit, model, data, ckpt_path="last" if args.ckpt else None)
     return model.epoch_losses
 
 

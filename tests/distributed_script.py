@@ -1,5 +1,5 @@
 """A small training script that runs unchanged in one process (``python``) or under
-``torchrun`` (DDP): the distributed tests launch it. It trains an MLP with dropout on a
+``torchrun`` (DDP, or FSDP with ``--strategy fsdp``): the distributed tests launch it. It trains an MLP with dropout on a
 synthetic separable task and writes, per rank, the final weights and a summary to
 ``--out``; with ``--csv``/``--ckpt`` it logs and checkpoints there.
 """
@@ -111,6 +111,24 @@ def data(n: int, seed: int, indexed: bool = False) -> TensorDataset:
     return TensorDataset(x, y, torch.arange(n)) if indexed else TensorDataset(x, y)
 
 
+def full_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The module's full state dict and the optimizer's full ``state_dict()`` (keyed by
+    position, as torch.optim saves it), on every rank; under FSDP gathered from the
+    shards (a collective: every rank calls it)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in module.parameters()):
+        return {"module": module.state_dict(), "optimizer": optimizer.state_dict()}
+    options = StateDictOptions(full_state_dict=True)
+    weights, optim = get_state_dict(module, optimizer, options=options)
+    names = [n for group in optim["param_groups"] for n in group["params"]]
+    position = {n: i for i, n in enumerate(names)}
+    groups = [dict(g, params=[position[n] for n in g["params"]]) for g in optim["param_groups"]]
+    state = {position[n]: v for n, v in optim["state"].items()}
+    return {"module": weights, "optimizer": {"state": state, "param_groups": groups}}
+
+
 class Loaded(Plugin):
     """Writes, when fit starts (after a resume loaded its checkpoint), the step and the
     module's and optimizer's state as loaded."""
@@ -125,10 +143,11 @@ class Loaded(Plugin):
     @on(FitStarted)
     def _dump(self, event: FitStarted) -> None:
         trainer = self._trainer
+        full = full_state(trainer.module, trainer.optimizers[0])
         state = {
             "step": trainer.global_step,
-            "module": trainer.module.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict()["state"],
+            "module": full["module"],
+            "optimizer": full["optimizer"]["state"],
         }
         torch.save(state, self.out / f"loaded_rank{self.rank}.pt")
 
@@ -192,7 +211,7 @@ def main() -> None:
     parser.add_argument("--ckpt", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--manual", action="store_true", help="manual optimization")
-    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "single"])
+    parser.add_argument("--strategy", default="auto", choices=["auto", "ddp", "fsdp", "single"])
     parser.add_argument("--stop-rank", type=int, default=-1)
     parser.add_argument("--stop-at", type=int, default=-1)
     parser.add_argument("--stop-in", choices=["handler", "step", "validation"], default="handler")
@@ -270,8 +289,9 @@ def main() -> None:
     module.correct = module.seen = 0
     loopbus.run(trainer.validate, module, val)
     assert rank == trainer.global_rank
-    torch.save(module.state_dict(), out / f"weights_rank{rank}.pt")
-    torch.save(trainer.optimizers[0].state_dict(), out / f"optimizer_rank{rank}.pt")
+    full = full_state(module, trainer.optimizers[0])
+    torch.save(full["module"], out / f"weights_rank{rank}.pt")
+    torch.save(full["optimizer"], out / f"optimizer_rank{rank}.pt")
     summary = {
         "rank": rank,
         "world_size": trainer.world_size,

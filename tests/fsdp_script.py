@@ -14,6 +14,10 @@ summary per rank to ``--out``.
 * ``meta``: the model built on the ``meta`` device, materialised and sharded by the
   strategy, against one built normally with the same seed; then it trains.
 * ``refusals``: what FSDP refuses, with the messages.
+* ``checkpoints``: ``save_checkpoint`` under FSDP (a sharded directory), its weights
+  loaded by ``validate(ckpt_path=...)`` and resumed with other shard units; a sharded
+  checkpoint taken under DDP resumed under FSDP; a file checkpoint's weights loaded and
+  its resume refused.
 * ``stop``: a stop asked on one rank stops both at the same step; a logger writes on
   rank 0 only.
 """
@@ -33,7 +37,15 @@ import torch.nn.functional as F
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import loopbus
-from loopbus import FSDPStrategy, MisconfigurationError, Module, Plugin, Trainer, on
+from loopbus import (
+    CheckpointError,
+    FSDPStrategy,
+    MisconfigurationError,
+    Module,
+    Plugin,
+    Trainer,
+    on,
+)
 from loopbus.events import TrainBatchCompleted, TrainEpochStarted
 from loopbus.plugins import Checkpoint, CSVLogger
 
@@ -328,7 +340,6 @@ def _refused(fn: Any) -> str:
 
 def scenario_refusals(args: argparse.Namespace) -> dict[str, Any]:
     train = DataLoader(data(64, 0), batch_size=8)
-    out = Path(args.out)
 
     def fit(module: Module, strategy: Any = "fsdp", **kwargs: Any) -> None:
         plugins = kwargs.pop("plugins", [])
@@ -336,15 +347,7 @@ def scenario_refusals(args: argparse.Namespace) -> dict[str, Any]:
         t = Trainer(max_epochs=1, strategy=strategy, plugins=plugins, **options)
         loopbus.run(t.fit, module, train, **kwargs)
 
-    def save_after_fit() -> None:
-        t = Trainer(max_epochs=1, strategy="fsdp", plugins=[])
-        loopbus.run(t.fit, TinyLM(), train)
-        t.save_checkpoint(out / "by-hand.ckpt")
-
     return {
-        "save_checkpoint": _refused(save_after_fit),
-        "checkpoint_plugin": _refused(lambda: fit(TinyLM(), plugins=[Checkpoint(out / "ckpt")])),
-        "ckpt_path": _refused(lambda: fit(TinyLM(), ckpt_path="last")),
         "manual": _refused(lambda: fit(ManualLM())),
         "fp16": _refused(lambda: fit(TinyLM(), options={"precision": "16-mixed"})),
         "no_unit": _refused(lambda: fit(TinyLM(), FSDPStrategy(units=[torch.nn.Conv2d]))),
@@ -369,7 +372,92 @@ class _StaleOptimizer(TinyLM):
         return torch.optim.AdamW(self.kept, lr=self.lr)
 
 
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except CheckpointError as exc:
+        return str(exc)
+    return "no error"
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def scenario_checkpoints(args: argparse.Namespace) -> dict[str, Any]:
+    """Checkpoints under FSDP beyond the Checkpoint plugin: save_checkpoint, weights
+    loaded by validate(ckpt_path=...), other shard units, a checkpoint taken under DDP,
+    a file checkpoint."""
+    train = DataLoader(data(64, 0), batch_size=8)
+    val = DataLoader(data(16, 1), batch_size=8)
+    out = Path(args.out)
+    rank = int(os.environ.get("RANK", "0"))
+    loopbus.seed_everything(0)
+    module = TinyLM()
+    t = trainer("fsdp")
+    loopbus.run(t.fit, module, train)
+    saved = t.save_checkpoint(out / "by-hand")
+    state = full_state(module)
+    if rank == 0:
+        torch.save(state, out / "by-hand-full.pt")
+    result: dict[str, Any] = {"saved": str(saved), "state_dict": _error(t.state_dict)}
+
+    def loaded(strategy: Any, ckpt: Path) -> bool:
+        loopbus.seed_everything(1)  # other initial weights
+        fresh = TinyLM()
+        loopbus.run(trainer(strategy).validate, fresh, val, ckpt_path=ckpt)
+        return _same(full_state(fresh), state)
+
+    result["validate"] = loaded("fsdp", saved)
+    # Other shard units: the blocks only (the default shards every child).
+    result["validate_units"] = loaded(FSDPStrategy(units=[Block]), saved)
+    # Resumed for one more epoch with other units: weights and AdamW state load.
+    loopbus.seed_everything(1)
+    again = TinyLM()
+    t2 = Trainer(max_epochs=2, strategy=FSDPStrategy(units=[Block]), plugins=[])
+    loopbus.run(t2.fit, again, train, ckpt_path=saved)
+    result["resumed_step"] = t2.global_step
+    # A checkpoint taken under DDP (sharded) resumes under FSDP.
+    loopbus.seed_everything(2)
+    ddp_module = TinyLM()
+    d = Trainer(
+        max_epochs=1,
+        strategy="ddp",
+        plugins=[Checkpoint(out / "ddp", sharded=True, background=False)],
+        num_sanity_val_steps=0,
+    )
+    loopbus.run(d.fit, ddp_module, train)
+    ddp_state = {k: v.detach().clone() for k, v in ddp_module.state_dict().items()}
+    ddp_last = loopbus.latest_checkpoint(out / "ddp")
+    assert ddp_last is not None
+    loopbus.seed_everything(3)
+    into = TinyLM()
+    t3 = Trainer(
+        max_epochs=1,
+        strategy="fsdp",
+        plugins=[Checkpoint(out / "into", background=False)],  # as the saved run had
+        num_sanity_val_steps=0,
+    )
+    loopbus.run(t3.fit, into, train, ckpt_path=ddp_last)  # at its end: nothing to train
+    result["ddp_to_fsdp"] = _same(full_state(into), ddp_state)
+    result["ddp_to_fsdp_step"] = t3.global_step
+    # A file checkpoint (full tensors, DDP): its weights load, resuming is refused.
+    file = d.save_checkpoint(out / "ddp-file.ckpt")
+    result["file_weights"] = _same_after(file, val, ddp_state)
+    loopbus.seed_everything(3)
+    t4 = Trainer(max_epochs=2, strategy="fsdp", plugins=[], num_sanity_val_steps=0)
+    result["file_resume"] = _error(lambda: loopbus.run(t4.fit, TinyLM(), train, ckpt_path=file))
+    return result
+
+
+def _same_after(file: Path, val: DataLoader[Any], expected: dict[str, torch.Tensor]) -> bool:
+    fresh = TinyLM()
+    loopbus.run(trainer("fsdp").validate, fresh, val, ckpt_path=file)
+    return _same(full_state(fresh), expected)
+
+
 SCENARIOS = {
+    "checkpoints": scenario_checkpoints,
     "train": scenario_train,
     "accumulate": scenario_accumulate,
     "meta": scenario_meta,

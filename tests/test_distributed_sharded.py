@@ -1,8 +1,9 @@
-"""Sharded checkpoints under DDP for real: ``tests/distributed_script.py --sharded`` under
-``torchrun`` (gloo, CPU). Every rank writes its shards through torch.distributed.checkpoint
-into one directory; kill -9 at any point (also inside an asynchronous save) resumes
-bit-identical from the last complete checkpoint; a checkpoint taken on 4 ranks resumes on
-2 and one taken on 2 resumes on 4, training every sample of the interrupted epoch once."""
+"""Sharded checkpoints under DDP and FSDP for real: ``tests/distributed_script.py
+--sharded`` (``--strategy fsdp``: the model itself sharded) under ``torchrun`` (gloo, CPU).
+Every rank writes its shards through torch.distributed.checkpoint into one directory;
+kill -9 at any point (also inside an asynchronous save) resumes bit-identical from the
+last complete checkpoint; a checkpoint taken on 4 ranks resumes on 2 and one taken on 2
+resumes on 4, training every sample of the interrupted epoch once."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ COMMON = ("--epochs", "2", "--ckpt", "10", "--sharded", "--keep-last", "2")
 #: thread of the asynchronous save of step 20 (rank 1 dies while writing its shards).
 KILLS = [("--kill-at", str(random.Random(27).randrange(5, 32)))]
 KILLS.append(("--kill-in-save", "20"))
+STRATEGIES = ["ddp", "fsdp"]
 
 
 def _optimizer(out: Path, rank: int) -> dict[str, Any]:
@@ -57,13 +59,25 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("uninterrupted_fsdp")
+    _ok(_launch(out, *COMMON, "--strategy", "fsdp"))
+    return out
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("kill", KILLS, ids=lambda k: f"{k[0][2:]}-{k[1]}")
 def test_killed_sharded_job_resumes_bit_identical(
-    uninterrupted: Path, tmp_path: Path, kill: tuple[str, str]
+    request: pytest.FixtureRequest, tmp_path: Path, kill: tuple[str, str], strategy: str
 ) -> None:
+    uninterrupted = request.getfixturevalue(
+        "uninterrupted_fsdp" if strategy == "fsdp" else "uninterrupted"
+    )
+    common = (*COMMON, "--strategy", strategy)
     killed = tmp_path / "killed"
-    proc = _launch(killed, *COMMON, *kill)
+    proc = _launch(killed, *common, *kill)
     assert proc.returncode != 0
     directory = killed / "ckpt_sharded"
     last = loopbus.latest_checkpoint(directory) if directory.exists() else None
@@ -76,7 +90,7 @@ def test_killed_sharded_job_resumes_bit_identical(
         assert _step_of(last) == 10
     assert last is None or (last / SHARDED_MARKER).is_file()
     step = _step_of(last)
-    _ok(_launch(killed, *COMMON, "--resume"))
+    _ok(_launch(killed, *common, "--resume"))
     # The resumed job loaded the last complete checkpoint (or started afresh).
     assert torch.load(killed / "loaded_rank0.pt", weights_only=True)["step"] == step
     for rank in (0, 1):
@@ -139,6 +153,7 @@ def _trained(out: Path, ranks: int) -> list[dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize(
     ("before", "after", "every", "kill_at"),
     [
@@ -149,15 +164,17 @@ def _trained(out: Path, ranks: int) -> list[dict[str, Any]]:
     ],
 )
 def test_resume_at_another_world_size(
-    tmp_path: Path, before: int, after: int, every: int, kill_at: int
+    tmp_path: Path, before: int, after: int, every: int, kill_at: int, strategy: str
 ) -> None:
     common = ("--epochs", "2", "--sharded", "--sync-save", "--record", "--ckpt", str(every))
+    common += ("--strategy", strategy)
     proc = _launch(tmp_path, *common, "--kill-at", str(kill_at), nproc=before, timeout=180)
     assert proc.returncode != 0
     last = loopbus.latest_checkpoint(tmp_path / "ckpt_sharded")
     saved_step = _step_of(last)
     assert saved_step == kill_at // every * every
     saved = loopbus.load_checkpoint(last)  # consolidated here, in one process
+    assert json.loads((last / SHARDED_MARKER).read_text())["strategy"] == strategy
     consumed = before * BATCH * saved_step
     assert saved["data/sampler"]["consumed"] == consumed
     # What the checkpoint holds of the interrupted epoch: the batches before it.
@@ -184,7 +201,10 @@ def test_resume_at_another_world_size(
     # The run finishes: the rest of the epoch and one more on `after` ranks.
     left = (N_TRAIN - consumed) // (after * BATCH)
     assert _summary(tmp_path, 0)["step"] == saved_step + left + N_TRAIN // (after * BATCH)
-    assert _summary(tmp_path, 0)["world_size"] == after
+    assert (_summary(tmp_path, 0)["world_size"], _summary(tmp_path, 0)["strategy"]) == (
+        after,
+        strategy,
+    )
 
 
 def test_a_checkpoint_between_epochs_resumes_in_one_process(

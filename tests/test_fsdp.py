@@ -14,9 +14,10 @@ from typing import Any
 import pytest
 import torch
 
+import loopbus
 from loopbus import FSDPStrategy, MisconfigurationError, Trainer
-from loopbus.engine._fsdp import refuse_sharded_checkpoints
-from loopbus.plugins import Checkpoint
+from loopbus.engine._checkpoint_io import SHARDED_MARKER
+from tests.fsdp_script import TinyLM
 from tests.test_distributed import _env, _free_port, _ok, _torchrun
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -165,30 +166,69 @@ def test_what_fsdp_refuses_is_refused_clearly(
     assert not re.search(r"FSDP(ManualLM|_StaleOptimizer|TinyLM)", refusals[case])
 
 
-@pytest.mark.parametrize(
-    ("case", "what"),
-    [
-        ("checkpoint_plugin", "the Checkpoint plugin"),
-        ("ckpt_path", "ckpt_path='last'"),
-        ("save_checkpoint", "trainer.state_dict() (and save_checkpoint)"),
-    ],
-)
-def test_checkpoints_under_fsdp_are_refused_for_now(
-    refusals: dict[str, str], case: str, what: str
-) -> None:
-    text = refusals[case]
-    assert text.startswith("sharded checkpoints are not yet available for strategy='fsdp'")
-    assert what in text
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("checkpoints")
+    s0, s1 = _run(out, "checkpoints")
+    assert s0 == s1
+    return out, s0
 
 
-def test_the_interim_refusal_names_the_plugin_and_leaves_other_strategies_alone(
-    tmp_path: Path,
+def test_save_checkpoint_under_fsdp_writes_a_sharded_checkpoint(
+    checkpoints: tuple[Path, dict[str, Any]],
 ) -> None:
-    plugin = Checkpoint(tmp_path)
-    with pytest.raises(MisconfigurationError, match="the Checkpoint plugin would save"):
-        refuse_sharded_checkpoints(FSDPStrategy(), [plugin], None)
-    refuse_sharded_checkpoints(FSDPStrategy(), [], None)
-    refuse_sharded_checkpoints(Trainer(plugins=[]).strategy, [plugin], "last")
+    _, summary = checkpoints
+    saved = Path(summary["saved"])
+    info = json.loads((saved / SHARDED_MARKER).read_text())
+    assert (info["strategy"], info["world_size"]) == ("fsdp", WORLD)
+    assert {"__0_0.distcp", "__1_0.distcp"} <= set(info["files"])
+    # No full dict of the run exists on one rank: state_dict() says what to use instead.
+    assert summary["state_dict"].startswith("trainer.state_dict() under strategy='fsdp'")
+    assert "trainer.save_checkpoint(path)" in summary["state_dict"]
+
+
+def test_an_fsdp_checkpoint_consolidates_into_a_plain_module(
+    checkpoints: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    out, summary = checkpoints
+    full = loopbus.consolidate_checkpoint(summary["saved"], tmp_path / "full.ckpt")
+    state = torch.load(full, weights_only=True)
+    expected = torch.load(out / "by-hand-full.pt", weights_only=True)
+    plain = TinyLM()  # unsharded, in this process
+    plain.load_state_dict(state["module"])
+    assert state["module"].keys() == expected.keys()
+    assert all(torch.equal(plain.state_dict()[k], expected[k]) for k in expected)
+    assert state["loopbus"]["module_class"].endswith(".TinyLM")  # not FSDPTinyLM
+    # AdamW's state for every parameter, keyed by position as torch.optim saves it.
+    parameters = len(list(plain.parameters()))
+    assert set(state["optimizers/0"]["state_dict"]["state"]) == set(range(parameters))
+
+
+def test_weights_load_into_an_fsdp_module_and_other_units_resume(
+    checkpoints: tuple[Path, dict[str, Any]],
+) -> None:
+    _, summary = checkpoints
+    assert summary["validate"]  # validate(ckpt_path=...) under FSDP: the saved weights
+    assert summary["validate_units"]  # and into other shard units (DCP maps them)
+    assert summary["resumed_step"] == 8  # resumed at step 4, one more epoch of 4
+
+
+def test_a_ddp_sharded_checkpoint_resumes_under_fsdp(
+    checkpoints: tuple[Path, dict[str, Any]],
+) -> None:
+    _, summary = checkpoints
+    assert summary["ddp_to_fsdp"]
+    assert summary["ddp_to_fsdp_step"] == 4
+
+
+def test_a_file_checkpoint_loads_its_weights_but_does_not_resume_under_fsdp(
+    checkpoints: tuple[Path, dict[str, Any]],
+) -> None:
+    _, summary = checkpoints
+    assert summary["file_weights"]
+    message = summary["file_resume"]
+    assert "ddp-file.ckpt is a checkpoint file (full tensors)" in message
+    assert "Resume it under strategy='ddp' or in one process" in message
 
 
 class _Block(torch.nn.Module):
@@ -240,11 +280,12 @@ def test_fsdp_outside_a_launcher_explains(monkeypatch: pytest.MonkeyPatch) -> No
         Trainer(strategy=FSDPStrategy(), device="cpu", plugins=[])
 
 
-def test_the_fsdp_example_trains_under_torchrun() -> None:
+def test_the_fsdp_example_trains_under_torchrun(tmp_path: Path) -> None:
     example = ROOT / "examples" / "fsdp_transformer.py"
     cmd = _torchrun(
         f"--nproc_per_node={WORLD}", f"--master_port={_free_port()}", str(example),
         "--meta", "--epochs", "2", "--samples", "1024", "--layers", "2",
+        "--ckpt", str(tmp_path / "ckpt"),
     )  # fmt: skip
     proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=180)
     _ok(proc)
@@ -253,3 +294,8 @@ def test_the_fsdp_example_trains_under_torchrun() -> None:
     ]
     assert len(losses) == 2  # printed by rank 0 only
     assert losses[1] < 0.6 * losses[0]
+    last = loopbus.latest_checkpoint(tmp_path / "ckpt")  # a sharded checkpoint an epoch
+    assert last is not None
+    assert last.name == "epoch=1-step=32.ckpt"
+    info = json.loads((last / SHARDED_MARKER).read_text())
+    assert (info["strategy"], info["world_size"]) == ("fsdp", WORLD)

@@ -27,7 +27,6 @@ from ._checkpoint import (
     SchedulerPart,
 )
 from ._device import CudaBatchSource, pin_batch
-from ._fsdp import refuse_sharded_checkpoints
 from ._loop import Loop
 from ._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
 from ._module import Module
@@ -317,13 +316,10 @@ def check_registration(
 
 
 def active_plugins(
-    plugins: list[Plugin], options: TrainerOptions, strategy: Strategy, ckpt_path: Any = None
+    plugins: list[Plugin], options: TrainerOptions, strategy: Strategy
 ) -> list[Plugin]:
     """The plugins that act in this process: those of every rank, and on rank 0 those
-    of rank 0 too; under ``fast_dev_run`` none that writes files. (A strategy with
-    sharded state refuses checkpoint plugins and ``ckpt_path`` until sharded checkpoints
-    are available.)"""
-    refuse_sharded_checkpoints(strategy, plugins, ckpt_path)
+    of rank 0 too; under ``fast_dev_run`` none that writes files."""
     return [
         p
         for p in plugins

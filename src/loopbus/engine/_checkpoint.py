@@ -85,7 +85,9 @@ __all__ = [
     "Problem",
     "RngPart",
     "SchedulerPart",
+    "class_name",
     "collect_state",
+    "has_sharded_parameters",
     "is_sharded_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
@@ -125,8 +127,25 @@ def _listing(names: list[str], limit: int = 8) -> str:
 # that need a word about how they load (loops, loader, generators, gradients).
 
 
+def class_name(module: object) -> type:
+    """The module's own class: under FSDP ``fully_shard`` makes the module an instance
+    of a subclass (``FSDP<Name>``) that checkpoints and messages should not show."""
+    for cls in type(module).__mro__:
+        if not cls.__module__.startswith("torch.distributed.fsdp"):
+            return cls
+    return type(module)
+
+
+def has_sharded_parameters(module: torch.nn.Module) -> bool:
+    """Whether the module's parameters are sharded (DTensors, as under FSDP)."""
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(p, DTensor) for p in module.parameters())
+
+
 class ModulePart:
-    """The module's weights; explains missing, unexpected and reshaped entries."""
+    """The module's weights; explains missing, unexpected and reshaped entries. A full
+    state dict loads into a sharded module too (each rank keeps its shards of it)."""
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
@@ -135,10 +154,23 @@ class ModulePart:
         return self.module.state_dict()
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.module.load_state_dict(state)
+        self._load(state, strict=True)
+
+    def _load(self, state: dict[str, Any], *, strict: bool) -> None:
+        if has_sharded_parameters(self.module):
+            from torch.distributed.checkpoint.state_dict import (
+                StateDictOptions,
+                set_model_state_dict,
+            )
+
+            options = StateDictOptions(full_state_dict=True, strict=strict)
+            set_model_state_dict(self.module, state, options=options)
+        else:
+            self.module.load_state_dict(state, strict=strict)
 
     def _matching(self, saved: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         current = self.module.state_dict()
+        name = class_name(self.module).__name__
         loadable, reshaped = {}, []
         for key, value in saved.items():
             mine = current.get(key)
@@ -151,7 +183,7 @@ class ModulePart:
             ):
                 reshaped.append(
                     f"{key!r} has shape {tuple(value.shape)} in the checkpoint but "
-                    f"{tuple(mine.shape)} in {type(self.module).__name__}"
+                    f"{tuple(mine.shape)} in {name}"
                 )
                 continue
             loadable[key] = value
@@ -160,7 +192,7 @@ class ModulePart:
     def explain_mismatch(self, saved: Any) -> list[Problem]:
         if not isinstance(saved, Mapping):
             return [Problem("mismatched", f"the checkpoint holds {type(saved).__name__}")]
-        name = type(self.module).__name__
+        name = class_name(self.module).__name__
         current = self.module.state_dict()
         problems = []
         missing = [k for k in current if k not in saved]
@@ -175,7 +207,7 @@ class ModulePart:
         return problems
 
     def load_matching(self, saved: dict[str, Any]) -> None:
-        self.module.load_state_dict(self._matching(saved)[0], strict=False)
+        self._load(self._matching(saved)[0], strict=False)
 
 
 class HparamsPart:
@@ -480,7 +512,7 @@ def collect_state(
             "created": time.time(),
             "global_step": trainer.global_step,
             "epoch": trainer.current_epoch,
-            "module_class": qualname(type(module)),
+            "module_class": qualname(class_name(module)),
             "parts": list(parts),
         }
     }

@@ -68,7 +68,9 @@ from .._exceptions import CheckpointError
 from ._checkpoint import (
     CheckpointMismatch,
     _check,
+    class_name,
     collect_state,
+    has_sharded_parameters,
     load_state,
     qualname,
 )
@@ -98,6 +100,9 @@ __all__ = [
     "consolidate",
     "consolidate_checkpoint",
     "load_sharded",
+    "no_full_state",
+    "save_sharded",
+    "save_sharded_async",
     "verify_sharded",
 ]
 
@@ -356,6 +361,34 @@ class ShardedCheckpointWriter:
         )
 
 
+def no_full_state(strategy: str) -> CheckpointError:
+    """Why ``Trainer.state_dict()`` has no answer under a strategy that shards the module."""
+    return CheckpointError(
+        f"trainer.state_dict() under strategy={strategy!r}: every rank holds only its "
+        "shards of the module and optimizer state. Use trainer.save_checkpoint(path) (a "
+        "sharded checkpoint, every rank writing its shards) and "
+        "loopbus.consolidate_checkpoint(path, out) for one full file."
+    )
+
+
+def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> Path:
+    """``Trainer.save_checkpoint`` under a strategy that shards the module's state: a
+    sharded checkpoint directory at ``path``, every rank writing its shards; returns on
+    every rank once the checkpoint is complete."""
+    target = ShardedCheckpointWriter().save(trainer, path).wait()
+    trainer.strategy.barrier()
+    return target
+
+
+async def save_sharded_async(trainer: Trainer, path: str | os.PathLike[str]) -> Path:
+    """:func:`save_sharded`, the state staged to host memory first and the shards
+    written in the background (``dcp.async_save``); the event loop stays free."""
+    pending = ShardedCheckpointWriter().save(trainer, path, asynchronous=True)
+    target = await anyio.to_thread.run_sync(pending.wait)
+    trainer.strategy.barrier()
+    return target
+
+
 # ---------------------------------------------------------------- checking
 
 
@@ -446,7 +479,7 @@ def _module_problems(
         if key.startswith("module.")
     }
     current: dict[str, Any] = get_model_state_dict(module)
-    name = type(module).__name__
+    name = class_name(module).__name__
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     reshaped = [
@@ -617,6 +650,16 @@ async def read_for_resume(
     sharded one on every rank (:func:`load_sharded`), a file read in a worker thread."""
     if is_sharded_checkpoint(path):
         return load_sharded(parts, path, world_size=world_size, strict=strict)
+    module = parts["module"].module if "module" in parts else None
+    if module is not None and has_sharded_parameters(module):
+        raise CheckpointError(
+            f"{path} is a checkpoint file (full tensors) and this run shards the module "
+            "(FSDP): its optimizer state is keyed by position over full parameters, which "
+            "cannot be resumed onto shards. Resume it under strategy='ddp' or in one "
+            "process, or load only its weights (validate/test/predict with ckpt_path=..., "
+            "or Module.load_from_checkpoint before fit); checkpoints taken under FSDP are "
+            "sharded directories and resume at any world size."
+        )
     state = await anyio.to_thread.run_sync(load_checkpoint, path)
     return load_state(parts, state, strict=strict, source=str(path))
 

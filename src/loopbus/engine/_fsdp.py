@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._exceptions import MisconfigurationError
+from ._checkpoint import class_name
 from ._ddp import DataParallel
 
 # torch.distributed.fsdp is imported where it is used: importing it costs about half a
@@ -44,7 +45,7 @@ if TYPE_CHECKING:
     from ._precision import Precision
     from ._runstate import RunState
 
-__all__ = ["FSDPStrategy", "refuse_sharded_checkpoints"]
+__all__ = ["FSDPStrategy"]
 
 #: Which submodules become shard units: classes, or a predicate over submodules.
 Units = Sequence[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]
@@ -283,12 +284,7 @@ def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
 def _class_name(module: torch.nn.Module) -> str:
     """The name of the module's own class (``fully_shard`` makes it an instance of a
     subclass named ``FSDP<name>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    for cls in type(module).__mro__:
-        if not issubclass(cls, FSDPModule):
-            return cls.__name__
-    return type(module).__name__
+    return class_name(module).__name__
 
 
 def _check_units(units: Units | None) -> Units | None:
@@ -366,33 +362,3 @@ def _materialise(module: torch.nn.Module, where: str, device: torch.device) -> N
         )
     module.to_empty(device=device, recurse=False)
     reset()
-
-
-def refuse_sharded_checkpoints(
-    strategy: Any, plugins: Sequence[Any], ckpt_path: Any, *, saving: bool = False
-) -> None:
-    """Until sharded checkpoints land: refuse a run whose strategy shards its state
-    (``sharded_state``) and that has a plugin writing checkpoints (one with
-    ``last_checkpoint_path``, such as ``Checkpoint``), loads one (``ckpt_path``), or
-    takes the run's state (``saving``: ``Trainer.state_dict``/``save_checkpoint``).
-    Today's checkpoints are one file of full tensors written by rank 0, which cannot hold
-    a sharded module's state."""
-    if not strategy.sharded_state:
-        return
-    writers = [
-        type(p).__name__ for p in plugins if hasattr(type(p), "last_checkpoint_path")
-    ]
-    if writers:
-        what = f"the {', '.join(writers)} plugin"
-    elif ckpt_path is not None:
-        what = f"ckpt_path={ckpt_path!r}"
-    elif saving:
-        what = "trainer.state_dict() (and save_checkpoint)"
-    else:
-        return
-    raise MisconfigurationError(
-        f"sharded checkpoints are not yet available for strategy={strategy.name!r}: "
-        f"{what} would save or load the run as one full file, which cannot hold a "
-        "sharded module's state. Run without checkpoints under FSDP for now (remove "
-        "the plugin / ckpt_path), or use strategy='ddp'."
-    )

@@ -34,7 +34,7 @@ from ._checkpoint import (
     resolve_weights_path,
     write_checkpoint,
 )
-from ._fsdp import refuse_sharded_checkpoints
+from ._dcp import no_full_state, save_sharded, save_sharded_async
 from ._lifecycle import resume_from, running_stage, sanity_check
 from ._loop import Loop
 from ._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -329,7 +329,7 @@ class Trainer(OptionAttributes):
         if val_data is not None:
             _check_module(module, "fit with val_data", "validation_step")
         train_data = self.strategy.prepare_train_data(train_data)
-        async with self._stage("fit", module, train_data=train_data, ckpt_path=ckpt_path):
+        async with self._stage("fit", module, train_data=train_data):
             if ckpt_path is not None:
                 await resume_from(
                     ckpt_path,
@@ -379,7 +379,7 @@ class Trainer(OptionAttributes):
         loads the module's weights first (see :meth:`test`)."""
         _check_data(data, "data")
         _check_module(module, "predict", None)
-        async with self._stage("predict", module, ckpt_path=ckpt_path):
+        async with self._stage("predict", module):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             result: list[Any] = await self.predict_loop.run(data)
@@ -395,7 +395,7 @@ class Trainer(OptionAttributes):
     ) -> dict[str, float | int | bool]:
         _check_data(data, "data")
         _check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
-        async with self._stage(stage, module, ckpt_path=ckpt_path):
+        async with self._stage(stage, module):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             await loop.run(data)
@@ -409,7 +409,7 @@ class Trainer(OptionAttributes):
 
     @asynccontextmanager
     async def _stage(
-        self, stage: str, module: Module, *, train_data: Any = None, ckpt_path: Any = None
+        self, stage: str, module: Module, *, train_data: Any = None
     ) -> AsyncIterator[None]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         subscriptions: list[Subscription] = []
@@ -417,7 +417,7 @@ class Trainer(OptionAttributes):
         try:
             if stage == "fit":
                 self._train_data = train_data
-            active = active_plugins(self.plugins, self.options, self.strategy, ckpt_path)
+            active = active_plugins(self.plugins, self.options, self.strategy)
             self._prepare(stage, module)
             for plugin in active:
                 plugin.bind_recorder(self.recorder, type(plugin).__name__)
@@ -532,8 +532,9 @@ class Trainer(OptionAttributes):
         """The run's state as a checkpoint dict of plain tensors and Python primitives,
         one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
         copies in host memory (safe to write while training goes on); otherwise the live
-        tensors."""
-        refuse_sharded_checkpoints(self.strategy, (), None, saving=True)
+        tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
+        if self.strategy.sharded_state:
+            raise no_full_state(self.strategy.name)
         return collect_state(self, self.stateful_parts(), to_host=to_host)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
@@ -553,7 +554,10 @@ class Trainer(OptionAttributes):
         completeness marker) and return the path. Blocks until the file is durable.
 
         Under DDP every rank must call it (the state holds every rank's generators):
-        rank 0 writes, and all ranks return once the file is there."""
+        rank 0 writes, and all ranks return once the file is there. Under FSDP ``path``
+        is a sharded checkpoint directory, every rank writing its shards."""
+        if self.strategy.sharded_state:
+            return save_sharded(self, path)
         state = self.state_dict()
         target = Path(os.fspath(path))
         if self.strategy.is_global_zero:
@@ -564,7 +568,10 @@ class Trainer(OptionAttributes):
     async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
         """Copy the run's state to host memory now, write it in a worker thread, and
         return once it is durable; the event loop stays free meanwhile. Under DDP, as
-        :meth:`save_checkpoint`: called on every rank, written by rank 0."""
+        :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
+        every rank its shards, staged first, then written in the background)."""
+        if self.strategy.sharded_state:
+            return await save_sharded_async(self, path)
         state = self.state_dict(to_host=True)
         target = Path(os.fspath(path))
         if self.strategy.is_global_zero:

@@ -76,11 +76,15 @@ def ddp_reference(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return final(directory)
 
 
+@pytest.mark.parametrize("layout", ["file", "sharded"])
 def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resumes_exactly(
-    tmp_path: Path, ddp_reference: dict[str, Any]
+    tmp_path: Path, ddp_reference: dict[str, Any], layout: str
 ) -> None:
+    # "sharded": every rank writes its shards of the checkpoint (DCP, asynchronous); the
+    # process exits only once the checkpoint is complete.
+    extra = ("--sharded",) if layout == "sharded" else ()
     proc = subprocess.Popen(
-        torchrun(tmp_path, "--wait-at", "1:7"),
+        torchrun(tmp_path, "--wait-at", "1:7", *extra),
         env=env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -102,11 +106,12 @@ def test_sigterm_to_torchrun_stops_both_ranks_at_one_step_and_resumes_exactly(
         assert (events[1]["reason"], events[1]["step"]) == ("stopped", step)
     last = loopbus.latest_checkpoint(tmp_path / "ckpt")
     assert last is not None
+    assert loopbus.is_sharded_checkpoint(last) == (layout == "sharded")
     state = loopbus.load_checkpoint(last)
     assert state["run"]["step"] == step
     assert not [p for p in (tmp_path / "ckpt").iterdir() if ".tmp-" in p.name]
 
-    launch(tmp_path, "--resume")
+    launch(tmp_path, "--resume", *extra)
     same_run(tmp_path, ddp_reference)
 
 

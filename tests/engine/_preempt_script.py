@@ -163,7 +163,12 @@ def main(args: argparse.Namespace) -> None:
         epoch, batch = args.wait_at.split(":")
         wait_at = (int(epoch), int(batch))
     module = Net(wait_at, directory / "ready", hang=args.grace is not None)
-    checkpoint = Checkpoint(directory / "ckpt", every_n_steps=EVERY_N_STEPS, keep_last=None)
+    checkpoint = Checkpoint(
+        directory / "ckpt",
+        every_n_steps=EVERY_N_STEPS,
+        keep_last=None,
+        sharded=True if args.sharded else None,
+    )
     plugins: list[Plugin] = [
         checkpoint,
         CSVLogger(directory / "logs"),
@@ -237,6 +242,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--kill-rank1-at-step", type=int, default=None)
     parser.add_argument("--host-handler", action="store_true")
     parser.add_argument("--second-during-save", action="store_true")
+    parser.add_argument("--sharded", action="store_true", help="sharded (DCP) checkpoints")
     return parser.parse_args(argv)
 
 

@@ -85,13 +85,13 @@ __all__ = [
     "Problem",
     "RngPart",
     "SchedulerPart",
-    "class_name",
     "collect_state",
     "has_sharded_parameters",
     "is_sharded_checkpoint",
     "latest_checkpoint",
     "load_checkpoint",
     "load_state",
+    "own_class",
     "qualname",
     "remove_checkpoint",
     "remove_stale_temporaries",
@@ -127,7 +127,7 @@ def _listing(names: list[str], limit: int = 8) -> str:
 # that need a word about how they load (loops, loader, generators, gradients).
 
 
-def class_name(module: object) -> type:
+def own_class(module: object) -> type:
     """The module's own class: under FSDP ``fully_shard`` makes the module an instance
     of a subclass (``FSDP<Name>``) that checkpoints and messages should not show."""
     for cls in type(module).__mro__:
@@ -170,7 +170,7 @@ class ModulePart:
 
     def _matching(self, saved: Mapping[str, Any]) -> tuple[dict[str, Any], list[str]]:
         current = self.module.state_dict()
-        name = class_name(self.module).__name__
+        name = own_class(self.module).__name__
         loadable, reshaped = {}, []
         for key, value in saved.items():
             mine = current.get(key)
@@ -192,7 +192,7 @@ class ModulePart:
     def explain_mismatch(self, saved: Any) -> list[Problem]:
         if not isinstance(saved, Mapping):
             return [Problem("mismatched", f"the checkpoint holds {type(saved).__name__}")]
-        name = class_name(self.module).__name__
+        name = own_class(self.module).__name__
         current = self.module.state_dict()
         problems = []
         missing = [k for k in current if k not in saved]
@@ -512,7 +512,7 @@ def collect_state(
             "created": time.time(),
             "global_step": trainer.global_step,
             "epoch": trainer.current_epoch,
-            "module_class": qualname(class_name(module)),
+            "module_class": qualname(own_class(module)),
             "parts": list(parts),
         }
     }

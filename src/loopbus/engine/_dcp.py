@@ -68,10 +68,10 @@ from .._exceptions import CheckpointError
 from ._checkpoint import (
     CheckpointMismatch,
     _check,
-    class_name,
     collect_state,
     has_sharded_parameters,
     load_state,
+    own_class,
     qualname,
 )
 from ._checkpoint_io import (
@@ -479,7 +479,7 @@ def _module_problems(
         if key.startswith("module.")
     }
     current: dict[str, Any] = get_model_state_dict(module)
-    name = class_name(module).__name__
+    name = own_class(module).__name__
     missing = [k for k in current if k not in saved]
     unexpected = [k for k in saved if k not in current]
     reshaped = [

@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._exceptions import MisconfigurationError
-from ._checkpoint import class_name
+from ._checkpoint import own_class
 from ._ddp import DataParallel
 
 # torch.distributed.fsdp is imported where it is used: importing it costs about half a
@@ -238,7 +238,7 @@ class FSDPStrategy(DataParallel):
                 if any(id(p) not in current for p in group["params"]):
                     raise MisconfigurationError(
                         f"optimizer {index} ({type(optimizer).__name__}) of "
-                        f"{_class_name(module)} holds tensors that are not the module's "
+                        f"{own_class(module).__name__} holds tensors that are not the module's "
                         "parameters after sharding: under strategy='fsdp' the parameters "
                         "are replaced by their shards (DTensors) before "
                         "configure_optimizers runs. Build the optimizer there from "
@@ -249,7 +249,7 @@ class FSDPStrategy(DataParallel):
     def wrap(self, module: Module, state: RunState) -> Any:
         if not module.automatic_optimization:
             raise MisconfigurationError(
-                f"{_class_name(module)} uses manual optimization, which strategy='fsdp' "
+                f"{own_class(module).__name__} uses manual optimization, which strategy='fsdp' "
                 "does not support yet: its backward would run inside the root unit's "
                 "forward, before FSDP has registered the hooks that reduce-scatter the "
                 "root's gradients. Use automatic optimization (return the loss from "
@@ -279,12 +279,6 @@ def _without_gradient_sync(module: FSDPModule) -> Iterator[None]:
         yield
     finally:
         module.set_requires_gradient_sync(True)
-
-
-def _class_name(module: torch.nn.Module) -> str:
-    """The name of the module's own class (``fully_shard`` makes it an instance of a
-    subclass named ``FSDP<name>``)."""
-    return class_name(module).__name__
 
 
 def _check_units(units: Units | None) -> Units | None:

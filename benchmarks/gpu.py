@@ -1,6 +1,6 @@
 """The CUDA data path: copies against compute, put without host syncs, GPU busy fraction.
 
-Needs a CUDA device (without one it exits at once with status 2). Three sections, all
+Needs a CUDA device (without one it exits at once with status 2). Four sections, all
 by default, one with ``--only``:
 
 * ``copy``: batches large enough that their host-to-device copy takes about as long as
@@ -27,6 +27,16 @@ by default, one with ``--only``:
   thread pins unpinned batches). Step time, and from one profiled run per loop the GPU
   busy fraction and the host syncs per step.
 
+* ``calls``: the deterministic figure of the CUDA path, Python-level calls per step
+  (``call`` + ``c_call`` profile events, as ``benchmarks/overhead.py`` counts them on
+  the CPU) that loopbus adds over a hand-written loop, on a host-bound 4-layer chain
+  (width 256, batch 64) from pinned host batches: loopbus ``device_prefetch=1`` with
+  and without eight puts, against the hand-written loop that copies each batch with
+  ``.to(device, non_blocking=True)`` and computes the same eight scalars without
+  keeping them. Counted over runs of N and 2N steps (``--calls-steps``) so start-up
+  cancels, with yields to the event loop switched off (time-based, so not
+  deterministic); only the event loop's thread is counted.
+
 Timing. Every loop is timed as whole runs: ``torch.cuda.synchronize()`` before and
 after a run, never inside one. Each loop runs ``N`` and ``2N`` steps in every round and
 its step time is ``(t(2N) - t(N)) / N``, so start-up (building the trainer, the first
@@ -52,12 +62,14 @@ the fractions compare the loops with each other.
     ./dev bench gpu --only copy --batch-mb 128 --steps 300 --rounds 7
     ./dev bench gpu --only put
     ./dev bench gpu --only cnn --cnn-steps 60 --profile-steps 30
+    ./dev bench gpu --only calls
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import math
 import statistics
 import sys
 import time
@@ -72,7 +84,7 @@ import loopbus
 from loopbus import Module, Plugin, Trainer, on
 from loopbus.events import PutRecord
 
-SECTIONS = ("copy", "put", "cnn")
+SECTIONS = ("copy", "put", "cnn", "calls")
 MIB = 1 << 20
 
 
@@ -98,8 +110,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--cnn-steps", type=int, default=60, help="N for cnn")
     parser.add_argument("--cnn-batch", type=int, default=256)
     parser.add_argument("--profile-steps", type=int, default=30, help="steps profiled (cnn)")
+    parser.add_argument("--calls-steps", type=int, default=100, help="N for calls")
     args = parser.parse_args(argv)
-    for name in ("rounds", "steps", "width", "work_rows", "pool", "cnn_steps", "cnn_batch"):
+    for name in (
+        "rounds",
+        "steps",
+        "width",
+        "work_rows",
+        "pool",
+        "cnn_steps",
+        "cnn_batch",
+        "calls_steps",
+    ):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.batch_mb <= 0:
@@ -637,6 +659,78 @@ def section_cnn(args: argparse.Namespace, device: torch.device) -> None:
 
 
 # ============================================================ main
+# ============================================================ section 4: calls
+def count_calls(fn: Callable[[], Any]) -> int:
+    """Python-level calls (``call`` and ``c_call`` profile events) made by ``fn()`` on
+    this thread."""
+    n = 0
+
+    def profile(frame: Any, event: str, arg: Any) -> None:
+        nonlocal n
+        if event == "call" or event == "c_call":
+            n += 1
+
+    sys.setprofile(profile)
+    try:
+        fn()
+    finally:
+        sys.setprofile(None)
+    return n
+
+
+def extra_calls(device: torch.device, n: int) -> dict[str, float]:
+    """Calls per step loopbus (``device_prefetch=1``) adds over the hand-written loop on
+    ``device``, with eight puts and without: ``(lb(2N) - lb(N) - (hw(2N) - hw(N))) / N``."""
+    width, depth, rows = 256, 4, 64
+    g = torch.Generator().manual_seed(0)
+    pinned = device.type == "cuda"
+    pool = [torch.randn(rows, width, generator=g) for _ in range(4)]
+    if pinned:
+        pool = [x.pin_memory() for x in pool]
+
+    def batches(steps: int) -> list[torch.Tensor]:
+        return [pool[i % len(pool)] for i in range(steps)]
+
+    def hand(steps: int) -> None:
+        torch.manual_seed(0)
+        net = Chain(width, depth, rows).to(device)
+        opt = torch.optim.SGD(net.parameters(), lr=1e-3)
+        for x in batches(steps):
+            x = x.to(device, non_blocking=pinned)
+            out = net(x)
+            out.detach()[0, :7].unbind()  # the eight scalars, computed, not kept
+            sgd_step(net, opt, out.pow(2).mean())
+
+    def lb(steps: int, puts: bool) -> None:
+        module = ChainModule(width, depth, rows, puts=puts)
+        fit(module, batches(steps), device, device_prefetch=1, yield_interval=math.inf)
+
+    runs: dict[str, Callable[[int], Any]] = {
+        "hand-written": hand,
+        "loopbus, no put": functools.partial(lb, puts=False),
+        "loopbus, 8 puts": functools.partial(lb, puts=True),
+    }
+    for run in runs.values():  # warm up imports, caches and the device
+        run(5)
+    delta = {
+        name: count_calls(functools.partial(run, 2 * n)) - count_calls(functools.partial(run, n))
+        for name, run in runs.items()
+    }
+    hand_delta = delta.pop("hand-written")
+    return {name: (d - hand_delta) / n for name, d in delta.items()}
+
+
+def section_calls(args: argparse.Namespace, device: torch.device) -> None:
+    figures = extra_calls(device, args.calls_steps)
+    print(
+        f"calls: Python calls per step loopbus adds (device_prefetch=1, 4-layer chain, "
+        f"width 256, batch 64, pinned host batches; runs of {args.calls_steps} and "
+        f"{2 * args.calls_steps} steps)"
+    )
+    for name, value in figures.items():
+        print(f"  {name:<18} {value:6.1f}")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -659,6 +753,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "copy": section_copy,
         "put": section_put,
         "cnn": section_cnn,
+        "calls": section_calls,
     }
     for name in args.sections:
         sections[name](args, device)

@@ -16,7 +16,9 @@ from torch.nn import functional as F
 
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.engine._options import compile_options
-from loopbus.events import TrainBatchCompleted
+from loopbus.engine._records import Recorder
+from loopbus.engine._runstate import RunState
+from loopbus.events import EventBus, TrainBatchCompleted
 
 
 @pytest.fixture(autouse=True)
@@ -137,7 +139,9 @@ def test_the_option_is_validated() -> None:
         Trainer(plugins=[], device="cpu", compile={"mode": "reduce-overhead"})
     with pytest.raises(MisconfigurationError, match="CUDA graphs are not supported"):
         Trainer(plugins=[], device="cpu", compile="cudagraphs")  # type: ignore[arg-type]
-    with pytest.raises(MisconfigurationError, match=r"unknown torch.compile option\(s\) \['fulgraph'\]"):
+    with pytest.raises(
+        MisconfigurationError, match=r"unknown torch.compile option\(s\) \['fulgraph'\]"
+    ):
         Trainer(plugins=[], device="cpu", compile={"fulgraph": True})
     with pytest.raises(MisconfigurationError, match="must be True, False or a dict"):
         Trainer(plugins=[], device="cpu", compile=3)  # type: ignore[arg-type]
@@ -237,6 +241,38 @@ async def test_a_bad_put_inside_compiled_code_raises_the_eager_error() -> None:
     trainer = Trainer(max_steps=1, plugins=[], device="cpu", compile={"backend": "eager"})
     with pytest.raises(ValueError, match="has the control character"):
         await trainer.fit(BadName(), batches([4]))
+
+
+def test_compiled_code_hands_out_copies_not_views() -> None:
+    """A put value that is the step's own loss, or a view of a parameter, would be an
+    output aliasing another output or an input: torch rebuilds such outputs in Python
+    after every call of the compiled step. Compiled code hands out a copy instead."""
+
+    class Views(EightPuts):
+        def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+            x, y = batch
+            loss = F.cross_entropy(self(x), y)
+            self.put("loss", loss)
+            self.put("bias0", self.fc2.bias[0])
+            return loss
+
+    module = Views()
+    recorder = Recorder(RunState(), EventBus())
+    recorder.use_device(torch.device("cpu"), compiled=True)
+    module.bind_recorder(recorder, "train")
+    step = torch.compile(module.training_step, backend="aot_eager", fullgraph=True)
+    loss = recorder.run_compiled(step, batches([4])[0], None)
+    (_, put_loss, _, _), (_, put_bias, _, _) = recorder.pending
+    for value, of in ((put_loss, loss), (put_bias, module.fc2.bias)):
+        assert value._base is None and not value.requires_grad
+        assert value.untyped_storage().data_ptr() != of.untyped_storage().data_ptr()
+    assert put_loss.item() == loss.item()
+    assert put_bias.item() == module.fc2.bias[0].item()
+    # Eager puts keep the cheaper detached view (no copy).
+    recorder.use_device(torch.device("cpu"), compiled=False)
+    recorder.pending.clear()
+    module.put("loss", loss)
+    assert recorder.pending[0][1].untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
 
 
 async def _legs(tmp_path: Path, compiles: list[Any]) -> tuple[EightPuts, list[Path]]:

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["PutMixin", "Publication", "Recorder"]
 
 _Tensor = torch.Tensor
+_is_compiling = torch.compiler.is_compiling
 _ALL: tuple[str, ...] = DESTINATIONS
 _DEST_CACHE: dict[Any, tuple[str, ...]] = {None: _ALL}
 _KNOWN_ROLES: set[str] = set(DESTINATIONS)
@@ -364,11 +365,19 @@ class PutMixin:
 
 def _traced_entry(name: Any, value: Any, destinations: Any, source: str) -> Pending:
     """The pending entry of ``put(name, value, destinations)`` with every check of the
-    eager path but no cache (see :meth:`PutMixin.put`); tensors always detached."""
+    eager path but no cache (see :meth:`PutMixin.put`); tensors always detached.
+
+    While compiled code traces it, the value is also copied: a graph output that is a
+    view of another output or of an input (the loss that the step also returns, an
+    element of a parameter) is rebuilt by torch's runtime after every call of the
+    compiled step, in Python; a one-element copy is a store in a kernel the compiler
+    generates anyway."""
     _validate_name(name)
     if isinstance(value, _Tensor):
         _check_tensor(name, value)
         value = value.detach()
+        if _is_compiling():
+            value = value.clone()
     elif type(value) is int:
         _check_int(name, value)
     elif type(value) is not float and type(value) is not bool:

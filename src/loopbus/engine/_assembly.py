@@ -188,6 +188,7 @@ def build_host(
             worker=worker,
             module=module,
             compile=options.compile,
+            compile_optimizer=options.compile_optimizer,
         )
     # One (compiled) function per evaluation stage, kept for the stage's passes.
     eval_fns: dict[str, Callable[[Any, Any], Any]] = {}

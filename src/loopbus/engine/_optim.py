@@ -127,7 +127,7 @@ class LRSchedulers:
     that the first scheduler steps after a resume, before any optimizer step in this
     process, do not trigger torch's warning about their order (it is right)."""
 
-    __slots__ = ("_resumed_at", "configs", "per_step", "records", "state")
+    __slots__ = ("_resumed_at", "configs", "configured", "per_step", "records", "state")
 
     def __init__(
         self, configs: list[SchedulerConfig], state: RunState, records: RecordReader
@@ -137,6 +137,8 @@ class LRSchedulers:
         self.records = records
         #: Whether a scheduler is configured with ``interval="step"``.
         self.per_step = any(c.interval == "step" for c in configs)
+        #: Whether any scheduler is configured (it changes the learning rate).
+        self.configured = bool(configs)
         self._resumed_at: int | None = None
 
     def resumed_at(self, step: int | None) -> None:

@@ -30,6 +30,7 @@ __all__ = [
     "Option",
     "OptionAttributes",
     "TrainerOptions",
+    "compile_optimizer_option",
     "compile_options",
     "resolve_device",
     "unknown_options",
@@ -184,8 +185,11 @@ class TrainerOptions:
       included; its backward runs the compiled backward) and the validation, test and
       predict steps, once per stage. ``put`` inside them causes no graph break. A short
       last batch costs one more compilation (dimensions that changed become dynamic),
-      not one per epoch. CUDA graphs (``mode="reduce-overhead"``) are refused for now.
-      See ``docs/performance.md``.
+      not one per epoch. The dict's ``"optimizer"`` key (``"auto"``, the default;
+      ``True``; ``False``) says whether the optimizer step is compiled as well: with
+      ``"auto"`` wherever it can be (automatic optimization, no grad scaler, no DTensor
+      parameters, and a tensor learning rate where a scheduler changes it). CUDA graphs
+      (``mode="reduce-overhead"``) are refused for now. See ``docs/performance.md``.
     """
 
     max_epochs: float = 1000
@@ -220,6 +224,9 @@ class TrainerOptions:
     preemption_grace: float | None = None
     #: ``torch.compile`` options of the steps (None: eager).
     compile: Mapping[str, Any] | None = None
+    #: Whether the optimizer step is compiled too (with ``compile``): ``"auto"`` where
+    #: it can be, True (raise where it cannot), False.
+    compile_optimizer: bool | Literal["auto"] = "auto"
 
     @classmethod
     def parse(cls, **given: Any) -> TrainerOptions:
@@ -235,6 +242,7 @@ class TrainerOptions:
             **_runtime_options(raw),
             **_preemption_options(raw),
             compile=compile_options(raw["compile"]),
+            compile_optimizer=compile_optimizer_option(raw["compile"]),
         )
 
     def replace(self, **changes: Any) -> TrainerOptions:
@@ -508,9 +516,7 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
         **{name: check_int(name, raw[name], minimum=0, hint=hint) for name, hint in hints.items()},
         "strategy": raw["strategy"],
         "process_group_timeout": float(
-            check_number(
-                "process_group_timeout", raw["process_group_timeout"], exclusive_minimum=0
-            )
+            check_number("process_group_timeout", raw["process_group_timeout"], exclusive_minimum=0)
         ),
         "stop_check_interval": float(
             check_number(
@@ -552,8 +558,12 @@ def _preemption_options(raw: dict[str, Any]) -> dict[str, Any]:
         "preemption_exit_code": code,
         "preemption_grace": None if grace is None else float(grace),
     }
+
+
 #: The ``torch.compile`` options ``Trainer(compile={...})`` passes on.
 _COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
+#: The keys of ``Trainer(compile={...})`` that are loopbus's own.
+_OWN_COMPILE_KEYS = ("optimizer",)
 _COMPILE_MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
 _NO_CUDA_GRAPHS = (
     "CUDA graphs are not supported by loopbus yet (the design, with the static input "
@@ -582,12 +592,14 @@ def compile_options(value: Any) -> Mapping[str, Any] | None:
             f"compile must be True, False or a dict of torch.compile options (keys "
             f"{list(_COMPILE_KEYS)}), got {type(value).__name__}: {value!r}."
         )
-    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS)
+    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS + _OWN_COMPILE_KEYS)
     if unknown:
         raise MisconfigurationError(
             f"compile={{...}} got unknown torch.compile option(s) {unknown}; the options it "
-            f"passes on are {list(_COMPILE_KEYS)}."
+            f"passes on are {list(_COMPILE_KEYS)}, and 'optimizer' says whether the "
+            "optimizer step is compiled too."
         )
+    compile_optimizer_option(value)
     mode = value.get("mode")
     if mode == "reduce-overhead" or value.get("backend") == "cudagraphs":
         raise MisconfigurationError(f"compile={dict(value)!r}: {_NO_CUDA_GRAPHS}.")
@@ -616,4 +628,18 @@ def compile_options(value: Any) -> Mapping[str, Any] | None:
             f"compile={{'backend': ...}} must be a backend name (such as 'inductor' or "
             f"'aot_eager') or a callable backend, got {backend!r}."
         )
-    return MappingProxyType(dict(value))
+    return MappingProxyType({k: v for k, v in value.items() if k in _COMPILE_KEYS})
+
+
+def compile_optimizer_option(value: Any) -> bool | Literal["auto"]:
+    """The ``"optimizer"`` key of ``Trainer(compile={...})`` checked (``"auto"`` when
+    absent, or when ``compile`` is not a dict)."""
+    if not isinstance(value, Mapping):
+        return "auto"
+    choice = value.get("optimizer", "auto")
+    if choice is True or choice is False or choice == "auto":
+        return choice  # type: ignore[no-any-return]
+    raise MisconfigurationError(
+        f"compile={{'optimizer': ...}} must be 'auto' (compile the optimizer step where it "
+        f"can be), True (compile it, or say why not) or False (keep it eager), got {choice!r}."
+    )

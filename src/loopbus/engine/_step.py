@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -86,6 +87,9 @@ class SchedulerStepper(Protocol):
 
     @property
     def per_step(self) -> bool: ...
+
+    @property
+    def configured(self) -> bool: ...
 
     def step(self, interval: str) -> None: ...
 
@@ -200,6 +204,7 @@ class TrainStep:
 
     __slots__ = (
         "_forward",
+        "_step_optimizer",
         "_variant",
         "boundary",
         "events",
@@ -228,9 +233,13 @@ class TrainStep:
         boundary: StepBoundary,
         worker: anyio.CapacityLimiter | None,
         module: torch.nn.Module,
+        optimizer_step: Callable[[], Any] | None = None,
     ) -> None:
         self.optimizers = optimizers
         self.schedulers = schedulers
+        # The optimizer's step, compiled or not (automatic optimization without a grad
+        # scaler calls it; see optimizer_step_for).
+        self._step_optimizer: Callable[[], Any] | None = optimizer_step
         self.precision = precision
         self.strategy = strategy
         self.state = state
@@ -282,7 +291,7 @@ class TrainStep:
         entries = table[BeforeOptimizerStep]
         if entries:
             events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
-        optimizer.step()
+        self._step_optimizer()  # type: ignore[misc]
         optimizer.zero_grad(set_to_none=True)
         self.state.step_completed()
         return output
@@ -349,7 +358,7 @@ class TrainStep:
             self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
         precision = self.precision
         if precision.scaler is None:
-            optimizer.step()
+            self._step_optimizer()  # type: ignore[misc]
         else:
             precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -399,6 +408,70 @@ def compiled(fn: StepFn, options: Mapping[str, Any] | None, records: TracedPuts)
     return functools.partial(records.run_compiled, torch.compile(fn, **options))
 
 
+def optimizer_step_for(
+    optimizer: torch.optim.Optimizer,
+    *,
+    compile: Mapping[str, Any] | None,
+    policy: bool | str,
+    scaler: Any,
+    schedulers: SchedulerStepper,
+) -> Callable[[], Any]:
+    """The function the training step calls for the optimizer's step: ``optimizer.step``,
+    or (``compile`` given, ``policy`` ``"auto"`` or True) a function compiled with the
+    step's ``backend``, ``mode`` and ``options`` that calls it. It stays eager where it
+    cannot be compiled; with ``policy=True`` that raises, saying why."""
+    step = optimizer.step
+    if compile is None or policy is False:
+        return step
+    why = _optimizer_stays_eager(optimizer, scaler, schedulers)
+    if why is not None:
+        if policy is True:
+            raise MisconfigurationError(
+                f"compile={{'optimizer': True}}: the optimizer step cannot be compiled: "
+                f"{why}. Leave 'optimizer' out (or 'auto') to keep it eager."
+            )
+        if why.startswith("its learning rate"):
+            warnings.warn(f"the optimizer step stays eager: {why}.", UserWarning, stacklevel=2)
+        return step
+    options = {k: v for k, v in compile.items() if k in ("backend", "mode", "options")}
+
+    def optimizer_step() -> Any:
+        return step()
+
+    return torch.compile(optimizer_step, **options)
+
+
+def _optimizer_stays_eager(
+    optimizer: torch.optim.Optimizer, scaler: Any, schedulers: SchedulerStepper
+) -> str | None:
+    """Why the optimizer step cannot be compiled (None: it can)."""
+    if scaler is not None:
+        return (
+            "the grad scaler ('16-mixed') reads its inf check on the host before the step; "
+            "use 'bf16-mixed', which has no scaler"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if any(_is_dtensor(p) for p in params):
+        return "its parameters are DTensors (FSDP)"
+    if schedulers.configured and any(
+        not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups
+    ):
+        return (
+            "its learning rate is a Python number that an LR scheduler changes, and "
+            "compiled code would be compiled again at every change; build the optimizer "
+            "with a tensor learning rate (lr=torch.tensor(0.01)) to compile it"
+        )
+    return None
+
+
+def _is_dtensor(tensor: torch.Tensor) -> bool:
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
+
+
 def build_train_step(
     *,
     forward: StepFn,
@@ -413,6 +486,7 @@ def build_train_step(
     worker: anyio.CapacityLimiter | None,
     module: torch.nn.Module,
     compile: Mapping[str, Any] | None = None,
+    compile_optimizer: bool | str = "auto",
 ) -> TrainStep:
     """The training step of a stage (see :class:`TrainStep`). ``forward`` is what the
     step calls for the forward (the module's ``training_step``, or a strategy's wrapper
@@ -423,6 +497,21 @@ def build_train_step(
             f"{type(module).__name__} configures {len(optimizers)} optimizers; "
             "automatic optimization steps exactly one. Set "
             "`automatic_optimization = False` and step them in training_step."
+        )
+    optimizer_step = None
+    if options.automatic:
+        optimizer_step = optimizer_step_for(
+            optimizers[0],
+            compile=compile,
+            policy=compile_optimizer,
+            scaler=precision.scaler,
+            schedulers=schedulers,
+        )
+    elif compile is not None and compile_optimizer is True:
+        raise MisconfigurationError(
+            "compile={'optimizer': True}: the optimizer step cannot be compiled: with "
+            "automatic_optimization = False the module steps its optimizers itself (compile "
+            "that code yourself, or leave 'optimizer' out)."
         )
     return TrainStep(
         forward=compiled(forward, compile, boundary.recorder),
@@ -436,6 +525,7 @@ def build_train_step(
         boundary=boundary,
         worker=worker,
         module=module,
+        optimizer_step=optimizer_step,
     )
 
 

@@ -598,8 +598,10 @@ class Recorder:
         return self.queue_event(event)
 
     def queue_event(self, event: Event) -> Publication:
-        """Queue ``event`` for delivery at the next flush, after what is pending."""
-        self.pending.append(("", event, EVENT_ENTRY, ""))
+        """Queue ``event`` for delivery at the next flush, after what is pending (during
+        a compiled step, after what the step has put so far: its puts join the pending
+        records only when it returns, see :meth:`run_compiled`)."""
+        (self.traced if self.stepping else self.pending).append(("", event, EVENT_ENTRY, ""))
         return Publication(self)
 
     # The latest records are part of a checkpoint (a resumed run's monitors see them).

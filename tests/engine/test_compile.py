@@ -449,3 +449,32 @@ async def test_an_event_published_inside_a_compiled_step_keeps_its_place() -> No
     expected = await order(False)
     assert expected[:3] == [("before", 1), ("between", 0), ("after", 1)]
     assert await order({"backend": "eager"}) == expected
+
+
+class ReadsTheBatchIndex(EightPuts):
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        loss = super().training_step(batch, ctx)
+        if ctx.batch_idx % 4 == 0:
+            loss = loss * 1.0
+        return loss * (1 + 0 * ctx.batch_idx)
+
+
+class CountsOnTheModule(EightPuts):
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        self.calls = getattr(self, "calls", 0) + 1
+        return super().training_step(batch, ctx) * (1 + 0 * self.calls)
+
+
+async def test_python_numbers_in_the_step_and_how_often_they_compile() -> None:
+    train = batches([4] * 12)
+    backend = CountingBackend()
+    await fit(
+        {"backend": backend, "optimizer": False}, train, epochs=1, module=ReadsTheBatchIndex()
+    )
+    # The first index, then dynamic; the branch once more for its other way.
+    assert backend.count("") <= 3
+    counting = CountingBackend()
+    await fit(
+        {"backend": counting, "optimizer": False}, train, epochs=1, module=CountsOnTheModule()
+    )
+    assert counting.count("") == 8  # again at every step, up to torch's limit

@@ -238,8 +238,10 @@ class TrainStep:
         self.optimizers = optimizers
         self.schedulers = schedulers
         # The optimizer's step, compiled or not (automatic optimization without a grad
-        # scaler calls it; see optimizer_step_for).
-        self._step_optimizer: Callable[[], Any] | None = optimizer_step
+        # scaler calls it; see optimizer_step_for). Manual optimization never does.
+        if optimizer_step is None and optimizers:
+            optimizer_step = optimizers[0].step
+        self._step_optimizer: Callable[[], Any] = optimizer_step or _no_optimizer_step
         self.precision = precision
         self.strategy = strategy
         self.state = state
@@ -291,7 +293,7 @@ class TrainStep:
         entries = table[BeforeOptimizerStep]
         if entries:
             events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
-        self._step_optimizer()  # type: ignore[misc]
+        self._step_optimizer()
         optimizer.zero_grad(set_to_none=True)
         self.state.step_completed()
         return output
@@ -358,7 +360,7 @@ class TrainStep:
             self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
         precision = self.precision
         if precision.scaler is None:
-            self._step_optimizer()  # type: ignore[misc]
+            self._step_optimizer()
         else:
             precision.step(optimizer)
         optimizer.zero_grad(set_to_none=True)
@@ -423,14 +425,14 @@ def optimizer_step_for(
     step = optimizer.step
     if compile is None or policy is False:
         return step
-    why = _optimizer_stays_eager(optimizer, scaler, schedulers)
+    why, surprising = _optimizer_stays_eager(optimizer, scaler, schedulers)
     if why is not None:
         if policy is True:
             raise MisconfigurationError(
                 f"compile={{'optimizer': True}}: the optimizer step cannot be compiled: "
                 f"{why}. Leave 'optimizer' out (or 'auto') to keep it eager."
             )
-        if why.startswith("its learning rate"):
+        if surprising:
             warnings.warn(f"the optimizer step stays eager: {why}.", UserWarning, stacklevel=2)
         return step
     options = {k: v for k, v in compile.items() if k in ("backend", "mode", "options")}
@@ -443,25 +445,32 @@ def optimizer_step_for(
 
 def _optimizer_stays_eager(
     optimizer: torch.optim.Optimizer, scaler: Any, schedulers: SchedulerStepper
-) -> str | None:
-    """Why the optimizer step cannot be compiled (None: it can)."""
+) -> tuple[str | None, bool]:
+    """Why the optimizer step cannot be compiled (None: it can), and whether that is
+    worth a warning under ``"auto"`` (a change to the user's code would compile it)."""
     if scaler is not None:
         return (
             "the grad scaler ('16-mixed') reads its inf check on the host before the step; "
-            "use 'bf16-mixed', which has no scaler"
+            "use 'bf16-mixed', which has no scaler",
+            False,
         )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(_is_dtensor(p) for p in params):
-        return "its parameters are DTensors (FSDP)"
+        return "its parameters are DTensors (FSDP)", False
     if schedulers.configured and any(
         not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups
     ):
         return (
             "its learning rate is a Python number that an LR scheduler changes, and "
             "compiled code would be compiled again at every change; build the optimizer "
-            "with a tensor learning rate (lr=torch.tensor(0.01)) to compile it"
+            "with a tensor learning rate (lr=torch.tensor(0.01)) to compile it",
+            True,
         )
-    return None
+    return None, False
+
+
+def _no_optimizer_step() -> None:
+    """The optimizer step of a step without optimizers (manual optimization)."""
 
 
 def _is_dtensor(tensor: torch.Tensor) -> bool:

@@ -3,6 +3,7 @@
     ./dev demo                      # or: python examples/digits.py
     python examples/digits.py --epochs 30 --backend trio
     python examples/digits.py --serve --epochs 300   # then, elsewhere: loopbus watch 8765
+    python examples/digits.py --compile              # steps and optimizer step compiled
 
 Shows the pieces a newcomer needs: a ``Module`` with ``training_step`` /
 ``validation_step``, torchmetrics for accuracy (aggregation is user code), ``put`` for
@@ -29,7 +30,9 @@ from loopbus.events import ValidationCompleted
 class DigitsNet(Module):
     """A two-layer MLP over the 8x8 digit images."""
 
-    def __init__(self, hidden: int = 128, lr: float = 3e-3, epochs: int = 30) -> None:
+    def __init__(
+        self, hidden: int = 128, lr: float = 3e-3, epochs: int = 30, tensor_lr: bool = False
+    ) -> None:
         super().__init__()
         self.net = torch.nn.Sequential(
             torch.nn.Linear(64, hidden),
@@ -39,7 +42,10 @@ class DigitsNet(Module):
         )
         self.lr = lr
         self.epochs = epochs
-        self.val_acc = torchmetrics.classification.MulticlassAccuracy(num_classes=10, average="micro")
+        self.tensor_lr = tensor_lr
+        self.val_acc = torchmetrics.classification.MulticlassAccuracy(
+            num_classes=10, average="micro"
+        )
         self.train_loss = torchmetrics.MeanMetric()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -64,9 +70,15 @@ class DigitsNet(Module):
         self.val_acc.reset()
 
     def configure_optimizers(self) -> Any:
-        optimizer = torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=1e-4)
+        # Compiled, the optimizer step reads the learning rate the scheduler changes:
+        # as a tensor (filled in place) it compiles once; a float would be a constant.
+        lr = torch.tensor(self.lr) if self.tensor_lr else self.lr
+        optimizer = torch.optim.AdamW(self.parameters(), lr=lr, weight_decay=1e-4)
         scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=self.epochs)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"}}
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "epoch"},
+        }
 
 
 def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader[Any], DataLoader[Any]]:
@@ -76,7 +88,9 @@ def digits_loaders(batch_size: int = 64, seed: int = 0) -> tuple[DataLoader[Any]
     y = torch.tensor(data.target, dtype=torch.long)
     x_tr, x_va, y_tr, y_va = train_test_split(x, y, test_size=0.2, random_state=seed, stratify=y)
     generator = torch.Generator().manual_seed(seed)
-    train = DataLoader(TensorDataset(x_tr, y_tr), batch_size=batch_size, shuffle=True, generator=generator)
+    train = DataLoader(
+        TensorDataset(x_tr, y_tr), batch_size=batch_size, shuffle=True, generator=generator
+    )
     val = DataLoader(TensorDataset(x_va, y_va), batch_size=256)
     return train, val
 
@@ -87,6 +101,9 @@ def main(argv: list[str] | None = None) -> float:
     parser.add_argument("--backend", choices=["asyncio", "trio"], default="asyncio")
     parser.add_argument("--executor", choices=["inline", "thread"], default="inline")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--compile", action="store_true", help="compile the steps and the optimizer step"
+    )
     parser.add_argument(
         "--serve",
         nargs="?",
@@ -99,13 +116,15 @@ def main(argv: list[str] | None = None) -> float:
 
     loopbus.seed_everything(args.seed)
     train, val = digits_loaders(seed=args.seed)
-    module = DigitsNet(epochs=args.epochs)
+    module = DigitsNet(epochs=args.epochs, tensor_lr=args.compile)
     plugins = None  # the default: a progress bar
     if args.serve:
         from loopbus.plugins import ProgressBar, StreamServer
 
         plugins = [StreamServer.from_address(args.serve), ProgressBar()]
-    trainer = Trainer(max_epochs=args.epochs, executor=args.executor, plugins=plugins)
+    trainer = Trainer(
+        max_epochs=args.epochs, executor=args.executor, plugins=plugins, compile=args.compile
+    )
     loopbus.run(trainer.fit, module, train, val, backend=args.backend)
 
     accuracy = float(trainer.latest["val/acc"].value)

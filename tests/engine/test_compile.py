@@ -407,6 +407,23 @@ def test_the_grad_scaler_keeps_the_optimizer_eager() -> None:
     assert optimizer_step_for(optimizer, policy="auto", scaler=None, **common) != optimizer.step
 
 
+async def test_auto_compiles_only_torch_optimizers() -> None:
+    class Custom(torch.optim.SGD):
+        """A subclass (a library's optimizer would be the same): its step may call what
+        torch's compiler cannot trace."""
+
+    class WithCustom(EightPuts):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return Custom(self.parameters(), lr=0.1)
+
+    backend = OptimizerGraphs()
+    await fit({"backend": backend}, batches([6, 6]), module=WithCustom())
+    assert backend.optimizer() == 0
+    forced = OptimizerGraphs()
+    await fit({"backend": forced, "optimizer": True}, batches([6, 6]), module=WithCustom())
+    assert forced.optimizer() >= 1
+
+
 def test_the_optimizer_option_is_validated() -> None:
     assert dict(compile_options({"backend": "eager", "optimizer": False}) or {}) == {
         "backend": "eager"

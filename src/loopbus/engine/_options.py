@@ -188,7 +188,8 @@ class TrainerOptions:
       not one per epoch. The dict's ``"optimizer"`` key (``"auto"``, the default;
       ``True``; ``False``) says whether the optimizer step is compiled as well: with
       ``"auto"`` wherever it can be (automatic optimization, no grad scaler, no DTensor
-      parameters, and a tensor learning rate where a scheduler changes it). CUDA graphs
+      parameters, a tensor learning rate where a scheduler changes it, one of
+      ``torch.optim``'s optimizers). CUDA graphs
       (``mode="reduce-overhead"``) are refused for now. See ``docs/performance.md``.
     """
 

@@ -425,8 +425,8 @@ def optimizer_step_for(
     step = optimizer.step
     if compile is None or policy is False:
         return step
-    why, surprising = _optimizer_stays_eager(optimizer, scaler, schedulers)
-    if why is not None:
+    why, surprising, forcible = _optimizer_stays_eager(optimizer, scaler, schedulers)
+    if why is not None and not (forcible and policy is True):
         if policy is True:
             raise MisconfigurationError(
                 f"compile={{'optimizer': True}}: the optimizer step cannot be compiled: "
@@ -445,18 +445,20 @@ def optimizer_step_for(
 
 def _optimizer_stays_eager(
     optimizer: torch.optim.Optimizer, scaler: Any, schedulers: SchedulerStepper
-) -> tuple[str | None, bool]:
-    """Why the optimizer step cannot be compiled (None: it can), and whether that is
-    worth a warning under ``"auto"`` (a change to the user's code would compile it)."""
+) -> tuple[str | None, bool, bool]:
+    """Why ``"auto"`` keeps the optimizer step eager (None: it compiles it), whether
+    that is worth a warning (a change to the user's code would compile it), and whether
+    ``compile={"optimizer": True}`` compiles it anyway."""
     if scaler is not None:
         return (
             "the grad scaler ('16-mixed') reads its inf check on the host before the step; "
             "use 'bf16-mixed', which has no scaler",
             False,
+            False,
         )
     params = [p for group in optimizer.param_groups for p in group["params"]]
     if any(_is_dtensor(p) for p in params):
-        return "its parameters are DTensors (FSDP)", False
+        return "its parameters are DTensors (FSDP)", False, False
     if schedulers.configured and any(
         not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups
     ):
@@ -465,8 +467,13 @@ def _optimizer_stays_eager(
             "compiled code would be compiled again at every change; build the optimizer "
             "with a tensor learning rate (lr=torch.tensor(0.01)) to compile it",
             True,
+            False,
         )
-    return None, False
+    if not type(optimizer).__module__.startswith("torch.optim"):
+        # torch's compiler knows torch's optimizers; another one (a library's fused or
+        # 8-bit optimizer, a subclass) may call what it cannot trace.
+        return f"{type(optimizer).__qualname__} is not one of torch.optim's", False, True
+    return None, False, False
 
 
 def _no_optimizer_step() -> None:

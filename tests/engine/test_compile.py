@@ -495,3 +495,23 @@ async def test_python_numbers_in_the_step_and_how_often_they_compile() -> None:
         {"backend": counting, "optimizer": False}, train, epochs=1, module=CountsOnTheModule()
     )
     assert counting.count("") == 8  # again at every step, up to torch's limit
+
+
+async def test_compiled_steps_run_in_the_worker_thread() -> None:
+    train = batches([6, 6, 4])
+    module = EightPuts()
+    trainer = Trainer(
+        max_epochs=2,
+        plugins=[],
+        device="cpu",
+        compile={"backend": "aot_eager"},
+        executor="thread",
+        num_sanity_val_steps=0,
+    )
+    names: list[tuple[str, int]] = []
+    trainer.subscribe(PutRecord, lambda r: names.append((r.name, r.step)), destination="loggers")
+    await trainer.fit(module, train)
+    eager, expected = await fit(False, train, leak_check=None)
+    assert names == [(r[0], r[1]) for r in expected if r[0] != "plugin/step"]
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(module.state_dict()[name], value, rtol=1e-5, atol=1e-6)

@@ -42,11 +42,11 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch._dynamo
+from _harness import CLOCK
 from torch._dynamo.utils import counters
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -194,18 +194,6 @@ def with_loopbus(
 
 
 # ---------------------------------------------------------------- measurement
-#: Wall time (default) or, with ``--clock cpu``, the process's CPU time (on a machine
-#: busy with other jobs, where wall time also counts the waits for a core).
-CLOCK: list[Callable[[], float]] = [time.perf_counter]
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    clock = CLOCK[0]
-    start = clock()
-    fn()
-    return clock() - start
-
-
 def compile_figures(
     data: Any, puts: int, options: dict[str, Any], event_loop: str
 ) -> tuple[int, int, int, float]:

@@ -44,7 +44,6 @@ import gc
 import itertools
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -54,6 +53,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import launch_env, torchrun
 from torch.nn import functional as F
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -341,28 +341,9 @@ def worker(args: argparse.Namespace) -> None:
 
 
 # ---------------------------------------------------------------- launcher
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(args: argparse.Namespace, argv: list[str]) -> int:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={args.nproc}",
-        f"--master_port={free_port()}",
-        os.path.abspath(__file__),
-        "--worker",
-        *argv,
-    ]
-    return subprocess.call(cmd, env=env)
+    cmd = [*torchrun(args.nproc), os.path.abspath(__file__), "--worker", *argv]
+    return subprocess.call(cmd, env=launch_env())
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -28,7 +28,6 @@ import argparse
 import copy
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import Any
 import anyio
 import torch
 import torch.distributed as dist
+from _harness import launch_env, torchrun
 from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
@@ -220,12 +220,6 @@ def worker(args: argparse.Namespace) -> None:
         print(json.dumps(results))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=2304)
@@ -242,13 +236,11 @@ def main() -> None:
         f"momentum); 2 ranks (gloo), {args.saves} saves every {args.every} steps; "
         f"torch {torch.__version__}"
     )
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
-        f"--master_port={_free_port()}", __file__, "--worker", "--width", str(args.width),
+        *torchrun(2), __file__, "--worker", "--width", str(args.width),
         "--saves", str(args.saves), "--every", str(args.every),
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, check=False)
+    proc = subprocess.run(cmd, env=launch_env(), capture_output=True, text=True, check=False)
     if proc.returncode != 0:
         sys.exit(proc.stdout[-3000:] + proc.stderr[-6000:])
     results = json.loads(proc.stdout.strip().splitlines()[-1])

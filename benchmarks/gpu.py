@@ -78,6 +78,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from _harness import count_calls
 from torch.nn import functional as F
 
 import loopbus
@@ -660,24 +661,6 @@ def section_cnn(args: argparse.Namespace, device: torch.device) -> None:
 
 # ============================================================ main
 # ============================================================ section 4: calls
-def count_calls(fn: Callable[[], Any]) -> int:
-    """Python-level calls (``call`` and ``c_call`` profile events) made by ``fn()`` on
-    this thread."""
-    n = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal n
-        if event == "call" or event == "c_call":
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
-
-
 def extra_calls(device: torch.device, n: int) -> dict[str, float]:
     """Calls per step loopbus (``device_prefetch=1``) adds over the hand-written loop on
     ``device``, with eight puts and without: ``(lb(2N) - lb(N) - (hw(2N) - hw(N))) / N``."""

@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from _harness import CLOCK, count_calls, timed
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -177,36 +178,6 @@ def ignite_available() -> bool:
 
 
 # ---------------------------------------------------------------- measurement
-#: The clock runs are timed with: wall time (default), or with ``--clock cpu`` the
-#: process's CPU time, which on a machine shared with other jobs leaves out the time
-#: spent waiting for a core (the runs are single-threaded: no loader workers, no
-#: plugin threads in the core case).
-CLOCK: list[Callable[[], float]] = [time.perf_counter]
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    clock = CLOCK[0]
-    start = clock()
-    fn()
-    return clock() - start
-
-
-def count_calls(fn: Callable[[], Any]) -> int:
-    n = 0
-
-    def profile(frame: Any, event: str, arg: Any) -> None:
-        nonlocal n
-        if event == "call" or event == "c_call":
-            n += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return n
-
-
 def extra_calls_per_step(
     backend: str, subscribers: bool, n: int = 200, plugins: PluginFactory | None = None
 ) -> float:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from _harness import timed
 
 import loopbus
 from loopbus import Module, Trainer
@@ -123,12 +124,6 @@ def with_loopbus(depth: int, steps: int, load_s: float, prefetch: int) -> torch.
     trainer = Trainer(max_epochs=1, plugins=[], device="cpu", leak_check=None, prefetch=prefetch)
     loopbus.run(trainer.fit, module, SlowLoader(steps, load_s))
     return module.net
-
-
-def timed(fn: Callable[[], Any]) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 def main(argv: list[str] | None = None) -> None:

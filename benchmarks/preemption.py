@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -28,35 +26,23 @@ import tempfile
 import time
 from pathlib import Path
 
+from _harness import launch_env, torchrun
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tests" / "engine" / "_preempt_script.py"
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = str(ROOT / "src")
-    env["PYTHONPATH"] = os.pathsep.join([src, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else src
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def once(torchrun: bool) -> tuple[float, float, float]:
+def once(under_torchrun: bool) -> tuple[float, float, float]:
     """(signal -> PreemptionRequested, -> Teardown, -> exit), in seconds."""
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp)
         script = [str(SCRIPT), "--dir", str(directory), "--wait-at", "1:7"]
-        launcher = ["-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={_port()}"]
-        cmd = [sys.executable, *(launcher if torchrun else []), *script]
+        cmd = [*(torchrun(2) if under_torchrun else [sys.executable]), *script]
         proc = subprocess.Popen(
-            cmd, env=_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+            cmd,
+            env=launch_env(str(ROOT / "src")),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
         )
         while not (directory / "ready").exists():
             if proc.poll() is not None:
@@ -87,7 +73,7 @@ def bare_exit() -> float:
     """Signal to exit of a process that imported torch and loopbus and leaves on SIGTERM
     through ``sys.exit``: the interpreter's own clean exit, which every figure includes."""
     with tempfile.TemporaryDirectory() as tmp:
-        proc = subprocess.Popen([sys.executable, "-c", _BARE, tmp], env=_env())
+        proc = subprocess.Popen([sys.executable, "-c", _BARE, tmp], env=launch_env(str(ROOT / "src")))
         while not Path(tmp, "ready").exists():
             time.sleep(0.005)
         sent = time.time()
@@ -105,10 +91,10 @@ def main() -> None:
     print("signal -> PreemptionRequested / Teardown / exit (medians, ms)")
     bare = statistics.median(bare_exit() for _ in range(args.repeats)) * 1000
     print(f"{'bare python+torch exit':24s} {'':7s} / {'':7s} / {bare:7.1f}")
-    for torchrun in cases:
-        runs = [once(torchrun) for _ in range(args.repeats)]
+    for under_torchrun in cases:
+        runs = [once(under_torchrun) for _ in range(args.repeats)]
         medians = [statistics.median(r[i] for r in runs) * 1000 for i in range(3)]
-        name = "torchrun, 2 gloo ranks" if torchrun else "one process"
+        name = "torchrun, 2 gloo ranks" if under_torchrun else "one process"
         print(f"{name:24s} {medians[0]:7.1f} / {medians[1]:7.1f} / {medians[2]:7.1f}")
 
 

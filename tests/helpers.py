@@ -1,7 +1,11 @@
-"""Small models and data shared by the tests."""
+"""Small models and data shared by the tests, and the benchmark scripts as modules."""
 
 from __future__ import annotations
 
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -44,3 +48,20 @@ def make_loader(n: int = 64, batch_size: int = 16, seed: int = 0, shuffle: bool 
     x = torch.randn(n, 4, generator=g)
     y = (x[:, 0] > 0).long()
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
+
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load_benchmark(name: str) -> ModuleType:
+    """``benchmarks/<name>.py`` as a module (``loopbus_<name>``), with the benchmarks'
+    folder on the import path as when the script runs (its shared ``_harness``)."""
+    if str(BENCHMARKS) not in sys.path:
+        sys.path.append(str(BENCHMARKS))
+    spec = importlib.util.spec_from_file_location(f"loopbus_{name}", BENCHMARKS / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module

@@ -5,27 +5,11 @@ and no import of the trainer from the parts it runs."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def _architecture() -> object:
-    spec = importlib.util.spec_from_file_location(
-        "loopbus_architecture", ROOT / "benchmarks" / "architecture.py"
-    )
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_benchmark
 
 
 def test_every_figure_is_within_its_target() -> None:
-    report = _architecture().measure()  # type: ignore[attr-defined]
+    report = load_benchmark("architecture").measure()
     off = [(name, value, target) for name, value, target, ok in report.figures if not ok]
     assert not off, off
     names = [name for name, *_ in report.figures]

@@ -5,9 +5,6 @@ bit for bit as the evented path, and subscriptions made mid-run take effect at o
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +15,7 @@ from loopbus.engine import _loops
 from loopbus.engine._loops import TrainEpochLoop
 from loopbus.engine._scope import Scope
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted, ValidationCompleted
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import TinyModule, load_benchmark, make_loader
 
 
 @pytest.fixture
@@ -141,20 +138,9 @@ def test_a_subclass_that_overrides_an_iteration_hook_runs_the_hooks() -> None:
     assert Logged().fused_iteration() is None
 
 
-def _overhead_benchmark() -> Any:
-    path = Path(__file__).resolve().parents[2] / "benchmarks" / "overhead.py"
-    spec = importlib.util.spec_from_file_location("loopbus_overhead", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])
 def test_the_engine_adds_at_most_18_python_calls_a_step(backend: str) -> None:
     # The deterministic figure benchmarks/overhead.py prints: profile events per step
     # over the hand-written loop, put every step, no plugins (17 when this was written).
-    calls = _overhead_benchmark().extra_calls_per_step(backend, subscribers=False, n=100)
+    calls = load_benchmark("overhead").extra_calls_per_step(backend, subscribers=False, n=100)
     assert calls <= 18

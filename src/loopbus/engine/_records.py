@@ -306,8 +306,7 @@ class PutMixin:
         """
         recorder = self._loopbus_recorder
         if recorder is not None and recorder.compiled:
-            entry = _traced_entry(name, value, destinations, self._loopbus_source)
-            (recorder.traced if recorder.stepping else recorder.pending).append(entry)
+            recorder.buffer.append(_traced_entry(name, value, destinations, self._loopbus_source))
             return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
@@ -350,7 +349,7 @@ class PutMixin:
             entries = [
                 _traced_entry(name, value, destinations, source) for name, value in values.items()
             ]
-            (recorder.traced if recorder.stepping else recorder.pending).extend(entries)
+            recorder.buffer.extend(entries)
             return
         pending = recorder.pending if recorder is not None else None
         mark = len(pending) if pending is not None else 0
@@ -535,6 +534,12 @@ class Recorder:
         self.readback = _device.readback_for(device)
         self.compiled = compiled
 
+    @property
+    def buffer(self) -> list[Pending]:
+        """Where what is put or published now goes: the pending records, or while a
+        compiled step runs its step buffer (:attr:`traced`, see :meth:`run_compiled`)."""
+        return self.traced if self.stepping else self.pending
+
     def run_compiled(self, fn: Callable[[Any, Any], Any], batch: Any, ctx: Any) -> Any:
         """``fn(batch, ctx)``, a compiled step: the puts it makes go to :attr:`traced`
         and join the pending records, in the order they were made, when it returns
@@ -601,7 +606,7 @@ class Recorder:
         """Queue ``event`` for delivery at the next flush, after what is pending (during
         a compiled step, after what the step has put so far: its puts join the pending
         records only when it returns, see :meth:`run_compiled`)."""
-        (self.traced if self.stepping else self.pending).append(("", event, EVENT_ENTRY, ""))
+        self.buffer.append(("", event, EVENT_ENTRY, ""))
         return Publication(self)
 
     # The latest records are part of a checkpoint (a resumed run's monitors see them).

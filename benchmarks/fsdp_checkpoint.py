@@ -44,7 +44,6 @@ from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
 from loopbus import Module, Plugin, Trainer, on
-from loopbus.engine._checkpoint_io import checkpoint_info
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
 
@@ -197,7 +196,7 @@ def measure(
     if dist.get_rank() == 0 and kind is not None:
         last = loopbus.latest_checkpoint(directory)
         assert last is not None
-        info = checkpoint_info(last)  # the completeness marker: the save is complete
+        info = loopbus.checkpoint_info(last)  # the completeness marker: the save is complete
         assert info is not None
         assert info["global_step"] == steps, info
     dist.barrier()

@@ -70,6 +70,7 @@ if TYPE_CHECKING:
     from .engine import Strategy as Strategy
     from .engine import TrainEpochLoop as TrainEpochLoop
     from .engine import Trainer as Trainer
+    from .engine import checkpoint_info as checkpoint_info
     from .engine import consolidate_checkpoint as consolidate_checkpoint
     from .engine import is_sharded_checkpoint as is_sharded_checkpoint
     from .engine import latest_checkpoint as latest_checkpoint
@@ -90,6 +91,7 @@ _ENGINE_NAMES = (
     "ElasticDistributedSampler",
     "ShardedCheckpointWriter",
     "ShardedSave",
+    "checkpoint_info",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
     "CheckpointMismatch",
@@ -130,6 +132,7 @@ __all__ = [
     "ElasticDistributedSampler",
     "ShardedCheckpointWriter",
     "ShardedSave",
+    "checkpoint_info",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
     "DESTINATIONS",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ._checkpoint import CheckpointMismatch as CheckpointMismatch
+from ._checkpoint import checkpoint_info as checkpoint_info
 from ._checkpoint import is_sharded_checkpoint as is_sharded_checkpoint
 from ._checkpoint import latest_checkpoint as latest_checkpoint
 from ._checkpoint import load_checkpoint as load_checkpoint
@@ -50,6 +51,7 @@ __all__ = [
     "ShardedSave",
     "consolidate_checkpoint",
     "is_sharded_checkpoint",
+    "checkpoint_info",
     "CheckpointMismatch",
     "Counters",
     "DDPStrategy",

@@ -55,6 +55,10 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 import loopbus
 from loopbus import FSDPStrategy, Module, Trainer
 
+# The transformer block of examples/fsdp_transformer.py: the benchmark trains that model.
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from fsdp_transformer import Block
+
 TARGET = 1.05
 
 
@@ -77,26 +81,6 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 # ---------------------------------------------------------------- the work
-class Block(torch.nn.Module):
-    def __init__(self, dim: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1 = torch.nn.LayerNorm(dim)
-        self.qkv = torch.nn.Linear(dim, 3 * dim)
-        self.proj = torch.nn.Linear(dim, dim)
-        self.ln2 = torch.nn.LayerNorm(dim)
-        self.fc1 = torch.nn.Linear(dim, 4 * dim)
-        self.fc2 = torch.nn.Linear(4 * dim, dim)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        b, t, d = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(d, dim=-1)
-        q, k, v = (z.reshape(b, t, self.heads, -1).transpose(1, 2) for z in (q, k, v))
-        a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
-        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))  # type: ignore[no-any-return]
-
-
 class GPT(torch.nn.Module):
     """The model both loops train (same seed, same layers)."""
 

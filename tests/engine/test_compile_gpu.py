@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 import torch._dynamo
-from torch.utils.data import DataLoader, TensorDataset
 
-from loopbus import Module, Plugin, Trainer, on
+from loopbus import Plugin, Trainer, on
 from loopbus.events import PutRecord, TrainBatchCompleted, TrainBatchStarted
+
+from . import test_cuda_put_gpu
 
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
@@ -23,24 +24,9 @@ pytestmark = [
 NAMES = ["train/loss"] + [f"train/m{i}" for i in range(7)]
 
 
-class Eight(Module):
-    """Puts eight tensors every step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1)
-        )
-
-    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
-        x, y = batch
-        out = self.net(x).squeeze(1)
-        loss = torch.nn.functional.mse_loss(out, y)
-        self.put("train/loss", loss)
-        for i in range(7):
-            self.put(f"train/m{i}", out.mean() * i)
-        return loss
+class Eight(test_cuda_put_gpu.Eight):
+    """Puts eight tensors every step; SGD with momentum (the compiled optimizer step
+    creates its state on the first step)."""
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.01, momentum=0.9)
@@ -71,25 +57,17 @@ class Collect(Plugin):
         self.received.append((record.name, record.step, float(record.value)))
 
 
-def _data() -> DataLoader[Any]:
-    g = torch.Generator().manual_seed(0)
-    return DataLoader(
-        TensorDataset(torch.randn(512, 64, generator=g), torch.randn(512, generator=g)),
-        batch_size=32,
-        pin_memory=True,
-    )
-
-
 async def _fit(compile: Any, strict: bool) -> tuple[Eight, list[tuple[str, int, float]]]:
     torch._dynamo.reset()
     collect = Collect()
     plugins: list[Plugin] = [collect]
     if strict:
         plugins.insert(0, SyncsAreErrorsOnceCompiled())
+    torch.manual_seed(0)
     module = Eight()
     try:
         await Trainer(max_epochs=2, plugins=plugins, device="cuda", compile=compile).fit(
-            module, _data()
+            module, test_cuda_put_gpu._data()
         )
     finally:
         torch.cuda.set_sync_debug_mode("default")

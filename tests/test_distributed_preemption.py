@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import loopbus
-from tests.engine.test_preemption import SCRIPT, env, final, wait_for
+from tests.engine.test_preemption import SCRIPT, assert_same_run, env, final, wait_for
 from tests.test_distributed import _free_port
 
 pytestmark = [
@@ -59,14 +59,7 @@ def launch(
 
 
 def same_run(directory: Path, reference: dict[str, Any]) -> None:
-    resumed = final(directory)
-    assert resumed["global_step"] == reference["global_step"] == FINAL_STEP
-    for name, tensor in reference["module"].items():
-        assert torch.equal(resumed["module"][name], tensor), f"weight {name!r} differs"
-    for index, state in reference["optimizer"]["state"].items():
-        assert torch.equal(
-            resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"]
-        ), f"momentum buffer {index} differs"
+    assert_same_run(final(directory), reference, FINAL_STEP)
 
 
 @pytest.fixture(scope="module")

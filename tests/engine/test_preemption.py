@@ -92,8 +92,11 @@ def final(directory: Path) -> dict[str, Any]:
     return torch.load(directory / "final.pt.rank0", weights_only=True)  # type: ignore[no-any-return]
 
 
-def assert_same_run(resumed: dict[str, Any], reference: dict[str, Any]) -> None:
-    assert resumed["global_step"] == reference["global_step"] == FINAL_STEP
+def assert_same_run(
+    resumed: dict[str, Any], reference: dict[str, Any], final_step: int = FINAL_STEP
+) -> None:
+    """The resumed run's final weights, momentum and step are the uninterrupted one's."""
+    assert resumed["global_step"] == reference["global_step"] == final_step
     for name, tensor in reference["module"].items():
         assert torch.equal(resumed["module"][name], tensor), f"weight {name!r} differs"
     for index, state in reference["optimizer"]["state"].items():

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import signal
 import warnings
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, Sampler, TensorDataset
 
 import loopbus
 from loopbus import Module, Plugin, Trainer, on
@@ -72,13 +73,36 @@ def dataset(n: int, seed: int) -> TensorDataset:
     return TensorDataset(x, y)
 
 
+class PythonAndNumpyShuffle(Sampler[int]):
+    """A user's sampler whose order comes from Python's and NumPy's global generators
+    (not torch's): a plain loader over it resumes mid-epoch only if those are restored."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __iter__(self) -> Any:
+        import numpy as np
+
+        order = list(range(self.n))
+        random.shuffle(order)
+        shift = int(np.random.randint(self.n))
+        return iter(order[shift:] + order[:shift])
+
+
 def make_data(loader: str, n_train: int = N_TRAIN, batch: int = BATCH) -> tuple[Any, Any]:
-    """Shuffled training data (a plain DataLoader or torchdata's StatefulDataLoader)
-    and unshuffled validation data. Call after seeding: shuffling draws on torch's RNG."""
+    """Shuffled training data (a plain DataLoader, one over a sampler that shuffles with
+    Python's and NumPy's generators, or torchdata's StatefulDataLoader) and unshuffled
+    validation data. Call after seeding: shuffling draws on the global generators."""
     train_set = dataset(n_train, 0)
     val = DataLoader(dataset(N_VAL, 1), batch_size=16)
     if loader == "plain":
         return DataLoader(train_set, batch_size=batch, shuffle=True), val
+    if loader == "custom-sampler":
+        sampler = PythonAndNumpyShuffle(n_train)
+        return DataLoader(train_set, batch_size=batch, sampler=sampler), val
     if loader in ("stateful", "stateful-generator"):
         from torchdata.stateful_dataloader import StatefulDataLoader
 

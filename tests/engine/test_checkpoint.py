@@ -164,7 +164,7 @@ RESUME_POINTS = {
 }
 
 
-@pytest.mark.parametrize("loader", ["plain", "stateful"])
+@pytest.mark.parametrize("loader", ["plain", "stateful", "custom-sampler"])
 @pytest.mark.parametrize("point", list(RESUME_POINTS))
 async def test_resume_is_exact(tmp_path: Path, loader: str, point: str) -> None:
     save_options, build_options, mid_epoch = RESUME_POINTS[point]
@@ -183,7 +183,7 @@ async def test_resume_is_exact(tmp_path: Path, loader: str, point: str) -> None:
         assert torch.load(path, weights_only=True)["grads"], "no pending gradients were saved"
 
     trainer, module, train, val = build(loader, **build_options)
-    if mid_epoch and loader == "plain":
+    if mid_epoch and loader != "stateful":
         with pytest.warns(UserWarning, match=SKIP_WARNING):
             await trainer.fit(module, train, val, ckpt_path=path)
     else:
@@ -271,6 +271,40 @@ async def test_rng_states_round_trip() -> None:
     assert a[1] == b[1]
     assert torch.equal(a[2], b[2])
     assert set(state) >= {"python", "numpy", "torch"}
+
+
+async def test_an_epoch_snapshot_takes_what_the_loader_order_can_depend_on() -> None:
+    from torch.utils.data import DataLoader, IterableDataset, TensorDataset
+
+    from loopbus.engine._rng import capture_epoch_rng, epoch_rng_state, restore_epoch_rng
+
+    from ._ckpt_scenario import PythonAndNumpyShuffle
+
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            return iter(range(4))
+
+    data = TensorDataset(torch.arange(8.0))
+    torch_only = [[1, 2], (1, 2), DataLoader(data, batch_size=2, shuffle=True)]
+    every = [
+        DataLoader(data, batch_size=2, sampler=PythonAndNumpyShuffle(8)),
+        DataLoader(Stream(), batch_size=2),
+        iter([1, 2]),
+    ]
+    for loader in torch_only + every:
+        snapshot = capture_epoch_rng(loader)
+        plain = epoch_rng_state(snapshot)
+        assert plain is not None
+        expected = {"torch"} if loader in torch_only else {"python", "numpy", "torch"}
+        assert set(plain["rng"]) == expected, f"{loader!r}: {sorted(plain['rng'])}"
+        assert epoch_rng_state(plain) is plain  # a loaded (plain) one stays as it is
+        # Both forms put the generators they hold back where they were.
+        first = (random.random(), torch.rand(2))
+        for form in (snapshot, plain):
+            restore_epoch_rng(form, loader)
+            again = (random.random(), torch.rand(2))
+            assert torch.equal(first[1], again[1])
+            assert (first[0] == again[0]) == (loader not in torch_only)
 
 
 # ---------------------------------------------------------------- weights_only

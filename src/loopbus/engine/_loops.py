@@ -50,6 +50,7 @@ from ._options import TrainerOptions
 from ._rng import (
     capture_epoch_rng,
     capture_rng,
+    epoch_rng_state,
     restore_epoch_rng,
     restore_rng,
     set_sampler_epoch,
@@ -57,7 +58,7 @@ from ._rng import (
 from ._runstate import RunState
 from ._scope import Scope
 from ._sources import Source, Sources
-from ._state import Stateful
+from ._state import is_stateful
 from ._step import EvalStep, TrainStep, run_in_worker
 
 __all__ = [
@@ -265,7 +266,7 @@ class _EpochMarks:
     def on_save_checkpoint(self) -> dict[str, Any]:
         return {
             "in_epoch": self._saved_in_epoch,
-            "epoch_rng": self._epoch_rng,
+            "epoch_rng": epoch_rng_state(self._epoch_rng),
             "cut_short": self._cut_short,
         }
 
@@ -348,7 +349,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         self._max_steps = options.max_steps
         self._val_every = options.val_check_interval
         iterator = self.resume_iterator(train_data)
-        self._open_source(ctx, host.sources, train_data, iterator, isinstance(train_data, Stateful))
+        self._open_source(ctx, host.sources, train_data, iterator, is_stateful(train_data))
         self._in_epoch = True
 
     def closes_window(self, size: int) -> bool:

@@ -3,6 +3,7 @@ plain values (for checkpoints), and the state a data loader's epoch order comes 
 
 from __future__ import annotations
 
+import array
 import contextlib
 import random
 import sys
@@ -13,10 +14,13 @@ from typing import Any
 import torch
 
 __all__ = [
+    "RngSnapshot",
     "capture_epoch_rng",
     "capture_rng",
+    "epoch_rng_state",
     "loader_generator_states",
     "loader_generators",
+    "order_depends_on_torch_only",
     "restore_epoch_rng",
     "restore_loader_generators",
     "restore_rng",
@@ -24,32 +28,67 @@ __all__ = [
 ]
 
 
+class RngSnapshot:
+    """The global generators' states as taken, in the forms that are cheap to take
+    (Python's state tuple, NumPy's state tuple, torch's byte tensors), and converted to
+    plain values (:func:`capture_rng`'s form) only when a checkpoint needs them: an
+    epoch's start takes one and nearly always drops it unsaved. ``torch_only`` takes
+    torch's generators alone (see :func:`order_depends_on_torch_only`)."""
+
+    __slots__ = ("cuda", "numpy", "python", "torch")
+
+    def __init__(self, torch_only: bool = False) -> None:
+        self.python = None if torch_only else random.getstate()
+        np = None if torch_only else sys.modules.get("numpy")
+        self.numpy = None if np is None else np.random.get_state(legacy=True)
+        self.torch = torch.get_rng_state()
+        self.cuda = (
+            list(torch.cuda.get_rng_state_all())
+            if torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+            else None
+        )
+
+    def plain(self) -> dict[str, Any]:
+        """The states as :func:`capture_rng` returns them."""
+        state: dict[str, Any] = {}
+        if self.python is not None:
+            version, internal, gauss_next = self.python
+            # The Mersenne Twister's 625 words as one tensor (not 625 Python ints).
+            words = array.array("q", internal)
+            state["python"] = {
+                "version": version,
+                "state": torch.frombuffer(words, dtype=torch.int64).clone(),
+                "gauss_next": gauss_next,
+            }
+        state["torch"] = self.torch
+        if self.numpy is not None:
+            kind, key, pos, has_gauss, gauss = self.numpy
+            state["numpy"] = {
+                "kind": str(kind),
+                "key": torch.from_numpy(key.astype("int64")),
+                "pos": int(pos),
+                "has_gauss": int(has_gauss),
+                "gauss": float(gauss),
+            }
+        if self.cuda is not None:
+            state["cuda"] = self.cuda
+        return state
+
+    def restore(self) -> None:
+        """Set the generators it holds back to the states it took."""
+        if self.python is not None:
+            random.setstate(self.python)
+        if self.numpy is not None:
+            sys.modules["numpy"].random.set_state(self.numpy)
+        torch.set_rng_state(self.torch)
+        if self.cuda is not None:
+            _restore_cuda(self.cuda)
+
+
 def capture_rng() -> dict[str, Any]:
     """The states of Python's, NumPy's (when NumPy is in use) and torch's (CPU, and CUDA
     when initialised) global random number generators, as plain values."""
-    version, internal, gauss_next = random.getstate()
-    state: dict[str, Any] = {
-        # The Mersenne Twister's 625 words as one tensor (not 625 Python ints).
-        "python": {
-            "version": version,
-            "state": torch.tensor(internal, dtype=torch.int64),
-            "gauss_next": gauss_next,
-        },
-        "torch": torch.get_rng_state(),
-    }
-    np = sys.modules.get("numpy")
-    if np is not None:
-        kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
-        state["numpy"] = {
-            "kind": str(kind),
-            "key": torch.from_numpy(key.astype(np.int64)),
-            "pos": int(pos),
-            "has_gauss": int(has_gauss),
-            "gauss": float(gauss),
-        }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():  # type: ignore[no-untyped-call]
-        state["cuda"] = list(torch.cuda.get_rng_state_all())
-    return state
+    return RngSnapshot().plain()
 
 
 def restore_rng(state: dict[str, Any]) -> None:
@@ -75,10 +114,14 @@ def restore_rng(state: dict[str, Any]) -> None:
             )
         )
     cuda_states = state.get("cuda")
-    if cuda_states and torch.cuda.is_available():
-        count = min(len(cuda_states), torch.cuda.device_count())
-        for index in range(count):
-            torch.cuda.set_rng_state(cuda_states[index], index)
+    if cuda_states:
+        _restore_cuda(cuda_states)
+
+
+def _restore_cuda(states: list[torch.Tensor]) -> None:
+    if torch.cuda.is_available():
+        for index in range(min(len(states), torch.cuda.device_count())):
+            torch.cuda.set_rng_state(states[index], index)
 
 
 def loader_generators(data: Any) -> list[torch.Generator]:
@@ -89,7 +132,11 @@ def loader_generators(data: Any) -> list[torch.Generator]:
     batch_sampler = getattr(data, "batch_sampler", None)
     for owner in (data, sampler, getattr(batch_sampler, "sampler", None)):
         generator = getattr(owner, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+        if (
+            generator is not None  # before isinstance, which is slow for torch.Generator
+            and isinstance(generator, torch.Generator)
+            and all(generator is not g for g in found)
+        ):
             found.append(generator)
     return found
 
@@ -107,16 +154,53 @@ def set_sampler_epoch(data: Any, epoch: int) -> None:
             return
 
 
+_TORCH_DATA = "torch.utils.data"
+
+
+def order_depends_on_torch_only(data: Any) -> bool:
+    """Whether the order ``iter(data)`` yields batches in can depend on no generator but
+    torch's: a list or tuple (no generator at all), or torch's own ``DataLoader`` over a
+    map-style dataset with torch's own samplers (they draw their seeds from torch's
+    global generator or the loader's). A custom sampler, an iterable dataset or any
+    other iterable may draw from Python's or NumPy's generators too."""
+    cls = type(data)
+    if cls is list or cls is tuple:
+        return True
+    if not cls.__module__.startswith(_TORCH_DATA) or not hasattr(data, "sampler"):
+        return False
+    if isinstance(data.dataset, torch.utils.data.IterableDataset):
+        return False
+    return all(
+        part is None or type(part).__module__.startswith(_TORCH_DATA)
+        for part in (data.sampler, getattr(data, "batch_sampler", None))
+    )
+
+
 def capture_epoch_rng(data: Any) -> dict[str, Any]:
-    """What a plain loader's order depends on, taken right before ``iter(data)``."""
+    """What a plain loader's order depends on, taken right before ``iter(data)``: the
+    global generators (torch's alone where nothing else can matter) as an
+    :class:`RngSnapshot`, and the loader's own generators. :func:`epoch_rng_state` gives
+    its plain form for a checkpoint."""
     return {
-        "rng": capture_rng(),
+        "rng": RngSnapshot(torch_only=order_depends_on_torch_only(data)),
         "generators": loader_generator_states(data),
     }
 
 
+def epoch_rng_state(snapshot: dict[str, Any] | None) -> dict[str, Any] | None:
+    """:func:`capture_epoch_rng`'s snapshot (or one loaded from a checkpoint) in plain
+    values, as a checkpoint stores it."""
+    if snapshot is None or not isinstance(snapshot["rng"], RngSnapshot):
+        return snapshot
+    return {**snapshot, "rng": snapshot["rng"].plain()}
+
+
 def restore_epoch_rng(snapshot: dict[str, Any], data: Any) -> None:
-    restore_rng(snapshot["rng"])
+    rng = snapshot["rng"]
+    if isinstance(rng, RngSnapshot):
+        rng.restore()
+    else:
+        restore_rng(rng)
     _set_generator_states(data, snapshot.get("generators", []), "the resumed epoch")
 
 

@@ -24,7 +24,7 @@ from ._options import TrainerOptions
 from ._plugin import Plugin
 from ._preemption import Preemption
 from ._records import Recorder
-from ._rng import capture_rng, restore_rng
+from ._rng import RngSnapshot
 from ._runstate import RunState
 from ._strategy import Strategy
 
@@ -225,7 +225,7 @@ async def sanity_check(
     attach(loop, bus)
     loop.attach(leak_check=leak_check)
     subscriptions = bus.subscribe_methods(module, owner=type(module).__name__)
-    rng = capture_rng()
+    rng = RngSnapshot()
     state.begin_sanity_check()
     try:
         async with bus.running(drain_timeout):
@@ -248,7 +248,7 @@ async def sanity_check(
             sub.unsubscribe()
         loop.teardown_tree()
         recorder.discard_pending()
-        restore_rng(rng)
+        rng.restore()
 
 
 async def resume_from(

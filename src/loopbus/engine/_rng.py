@@ -241,8 +241,8 @@ def _set_generator_states(data: Any, saved: list[torch.Tensor], what: str) -> No
 @contextlib.contextmanager
 def rng_preserved() -> Iterator[None]:
     """Run a block without letting it move the global generators."""
-    state = capture_rng()
+    snapshot = RngSnapshot()
     try:
         yield
     finally:
-        restore_rng(state)
+        snapshot.restore()

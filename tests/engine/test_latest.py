@@ -156,3 +156,35 @@ async def test_same_event_visibility_for_plugins_without_validation() -> None:
     trainer = Trainer(max_epochs=2, plugins=[plugin])
     await trainer.fit(TinyModule(), make_loader(n=32))
     assert plugin.values == [0.0, 1.0]
+
+
+class PutsTwice(TinyModule):
+    """Puts one name twice a step: to callbacks (someone listens) and then to loggers
+    (nobody does), or the other way round."""
+
+    def __init__(self, first: str, second: str) -> None:
+        super().__init__()
+        self.order = (first, second)
+
+    def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
+        first, second = self.order
+        self.put("twice", 1.0, destinations=first)
+        self.put("twice", 2.0, destinations=second)
+        return super().training_step(batch, ctx)
+
+
+@pytest.mark.parametrize(("first", "second"), [("callbacks", "loggers"), ("loggers", "callbacks")])
+async def test_the_latest_of_a_name_is_the_last_put_whoever_listens(
+    first: str, second: str
+) -> None:
+    trainer = Trainer(max_epochs=1, plugins=[], limit_train_batches=2)
+    heard: list[float] = []
+    trainer.subscribe(
+        PutRecord,
+        lambda r: heard.append(r.value) if r.name == "twice" else None,
+        destination="callbacks",
+    )
+    await trainer.fit(PutsTwice(first, second), make_loader())
+    assert heard == [1.0, 1.0] if first == "callbacks" else [2.0, 2.0]
+    assert trainer.latest["twice"].value == 2.0
+    assert trainer.latest["twice"].destinations == (second,)

@@ -715,6 +715,10 @@ class Recorder:
                 routed.append((item, entries))
             elif destinations is EVENT_ENTRY:
                 routed.append((item, None))
+            elif routed and any(earlier[0] == item[0] for earlier, _ in routed):
+                # A record of this name goes out first (to other destinations): this
+                # one follows it to nobody, so the latest is this one, as put.
+                routed.append((item, ()))
             else:  # nobody listens: kept unread until someone asks (latest_records)
                 name, value, _, source = item
                 latest[name] = (name, value, step, epoch, source, destinations)

@@ -185,6 +185,6 @@ async def test_the_latest_of_a_name_is_the_last_put_whoever_listens(
         destination="callbacks",
     )
     await trainer.fit(PutsTwice(first, second), make_loader())
-    assert heard == [1.0, 1.0] if first == "callbacks" else [2.0, 2.0]
+    assert heard == ([1.0, 1.0] if first == "callbacks" else [2.0, 2.0])
     assert trainer.latest["twice"].value == 2.0
     assert trainer.latest["twice"].destinations == (second,)

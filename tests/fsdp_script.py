@@ -330,12 +330,13 @@ def scenario_stop(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _refused(fn: Any) -> str:
+def _message(fn: Any, error: type[Exception]) -> str:
+    """The message of the ``error`` that ``fn()`` raises ("not raised": none)."""
     try:
         fn()
-    except MisconfigurationError as exc:
+    except error as exc:
         return str(exc)
-    return "not refused"
+    return "not raised"
 
 
 def scenario_refusals(args: argparse.Namespace) -> dict[str, Any]:
@@ -348,11 +349,15 @@ def scenario_refusals(args: argparse.Namespace) -> dict[str, Any]:
         loopbus.run(t.fit, module, train, **kwargs)
 
     return {
-        "manual": _refused(lambda: fit(ManualLM())),
-        "fp16": _refused(lambda: fit(TinyLM(), options={"precision": "16-mixed"})),
-        "no_unit": _refused(lambda: fit(TinyLM(), FSDPStrategy(units=[torch.nn.Conv2d]))),
-        "no_reset": _refused(lambda: fit(_on_meta(LMWithNoReset))),
-        "stale_optimizer": _refused(lambda: fit(_StaleOptimizer())),
+        "manual": _message(lambda: fit(ManualLM()), MisconfigurationError),
+        "fp16": _message(
+            lambda: fit(TinyLM(), options={"precision": "16-mixed"}), MisconfigurationError
+        ),
+        "no_unit": _message(
+            lambda: fit(TinyLM(), FSDPStrategy(units=[torch.nn.Conv2d])), MisconfigurationError
+        ),
+        "no_reset": _message(lambda: fit(_on_meta(LMWithNoReset)), MisconfigurationError),
+        "stale_optimizer": _message(lambda: fit(_StaleOptimizer()), MisconfigurationError),
     }
 
 
@@ -370,14 +375,6 @@ class _StaleOptimizer(TinyLM):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.AdamW(self.kept, lr=self.lr)
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except CheckpointError as exc:
-        return str(exc)
-    return "no error"
 
 
 def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -400,7 +397,10 @@ def scenario_checkpoints(args: argparse.Namespace) -> dict[str, Any]:
     state = full_state(module)
     if rank == 0:
         torch.save(state, out / "by-hand-full.pt")
-    result: dict[str, Any] = {"saved": str(saved), "state_dict": _error(t.state_dict)}
+    result: dict[str, Any] = {
+        "saved": str(saved),
+        "state_dict": _message(t.state_dict, CheckpointError),
+    }
 
     def loaded(strategy: Any, ckpt: Path) -> bool:
         loopbus.seed_everything(1)  # other initial weights
@@ -446,7 +446,9 @@ def scenario_checkpoints(args: argparse.Namespace) -> dict[str, Any]:
     result["file_weights"] = _same_after(file, val, ddp_state)
     loopbus.seed_everything(3)
     t4 = Trainer(max_epochs=2, strategy="fsdp", plugins=[], num_sanity_val_steps=0)
-    result["file_resume"] = _error(lambda: loopbus.run(t4.fit, TinyLM(), train, ckpt_path=file))
+    result["file_resume"] = _message(
+        lambda: loopbus.run(t4.fit, TinyLM(), train, ckpt_path=file), CheckpointError
+    )
     return result
 
 

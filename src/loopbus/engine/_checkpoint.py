@@ -138,11 +138,14 @@ def own_class(module: object) -> type:
     return type(module)
 
 
-def has_sharded_parameters(module: torch.nn.Module) -> bool:
-    """Whether the module's parameters are sharded (DTensors, as under FSDP)."""
+def has_sharded_parameters(parameters: Iterable[torch.Tensor]) -> bool:
+    """Whether any of ``parameters`` (a module's, an optimizer's) is sharded (a DTensor,
+    as under FSDP). False where torch is built without ``torch.distributed``."""
+    if not torch.distributed.is_available():
+        return False
     from torch.distributed.tensor import DTensor
 
-    return any(isinstance(p, DTensor) for p in module.parameters())
+    return any(isinstance(p, DTensor) for p in parameters)
 
 
 class ModulePart:
@@ -159,7 +162,7 @@ class ModulePart:
         self._load(state, strict=True)
 
     def _load(self, state: dict[str, Any], *, strict: bool) -> None:
-        if has_sharded_parameters(self.module):
+        if has_sharded_parameters(self.module.parameters()):
             from torch.distributed.checkpoint.state_dict import (
                 StateDictOptions,
                 set_model_state_dict,

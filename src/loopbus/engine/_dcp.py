@@ -651,7 +651,7 @@ async def read_for_resume(
     if is_sharded_checkpoint(path):
         return load_sharded(parts, path, world_size=world_size, strict=strict)
     module = parts["module"].module if "module" in parts else None
-    if module is not None and has_sharded_parameters(module):
+    if module is not None and has_sharded_parameters(module.parameters()):
         raise CheckpointError(
             f"{path} is a checkpoint file (full tensors) and this run shards the module "
             "(FSDP): its optimizer state is keyed by position over full parameters, which "

@@ -32,6 +32,7 @@ from anyio.lowlevel import checkpoint
 
 from .._exceptions import MisconfigurationError
 from ..events import AfterBackward, BeforeOptimizerStep
+from ._checkpoint import has_sharded_parameters
 from ._precision import Precision
 from ._runstate import RunState
 from ._scope import Scope
@@ -456,8 +457,7 @@ def _optimizer_stays_eager(
             False,
             False,
         )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    if any(_is_dtensor(p) for p in params):
+    if has_sharded_parameters(p for group in optimizer.param_groups for p in group["params"]):
         return "its parameters are DTensors (FSDP)", False, False
     if schedulers.configured and any(
         not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups
@@ -478,14 +478,6 @@ def _optimizer_stays_eager(
 
 def _no_optimizer_step() -> None:
     """The optimizer step of a step without optimizers (manual optimization)."""
-
-
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return isinstance(tensor, DTensor)
 
 
 def build_train_step(

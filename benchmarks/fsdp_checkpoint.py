@@ -217,6 +217,7 @@ def worker(args: argparse.Namespace) -> None:
     }
     if dist.get_rank() == 0:
         print(json.dumps(results))
+    dist.destroy_process_group()  # made here, so left here
 
 
 def main() -> None:

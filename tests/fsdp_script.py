@@ -20,11 +20,16 @@ summary per rank to ``--out``.
   its resume refused.
 * ``stop``: a stop asked on one rank stops both at the same step; a logger writes on
   rank 0 only.
+
+Every scenario also writes, once the process's other exit handlers have run (the
+trainer's leaves the process group), which gloo threads are still alive
+(``<scenario>_rank<N>_exit.json``; ``null`` where the platform does not list threads).
 """
 
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 from collections.abc import Sequence
@@ -468,6 +473,21 @@ SCENARIOS = {
 }
 
 
+def gloo_threads() -> list[str] | None:
+    """The names of this process's gloo threads (a process group's workers and its
+    transport loop), from ``/proc``; None where there is no ``/proc/self/task``."""
+    tasks = Path("/proc/self/task")
+    if not tasks.is_dir():
+        return None
+    names = []
+    for task in tasks.iterdir():
+        try:
+            names.append((task / "comm").read_text().strip())
+        except OSError:  # the thread ended meanwhile
+            continue
+    return sorted(name for name in names if "gloo" in name)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -481,8 +501,11 @@ def main() -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
-    summary = SCENARIOS[args.scenario](args)
     rank = int(os.environ.get("RANK", "0"))
+    # Registered before any trainer's exit handler, so it runs after them.
+    exit_file = out / f"{args.scenario}_rank{rank}_exit.json"
+    atexit.register(lambda: exit_file.write_text(json.dumps(gloo_threads())))
+    summary = SCENARIOS[args.scenario](args)
     (out / f"{args.scenario}_rank{rank}.json").write_text(json.dumps(summary))
 
 

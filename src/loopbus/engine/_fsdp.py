@@ -24,6 +24,11 @@ the process group, the ``DistributedSampler``, the collective stop):
 
 from __future__ import annotations
 
+import atexit
+import functools
+import gc
+import logging
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -46,6 +51,8 @@ if TYPE_CHECKING:
     from ._runstate import RunState
 
 __all__ = ["FSDPStrategy"]
+
+_log = logging.getLogger("loopbus")
 
 #: Which submodules become shard units: classes, or a predicate over submodules.
 Units = Sequence[type[torch.nn.Module]] | Callable[[torch.nn.Module], bool]
@@ -226,6 +233,7 @@ class FSDPStrategy(DataParallel):
 
         visit(root, "")
         fully_shard(root, **options)
+        free_device_meshes_at_exit()
 
     def prepare_optimizers(
         self, optimizers: list[torch.optim.Optimizer], module: Module
@@ -270,6 +278,47 @@ class FSDPStrategy(DataParallel):
         if module is None:
             return nullcontext()
         return _without_gradient_sync(module)  # type: ignore[arg-type]
+
+
+#: torch's DTensor caches, as (module, attribute path of a function that empties one).
+#: Each keeps every device mesh it has seen alive, and a mesh keeps its process group.
+_DTENSOR_CACHES = (
+    ("torch.distributed.tensor._redistribute", "clear_redistribute_planner_cache"),
+    ("torch.distributed.tensor._redistribute", "_gen_transform_infos.cache_clear"),
+    ("torch.distributed.tensor._collective_utils", "MeshTopoInfo.build_from_mesh.cache_clear"),
+    (
+        "torch.distributed.tensor._api",
+        "DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear",
+    ),
+    ("torch._C", "_clear_DTensor_sharding_propagator_cache"),
+)
+
+
+@functools.cache
+def free_device_meshes_at_exit() -> None:
+    """Once per process, when FSDP first shards: at exit, empty torch's DTensor caches
+    and collect. The caches keep every device mesh they have seen alive, and a mesh keeps
+    its process group: a gloo group alive into the interpreter's finalization can abort
+    the process (see ``_ddp._leave_process_group``). Registered after the trainer's own
+    handler (which leaves a group it created), so it runs before it; where the user made
+    the group and destroyed it, freeing the mesh is what frees the group."""
+    atexit.register(_free_device_meshes)
+
+
+def _free_device_meshes() -> None:
+    """Empty torch's DTensor caches, then collect the meshes they held. The caches are
+    torch's internals: only modules already imported are looked at, and a cache that is
+    not where this torch keeps it is skipped (the exit is then as it was)."""
+    for module_name, path in _DTENSOR_CACHES:
+        target: Any = sys.modules.get(module_name)
+        for name in path.split("."):
+            target = getattr(target, name, None)
+        if callable(target):
+            try:
+                target()
+            except Exception:  # best effort at exit: never fail the exit
+                _log.debug("could not empty %s.%s", module_name, path, exc_info=True)
+    gc.collect()
 
 
 @contextmanager

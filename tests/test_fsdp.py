@@ -76,8 +76,8 @@ def test_the_process_group_and_its_threads_are_gone_before_the_interpreter_final
 ) -> None:
     # A gloo thread alive into finalization can abort the process at exit (-6) when it
     # lets go of finished work. Under FSDP, torch's DTensor caches keep the device mesh,
-    # and with it the group, alive: the trainer's exit handler empties them, so the group
-    # is freed and its threads joined while the interpreter is whole.
+    # and with it the group, alive: FSDP's exit hook empties them, so the group is freed
+    # and its threads joined while the interpreter is whole.
     _, saved = checkpoints
     for summary in [*fsdp_run, saved]:
         if summary["gloo_threads_at_exit"] is None:

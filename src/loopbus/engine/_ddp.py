@@ -296,7 +296,7 @@ def _leave_process_group() -> None:
     finalizes can abort the process (exit -6, "terminate called without an active
     exception"): when it lets go of a finished collective whose tensors Python also
     saw, it needs the GIL, which a finalizing Python no longer hands out. (FSDP's
-    meshes also hold the group: see ``free_device_meshes_at_exit``.)"""
+    meshes also hold the group: see ``_fsdp._free_device_meshes_at_exit``.)"""
     if dist.is_available() and dist.is_initialized():
         gc.collect()  # drop DDP reducers that still refer to the group
         dist.destroy_process_group()

@@ -233,7 +233,7 @@ class FSDPStrategy(DataParallel):
 
         visit(root, "")
         fully_shard(root, **options)
-        free_device_meshes_at_exit()
+        _free_device_meshes_at_exit()
 
     def prepare_optimizers(
         self, optimizers: list[torch.optim.Optimizer], module: Module
@@ -295,13 +295,14 @@ _DTENSOR_CACHES = (
 
 
 @functools.cache
-def free_device_meshes_at_exit() -> None:
+def _free_device_meshes_at_exit() -> None:
     """Once per process, when FSDP first shards: at exit, empty torch's DTensor caches
     and collect. The caches keep every device mesh they have seen alive, and a mesh keeps
     its process group: a gloo group alive into the interpreter's finalization can abort
-    the process (see ``_ddp._leave_process_group``). Registered after the trainer's own
-    handler (which leaves a group it created), so it runs before it; where the user made
-    the group and destroyed it, freeing the mesh is what frees the group."""
+    the process (see ``_ddp._leave_process_group``). It works in either order with the
+    trainer's own handler (which destroys a group the trainer created): a destroyed group
+    that a mesh still holds is freed with the mesh. The same goes for a group the user
+    created and destroyed."""
     atexit.register(_free_device_meshes)
 
 

@@ -1,18 +1,157 @@
 """Test configuration: every async test runs on asyncio (debug mode) and trio, and the
-scope leak check is on for every trainer the tests build."""
+scope leak check is on for every trainer the tests build.
+
+The suite is hermetic: it gives the same result on a fresh machine, on one that ran it
+before, and in any order.
+
+* torch's compile caches (inductor's, which holds the FX graph and AOT autograd caches,
+  and Triton's) go to a fresh temporary folder per test session, removed at its end, so
+  a compile test never finds kernels an earlier run left behind. Subprocesses the tests
+  start (torchrun, scripts) inherit the same folders.
+* Before each test the random generators are seeded (Python's, NumPy's, torch's), and
+  after it the process-global state a test can change is compared with what it was:
+  the recursion limit, torch's default dtype, grad mode and thread count, the signal
+  handlers, the environment and the working directory. A test that leaves any of them
+  changed fails, naming what it changed, and the state is put back, so the next test
+  starts from the same state whatever ran before it. The recursion limit and
+  PYTHONHASHSEED are put back without failing the test: torch's inductor raises the
+  limit while it compiles, and ``seed_everything`` sets the variable on purpose.
+* ``--order=reverse`` runs the collected tests in reverse order (CI does, so an order
+  dependency fails there even when the usual order hides it).
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("LOOPBUS_LEAK_CHECK", "raise")
+# A cold compile cache of this session's own: set before torch is imported anywhere.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="loopbus-test-compile-cache-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_COMPILE_CACHE, "inductor")
+os.environ["TRITON_CACHE_DIR"] = os.path.join(_COMPILE_CACHE, "triton")
 
-import pytest
-import torch
+import random  # noqa: E402
+import signal  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from typing import Any  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # The tests use tiny models: one intra-op thread is fastest and stays fast on a busy
 # machine (a pool of spinning threads fighting for two cores is not).
 torch.set_num_threads(1)
+
+_SIGNALS = tuple(
+    getattr(signal, name)
+    for name in ("SIGINT", "SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+    if hasattr(signal, name)
+)
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--order",
+        choices=("forward", "reverse"),
+        default="forward",
+        help="run the collected tests in their usual order or in reverse (to show that "
+        "no test depends on what an earlier one left behind)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if config.getoption("--order") == "reverse":
+        items.reverse()
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
+
+
+# Variables a library sets for itself while it runs (pytest's current test, torch's
+# inductor's process-wide settings): theirs to keep, not a test's leak.
+_LIBRARY_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_")
+# Set by what a test calls on purpose (``seed_everything`` sets PYTHONHASHSEED for the
+# processes the run starts, as Lightning's does): put back after each test, not a failure.
+_RESTORED_VARIABLES = ("PYTHONHASHSEED",)
+
+
+def _libraries_own(key: str) -> bool:
+    return key.startswith(_LIBRARY_VARIABLES) or key in _RESTORED_VARIABLES
+
+
+def _global_state() -> dict[str, Any]:
+    return {
+        "torch's default dtype": torch.get_default_dtype(),
+        "torch's grad mode": torch.is_grad_enabled(),
+        "torch's intra-op thread count": torch.get_num_threads(),
+        "the signal handlers": {s: signal.getsignal(s) for s in _SIGNALS},
+        "the environment": {k: v for k, v in os.environ.items() if not _libraries_own(k)},
+        "the working directory": os.getcwd(),
+    }
+
+
+def _restore(name: str, value: Any) -> None:
+    if name == "torch's default dtype":
+        torch.set_default_dtype(value)
+    elif name == "torch's grad mode":
+        torch.set_grad_enabled(value)
+    elif name == "torch's intra-op thread count":
+        torch.set_num_threads(value)
+    elif name == "the signal handlers":
+        for s, handler in value.items():
+            if handler is not None:
+                signal.signal(s, handler)
+    elif name == "the environment":
+        for key in [k for k in os.environ if k not in value and not _libraries_own(k)]:
+            del os.environ[key]
+        os.environ.update(value)
+    elif name == "the working directory":
+        os.chdir(value)
+
+
+def _changes(name: str, before: Any, after: Any) -> str:
+    if isinstance(before, dict):
+        keys = sorted({*before, *after}, key=str)
+        changed = [k for k in keys if before.get(k) != after.get(k)]
+        shown = ", ".join(
+            f"{getattr(k, 'name', k)}: {before.get(k)!r} -> {after.get(k)!r}" for k in changed
+        )
+        return f"{name} ({shown})"
+    return f"{name} ({before!r} -> {after!r})"
+
+
+@pytest.fixture(autouse=True)
+def _hermetic(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Seed the generators, and fail a test that leaves process-global state changed."""
+    recursion_limit = sys.getrecursionlimit()
+    restored_variables = {key: os.environ.get(key) for key in _RESTORED_VARIABLES}
+    before = _global_state()
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    yield
+    sys.setrecursionlimit(recursion_limit)
+    for key, value in restored_variables.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    after = _global_state()
+    leaked = [name for name in before if before[name] != after[name]]
+    for name in leaked:
+        _restore(name, before[name])
+    if leaked:
+        pytest.fail(
+            f"{request.node.nodeid} left process-global state changed: "
+            + "; ".join(_changes(name, before[name], after[name]) for name in leaked)
+            + ". Set it back at the test's end (a fixture, monkeypatch, or try/finally).",
+            pytrace=False,
+        )
 
 
 @pytest.fixture(

@@ -98,6 +98,51 @@ def test_int_subclasses_are_range_checked_too(module: Module) -> None:
     assert pending(module) == []
 
 
+class BadRepr:
+    """An object whose ``__repr__`` raises (a half-built wrapper, a proxy)."""
+
+    def __repr__(self) -> str:
+        raise RuntimeError("repr exploded")
+
+
+class BadReprText(str):
+    def __repr__(self) -> str:
+        raise RuntimeError("repr exploded")
+
+
+class NotStrRepr:
+    def __repr__(self) -> Any:
+        return 42
+
+
+def test_a_value_whose_repr_raises_gets_the_same_clear_error(module: Module) -> None:
+    unsupported = r"got a value of type {}: <{} object.*put takes numbers"
+    with pytest.raises(TypeError, match=unsupported.format("BadRepr", "BadRepr")):
+        module.put("x", BadRepr())
+    with pytest.raises(TypeError, match=unsupported.format("NotStrRepr", "NotStrRepr")):
+        module.put("x", NotStrRepr())
+    with pytest.raises(TypeError, match=r"got text <BadReprText object; its __repr__ raised"):
+        module.put("x", BadReprText("text"))
+    with pytest.raises(TypeError, match=r"name must be a non-empty str .*got <BadRepr object"):
+        module.put(BadRepr(), 1.0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"destinations must be .*got <BadRepr object"):
+        module.put("x", 1.0, destinations=BadRepr())
+    with pytest.raises(TypeError, match=r"put_dict\(\) needs a mapping .*got <BadRepr object"):
+        module.put_dict(BadRepr())  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got a value of type BadRepr"):
+        module.put_dict({"a": 1.0, "b": BadRepr()})
+    assert pending(module) == []
+
+
+def test_a_long_repr_is_cut_short_in_the_error(module: Module) -> None:
+    class Long:
+        def __repr__(self) -> str:
+            return "L" * 10_000
+
+    with pytest.raises(TypeError, match=r"L{160}\.\.\. \(10000 characters\)\. put takes"):
+        module.put("x", Long())
+
+
 CONTROL = r"names are shown on one line.*not allowed.*Replace it.*Rule: a name is"
 
 

@@ -38,7 +38,9 @@ Pending = tuple[str, Any, tuple[str, ...], str]
 def register_destination(role: str) -> None:
     """Allow ``role`` as a put destination (plugins with a role of their own call this)."""
     if not isinstance(role, str) or not role:
-        raise ValueError(f"a destination role must be a non-empty str, got {role!r}")
+        raise ValueError(
+            f"a destination role must be a non-empty str, got {_described(role)}"
+        )
     _KNOWN_ROLES.add(role)
 
 
@@ -63,12 +65,12 @@ def _destinations(destinations: Any) -> tuple[str, ...]:
     except TypeError:
         raise TypeError(
             f"put() destinations must be a str or a collection of str from {DESTINATIONS}, "
-            f"got {destinations!r}."
+            f"got {_described(destinations)}."
         ) from None
     for role in result:
         if role not in _KNOWN_ROLES:
             raise ValueError(
-                f"put() got unknown destination {role!r}; known destinations are "
+                f"put() got unknown destination {_described(role)}; known destinations are "
                 f"{sorted(_KNOWN_ROLES)}."
             )
     if not result:
@@ -131,6 +133,20 @@ _NAME_RULES = (
 )
 
 
+def _described(value: object) -> str:
+    """``repr(value)`` for an error message, cut short; never raises (a value whose
+    ``__repr__`` raises, or returns something else than a str, is named by its type)."""
+    try:
+        text = repr(value)
+    except Exception as error:  # the message is about the value, not its repr
+        return f"<{type(value).__qualname__} object; its __repr__ raised {type(error).__name__}>"
+    if type(text) is not str:
+        return f"<{type(value).__qualname__} object>"
+    if len(text) > 200:
+        return f"{text[:160]}... ({len(text)} characters)"
+    return text
+
+
 def _shown(name: str) -> str:
     """``repr(name)``, cut short for very long names."""
     if len(name) <= 80:
@@ -156,7 +172,9 @@ def _validate_name(name: Any) -> None:
     terminal escape sequences.
     """
     if type(name) is not str or not name:
-        raise TypeError(f"put() name must be a non-empty str such as 'train/loss', got {name!r}.")
+        raise TypeError(
+            f"put() name must be a non-empty str such as 'train/loss', got {_described(name)}."
+        )
     if len(name) > _MAX_NAME_LENGTH:
         raise ValueError(
             f"put() name {_shown(name)} is {len(name)} characters long; names may have at "
@@ -248,16 +266,17 @@ def _coerce(name: str, value: Any) -> float | int | bool:
             return float(value)
         except OverflowError:
             raise ValueError(
-                f"put({_shown(name)}, ...) got {value!r}, which is too large for a float "
-                "(the loggers and the stream carry 64-bit floats). Put a smaller number."
+                f"put({_shown(name)}, ...) got {_described(value)}, which is too large for a "
+                "float (the loggers and the stream carry 64-bit floats). Put a smaller number."
             ) from None
     if isinstance(value, (str, bytes)):
         raise TypeError(
-            f"put({_shown(name)}, ...) got text {value!r}; put takes numbers (int, float, "
+            f"put({_shown(name)}, ...) got text {_described(value)}; put takes numbers (int, float, "
             "bool) or one-element tensors. To publish text, define and publish a custom event."
         )
     raise TypeError(
-        f"put({_shown(name)}, ...) got a value of type {type(value).__name__}: {value!r}. put "
+        f"put({_shown(name)}, ...) got a value of type {type(value).__name__}: "
+        f"{_described(value)}. put "
         "takes numbers (int, float, bool) or one-element tensors; for a torchmetrics Metric, "
         "put metric.compute()."
     )
@@ -340,7 +359,9 @@ class PutMixin:
     def put_dict(self, values: Mapping[str, Any], destinations: Any = None) -> None:
         """``put`` every item of ``values``: all of them, or (when one is refused) none."""
         if not isinstance(values, Mapping):
-            raise TypeError(f"put_dict() needs a mapping of name -> value, got {values!r}.")
+            raise TypeError(
+                f"put_dict() needs a mapping of name -> value, got {_described(values)}."
+            )
         recorder = self._loopbus_recorder
         if recorder is not None and recorder.compiled:
             # Every entry checked before any is appended: nothing reads the pending list
@@ -584,7 +605,7 @@ class Recorder:
         if not isinstance(event, Event):
             raise TypeError(
                 f"trainer.publish() takes an event (an instance of a loopbus.Event "
-                f"subclass), got {event!r}."
+                f"subclass), got {_described(event)}."
             )
         state = self.state
         if state.stage is None:

@@ -8,7 +8,6 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -231,27 +230,28 @@ def test_a_compiled_step_trains_under_ddp(tmp_path: Path) -> None:
 
 
 def test_a_failing_rank_brings_the_job_down(tmp_path: Path) -> None:
-    start = time.monotonic()
-    proc = _launch(tmp_path, "--raise-rank", "1", "--raise-at", "5", timeout=60)
-    elapsed = time.monotonic() - start
+    # The process group's timeout is longer than the launch's deadline: a job that came
+    # down only once the other rank's collective timed out would miss the deadline. The
+    # failure is passed on, not waited out.
+    proc = _launch(
+        tmp_path, "--raise-rank", "1", "--raise-at", "5", "--timeout", "600", timeout=120
+    )
+    output = proc.stdout + proc.stderr
     assert proc.returncode != 0
-    assert "boom on rank 1 at step 5" in proc.stdout + proc.stderr
-    assert elapsed < 30
+    assert "boom on rank 1 at step 5" in output
+    assert not any(text in output for text in TIMED_OUT), output[-4000:]
     assert not (tmp_path / "summary_rank0.json").exists()
 
 
 @pytest.mark.slow
 def test_a_hung_rank_times_the_others_out(tmp_path: Path) -> None:
-    start = time.monotonic()
     proc = _launch(tmp_path, "--hang-rank", "1", "--hang-at", "5", "--timeout", "5", timeout=90)
-    elapsed = time.monotonic() - start
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1 hangs at step 5" in output
     # Rank 0 waited in a collective for process_group_timeout, failed, and torchrun then
     # stopped the hung rank.
     assert any(text in output for text in TIMED_OUT), output[-4000:]
-    assert elapsed < 60
     assert not (tmp_path / "summary_rank0.json").exists()
 
 

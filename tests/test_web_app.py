@@ -10,7 +10,6 @@ import json
 import os
 import shutil
 import socket
-import statistics
 import subprocess
 import sys
 import time
@@ -163,19 +162,17 @@ def test_cancelling_a_run_while_the_api_keeps_answering(server: str) -> None:
     run = _start(server, epochs=5000)
     _wait_for(lambda: _state(server, run["id"])["step"] > 0, 60, "the run to train")
 
-    # While it trains, requests are answered quickly and the run keeps going.
-    latencies = []
-    steps = []
-    for _ in range(20):
-        start = time.perf_counter()
+    # While it trains, requests are answered and the run keeps going: the answers come from
+    # several points of the run. (How quickly they come is benchmarks/lag.py's figure.)
+    steps: set[int] = set()
+
+    def answered_at_a_third_step() -> bool:
         state = _state(server, run["id"])
-        latencies.append(time.perf_counter() - start)
-        steps.append(state["step"])
-        time.sleep(0.02)
-    assert state["state"] == "running"
-    assert steps[-1] > steps[0]
-    assert statistics.median(latencies) < 0.25
-    assert max(latencies) < 2.0
+        assert state["state"] == "running"
+        steps.add(state["step"])
+        return len(steps) >= 3
+
+    _wait_for(answered_at_a_third_step, 60, "answers from three points of the run")
 
     response = httpx.delete(f"{server}/runs/{run['id']}", timeout=10)
     assert response.status_code == 202

@@ -81,21 +81,30 @@ class SlowValidation(TinyModule):
 async def test_validation_time_is_not_in_the_train_bar() -> None:
     bar = ProgressBar(file=io.StringIO())
     runs: dict[str, _Run] = {}
+    # For each validation batch: when the train run was paused, and the batch's span.
+    batches: list[tuple[float | None, float, float]] = []
 
     class Watch(TinyModule):
         def validation_step(self, batch: Any, ctx: Any) -> None:
             runs.update(bar._running)
+            start = time.monotonic()
             time.sleep(0.05)
             super().validation_step(batch, ctx)
+            if "train" in bar._running:  # not the sanity check before it
+                batches.append((bar._running["train"].paused_at, start, time.monotonic()))
 
     trainer = Trainer(max_epochs=1, val_check_interval=2, plugins=[bar], device="cpu")
     await trainer.fit(Watch(), make_loader(n=64), make_loader(n=32))
     train = runs["train"]
-    # Two validations of two 50 ms batches ran inside the epoch; the train run was
-    # paused for them, so its active time is well below its wall time.
+    # Two validations of two batches ran inside the epoch; the train run was paused
+    # before each batch began, and resumed after: the time they took is left out of its
+    # active time.
+    assert len(batches) == 4
+    for paused_at, start, _ in batches:
+        assert paused_at is not None
+        assert paused_at <= start
     assert train.paused_at is None
-    assert train.excluded >= 0.2
-    assert train.active(time.monotonic()) < time.monotonic() - train.start - 0.2
+    assert train.excluded >= sum(end - start for _, start, end in batches) - 1e-9
 
 
 async def test_a_stale_record_says_which_epoch_it_is_from() -> None:

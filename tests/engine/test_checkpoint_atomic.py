@@ -54,9 +54,15 @@ async def test_a_write_that_fails_midway_leaves_the_previous_checkpoint(
     monkeypatch.setattr(torch, "save", half_then_disk_full)
     second_state = trainer.state_dict()
     second_state["loopbus"]["global_step"] += 5  # recognisably different
+    kept = (
+        "the previous checkpoint at that path is unchanged"
+        if second == "a.ckpt"
+        else "nothing was written under that name"
+    )
     with pytest.raises(
         CheckpointError,
-        match=rf"could not write the checkpoint .*{second}: .*No space left on device.*previous checkpoint at that path, if any, is unchanged",
+        match=rf"could not write the checkpoint .*{second}: No space left on device.*"
+        rf"Nothing was replaced: {kept}\. .*last\.json still names 'a\.ckpt'",
     ):
         loopbus.write_checkpoint(second_state, tmp_path / second, update_last=True)
     monkeypatch.undo()
@@ -117,10 +123,14 @@ async def test_a_checkpoint_without_its_marker_still_loads(tmp_path: Path) -> No
     path = trainer.save_checkpoint(tmp_path / "x.ckpt")
     (tmp_path / "x.ckpt.complete").unlink()
     assert loopbus.load_checkpoint(path)["loopbus"]["global_step"] == 2
-    # Without a pointer, the newest complete checkpoint (with a marker) is "last".
-    assert loopbus.latest_checkpoint(tmp_path) is None
+    # Without a pointer, the newest complete checkpoint (with a marker) is "last"; the
+    # file without one is skipped, with a warning that says so.
+    skipped = r"x\.ckpt: it has no completeness marker x\.ckpt\.complete"
+    with pytest.warns(UserWarning, match=rf"{skipped}.*no complete checkpoint is left"):
+        assert loopbus.latest_checkpoint(tmp_path) is None
     second = trainer.save_checkpoint(tmp_path / "y.ckpt")
-    assert loopbus.latest_checkpoint(tmp_path) == second
+    with pytest.warns(UserWarning, match=rf"{skipped}.*y\.ckpt, is taken instead"):
+        assert loopbus.latest_checkpoint(tmp_path) == second
 
 
 async def test_marker_records_size_and_checksum(tmp_path: Path) -> None:

@@ -16,11 +16,19 @@ A sharded checkpoint (``_dcp.py``) is a directory instead of a file: it is writt
 temporary name, its completeness marker (``loopbus.complete``, JSON: the size of every
 file in it) goes inside it last, and only then is it renamed to its own name. Pointer,
 scan for the newest, removal and the cleaning of temporaries treat both kinds alike.
+
+A directory means the checkpoint its ``last.json`` names or, without one or when that one
+is missing or damaged, the newest complete one (:func:`latest_checkpoint`: the marker
+there, every file of the size it records); the checkpoints passed over are named, with
+what is wrong with each, in a ``UserWarning``. A write that fails (a full disk) raises
+:class:`CheckpointError` naming the file, the cause and what is on disk since, not the
+``RuntimeError`` torch makes of a failed write.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import io
 import json
@@ -32,6 +40,7 @@ import secrets
 import shutil
 import socket
 import stat
+import warnings
 import zipfile
 import zlib
 from collections import OrderedDict, deque
@@ -215,23 +224,92 @@ def _host_tag() -> str:
 
 
 class _ChecksumWriter:
-    """A file wrapper that counts and CRC-32s what ``torch.save`` writes through it."""
+    """A file wrapper that counts and CRC-32s what ``torch.save`` writes through it, and
+    keeps the ``OSError`` of a write that fails: torch turns it into a ``RuntimeError``
+    about positions in its archive (``unexpected pos``) that names neither the file nor
+    the cause."""
 
-    __slots__ = ("crc", "file", "size")
+    __slots__ = ("crc", "error", "file", "size")
 
     def __init__(self, file: Any) -> None:
         self.file = file
         self.crc = 0
         self.size = 0
+        self.error: OSError | None = None
 
     def write(self, data: Any) -> int:
+        try:
+            written: int = self.file.write(data)
+        except OSError as exc:
+            self.error = exc
+            raise
         self.crc = zlib.crc32(data, self.crc)
-        written: int = self.file.write(data)
         self.size += written
         return written
 
     def flush(self) -> None:
         self.file.flush()
+
+
+def save_plain(obj: Any, file: Any) -> _ChecksumWriter:
+    """``torch.save(obj)`` into ``file`` through a :class:`_ChecksumWriter` (its size and
+    CRC-32). A write that fails (a full disk) is raised as its own ``OSError``, not as
+    the ``RuntimeError`` torch makes of it."""
+    writer = _ChecksumWriter(file)
+    try:
+        torch.save(obj, writer)  # type: ignore[arg-type]  # a file-like writer
+    except Exception:
+        if writer.error is not None:
+            raise writer.error from None
+        raise
+    return writer
+
+
+def find_os_error(exc: BaseException) -> OSError | None:
+    """The ``OSError`` behind ``exc``: ``exc`` itself, one it was raised from or while
+    handling (torch's ``RuntimeError`` for a failed write), or one that
+    ``torch.distributed.checkpoint`` gathered from a rank (``CheckpointException``)."""
+    seen: set[int] = set()
+    pending: list[BaseException] = [exc]
+    while pending:
+        error = pending.pop(0)
+        if id(error) in seen:
+            continue
+        seen.add(id(error))
+        if isinstance(error, OSError):
+            return error
+        for failure in getattr(error, "failures", {}).values():  # rank -> (exception, trace)
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            if isinstance(inner, BaseException):
+                pending.append(inner)
+        pending += [e for e in (error.__cause__, error.__context__) if e is not None]
+    return None
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """What an ``OSError`` says, for a message: its cause (``No space left on device``),
+    the file it names, and what to do about a full file system."""
+    text = exc.strerror or str(exc)
+    if exc.filename is not None:
+        text += f" ({exc.filename})"
+    if exc.errno in _FULL:
+        text += "; free space on that file system or write somewhere else, then save again"
+    return text
+
+
+def _pointer_state(directory: Path) -> str:
+    """What the ``last.json`` of ``directory`` names now, for a message."""
+    pointer = directory / LAST_POINTER
+    try:
+        name = json.loads(pointer.read_text()).get("checkpoint")
+    except FileNotFoundError:
+        return f"there is no {LAST_POINTER} in {directory}"
+    except (OSError, ValueError, AttributeError):
+        return f"{pointer} is as it was"
+    return f"{pointer} still names {name!r}"
 
 
 def _write_durably(target: Path, write: Any, before_replace: Any = None) -> Any:
@@ -267,6 +345,10 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
     ``<path>.complete`` follows. With ``update_last`` the directory's ``last.json``
     pointer is then moved to it. A crash at any moment leaves the previous checkpoint
     loadable. Returns the path written.
+
+    A write that fails (a full disk, say) raises :class:`CheckpointError` naming the file
+    that could not be written, the cause, and what is on disk since: whether the
+    checkpoint file, its marker and the pointer were written, and what the pointer names.
     """
     target = Path(os.fspath(path))
     header = check_header(state, "the state passed to write_checkpoint")
@@ -276,20 +358,20 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
             f"cannot write a checkpoint to {target}: it is a directory; pass a file path "
             "such as 'checkpoints/run.ckpt'."
         )
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+    marker = marker_path(target)
+    existed = target.exists()
+    unmarked: list[bool] = []  # the old file's marker is removed
 
-        def save(file: Any) -> _ChecksumWriter:
-            writer = _ChecksumWriter(file)
-            torch.save(plain, writer)  # type: ignore[arg-type]  # a file-like writer
-            return writer
-
-        marker = marker_path(target)
+    def unmark() -> None:
         # A marker must never describe other content than its file: the old one goes
         # right before the new file replaces the old (which stays loadable without it).
-        writer: _ChecksumWriter = _write_durably(
-            target, save, lambda: marker.unlink(missing_ok=True)
-        )
+        marker.unlink(missing_ok=True)
+        unmarked.append(True)
+
+    stage = "file"
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        writer: _ChecksumWriter = _write_durably(target, lambda f: save_plain(plain, f), unmark)
         info = {
             "format": FORMAT,
             "format_version": header["format_version"],
@@ -300,17 +382,56 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
             "epoch": header.get("epoch"),
             "created": header.get("created"),
         }
+        stage = "marker"
         _write_json(marker, info)
         if update_last:
+            stage = "pointer"
             pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
             pointer["checkpoint"] = target.name
             _write_json(target.parent / LAST_POINTER, pointer)
     except OSError as exc:
         raise CheckpointError(
-            f"could not write the checkpoint {target}: {exc}. The previous checkpoint at "
-            "that path, if any, is unchanged."
+            _write_failed(target, stage, exc, existed, bool(unmarked), update_last)
         ) from exc
     return target
+
+
+def _write_failed(
+    target: Path, stage: str, exc: OSError, existed: bool, unmarked: bool, update_last: bool
+) -> str:
+    """Why :func:`write_checkpoint` failed at ``stage`` (``"file"``, ``"marker"`` or
+    ``"pointer"``), and what is on disk since."""
+    cause = describe_os_error(exc)
+    marker = marker_path(target)
+    pointer = f" {_pointer_state(target.parent)}." if update_last else ""
+    if stage == "file":
+        if unmarked:  # only the rename failed, after the old marker went
+            kept = (
+                "the previous file at that path is unchanged, but its completeness marker "
+                "was removed (it still loads, checked only structurally)"
+            )
+        elif existed:
+            kept = "the previous checkpoint at that path is unchanged"
+        else:
+            kept = "nothing was written under that name"
+        return (
+            f"could not write the checkpoint {target}: {cause}. Nothing was replaced: "
+            f"{kept}.{pointer}"
+        )
+    if stage == "marker":
+        replaced = "It replaced the previous checkpoint of that name. " if existed else ""
+        moved = f" The pointer was not moved:{pointer}" if update_last else ""
+        return (
+            f"the checkpoint {target} was written, but its completeness marker {marker} "
+            f"could not be: {cause}. {replaced}Without its marker the file loads only by its "
+            "path (checked structurally, not against a checksum), and the search for the "
+            f"newest complete checkpoint skips it.{moved}"
+        )
+    return (
+        f"the checkpoint {target} and its completeness marker were written, but the pointer "
+        f"{target.parent / LAST_POINTER} could not be moved to it: {cause}. The checkpoint is "
+        f"complete and loads by its path;{pointer}"
+    )
 
 
 def remove_checkpoint(path: PathLike) -> None:
@@ -466,39 +587,144 @@ def newest(candidates: Iterable[Path]) -> Path | None:
 
 def latest_checkpoint(directory: PathLike) -> Path | None:
     """The last checkpoint written into ``directory``: the one its ``last.json`` pointer
-    names or, without a pointer, the newest complete one (with a matching marker). None
-    when the directory holds no checkpoint."""
+    names or, without a pointer (or when the one it names is missing or damaged), the
+    newest complete one: with its completeness marker, and every file of the size the
+    marker records. A checkpoint passed over this way is named, with what is wrong with
+    it, in a ``UserWarning``. None when the directory holds no complete checkpoint."""
     d = Path(os.fspath(directory))
+    found, skipped = _latest(d)
+    if skipped:
+        warnings.warn(_skipped_message(d, found, skipped), UserWarning, stacklevel=2)
+    return found
+
+
+#: The names a checkpoint file is taken to have, marker or not.
+_CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def _latest(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The last checkpoint in ``d`` and the checkpoints passed over for it, each with
+    what is wrong with it (see :func:`latest_checkpoint`)."""
     pointer = d / LAST_POINTER
+    named: Path | None = None
+    skipped: list[tuple[Path, str]] = []
     if pointer.exists():
-        found = _follow_pointer(pointer)
-        if found.exists():
-            return found
-        # A sharded checkpoint that replaces one of the same name moves it aside for a
-        # moment (a directory cannot be replaced atomically): then the newest complete.
-        return _newest_complete(d) or found
-    if not d.is_dir():
-        return None
-    return _newest_complete(d)
+        named = _follow_pointer(pointer)
+        # A file without a marker that the pointer names is taken (checked structurally
+        # when it loads); a sharded checkpoint that replaces one of the same name moves
+        # it aside for a moment (a directory cannot be replaced atomically).
+        why = _incomplete(named, unmarked_file=True)
+        if why is None:
+            return named, []
+        skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
+    elif not d.is_dir():
+        return None, []
+    found, others = _newest_complete(d)
+    if found is None and named is not None:
+        return named, []  # nothing to fall back to: loading it says what is wrong
+    return found, skipped + [(p, why) for p, why in others if p != named]
 
 
-def _newest_complete(d: Path) -> Path | None:
-    """The newest checkpoint in ``d`` whose completeness marker is there and matches."""
-    complete = []
-    for marker in d.glob("*" + MARKER_SUFFIX):
-        file = marker.with_name(marker.name[: -len(MARKER_SUFFIX)])
-        try:
-            info = checkpoint_info(file)
-        except CheckpointError:
+def _newest_complete(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint in ``d`` (files and sharded directories), and the
+    incomplete ones, each with what is wrong with it."""
+    complete: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    for entry in sorted(d.iterdir()):
+        name = entry.name
+        if name.startswith(".") or name == LAST_POINTER:
             continue
-        if info is not None and file.is_file() and file.stat().st_size == info.get("size"):
-            complete.append(file)
-    complete += [
-        entry
-        for entry in d.iterdir()
-        if not entry.name.startswith(".") and (entry / SHARDED_MARKER).is_file()
-    ]
-    return newest(complete)
+        if name.endswith(MARKER_SUFFIX):
+            file = entry.with_name(name[: -len(MARKER_SUFFIX)])
+            if not file.exists() and not file.is_symlink():
+                skipped.append((file, f"only its completeness marker {name} is left"))
+            continue
+        if entry.is_dir():
+            if not is_sharded_checkpoint(entry):
+                continue
+        elif entry.suffix not in _CHECKPOINT_SUFFIXES and not marker_path(entry).exists():
+            continue
+        why = _incomplete(entry)
+        if why is None:
+            complete.append(entry)
+        else:
+            skipped.append((entry, why))
+    return newest(complete), skipped
+
+
+def _incomplete(path: Path, *, unmarked_file: bool = False) -> str | None:
+    """What keeps the checkpoint at ``path`` from being complete, or None: it is missing,
+    it has no completeness marker (a file without one passes with ``unmarked_file``), or
+    a file of it has another size than its marker records. Sizes only: a file's CRC-32
+    is checked when it loads."""
+    try:
+        if path.is_dir():
+            return _sharded_incomplete(path)
+        if not path.is_file():
+            return "it does not exist"
+        try:
+            info = checkpoint_info(path)
+        except CheckpointError:
+            return f"its completeness marker {marker_path(path).name} is unreadable or not JSON"
+        if info is None:
+            if unmarked_file:
+                return None
+            return (
+                f"it has no completeness marker {marker_path(path).name} (its save did not "
+                "finish, or the marker was deleted)"
+            )
+        size, expected = path.stat().st_size, info.get("size")
+    except OSError as exc:
+        return f"it cannot be read ({describe_os_error(exc)})"
+    if size != expected:
+        return (
+            f"it has {size} bytes where its completeness marker records {expected} (it is "
+            "truncated or was modified)"
+        )
+    return None
+
+
+def _sharded_incomplete(path: Path) -> str | None:
+    """:func:`_incomplete` for a sharded checkpoint's directory: the marker is there and
+    every file it lists has the size it records."""
+    marker = path / SHARDED_MARKER
+    try:
+        info = json.loads(marker.read_text())
+    except FileNotFoundError:
+        return (
+            f"it has no completeness marker {SHARDED_MARKER} (its save did not finish, or "
+            "the marker was deleted)"
+        )
+    except (OSError, ValueError):
+        return f"its completeness marker {SHARDED_MARKER} is unreadable or not JSON"
+    files = info.get("files") if isinstance(info, dict) else None
+    if not isinstance(files, dict) or not files:
+        return f"its completeness marker {SHARDED_MARKER} lists no files"
+    for name, size in files.items():
+        file = path / str(name)
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            return f"its file {name} is missing"
+        except OSError as exc:
+            return f"its file {name} cannot be read ({describe_os_error(exc)})"
+        if actual != size:
+            return (
+                f"its file {name} has {actual} bytes where its completeness marker records "
+                f"{size} (it is truncated or was modified)"
+            )
+    return None
+
+
+def _skipped_message(d: Path, found: Path | None, skipped: list[tuple[Path, str]]) -> str:
+    shown = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+    if len(skipped) > 5:
+        shown += f"; and {len(skipped) - 5} more"
+    if found is None:
+        then = "no complete checkpoint is left there"
+    else:
+        then = f"the newest complete checkpoint there, {found.name}, is taken instead"
+    return f"skipped checkpoints in {d} that are not complete ({shown}); {then}."
 
 
 def _follow_pointer(pointer: Path) -> Path:
@@ -525,17 +751,25 @@ def resolve_checkpoint(path: PathLike) -> Path:
     p = Path(os.fspath(path))
     if p.is_dir() and is_sharded_checkpoint(p):
         return p
-    if p.is_dir():
-        found = latest_checkpoint(p)
+    if p.is_dir() or (p.name == LAST_POINTER and p.is_file()):
+        directory = p if p.is_dir() else p.parent
+        found, skipped = _latest(directory)
         if found is None:
+            # Files without a marker are named by the advice; the rest is listed here.
+            damaged = [
+                f"{q.name}: {why}"
+                for q, why in skipped
+                if q.is_dir() or not q.exists() or marker_path(q).exists()
+            ]
+            listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
             raise CheckpointError(
-                f"no checkpoint in the directory {p}: it is a directory without checkpoints "
-                f"(it has no {LAST_POINTER} pointer and no complete checkpoint file, one with "
-                f"its {MARKER_SUFFIX} marker). {_unmarked_files(p)}"
+                f"no checkpoint in the directory {directory}: it is a directory without "
+                f"checkpoints (it has no {LAST_POINTER} pointer and no complete checkpoint "
+                f"file, one with its {MARKER_SUFFIX} marker).{listed} {_unmarked_files(directory)}"
             )
+        if skipped:
+            warnings.warn(_skipped_message(directory, found, skipped), UserWarning, stacklevel=3)
         p = found
-    elif p.name == LAST_POINTER and p.is_file():
-        p = _follow_pointer(p)
     if not p.exists():
         nearby = ""
         if p.parent.is_dir():

@@ -32,6 +32,7 @@ are read with ``torch.load(..., weights_only=True)`` too: nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -79,13 +80,17 @@ from ._checkpoint_io import (
     SHARDED_MARKER,
     SHARDED_STATE,
     _fsync_dir,
+    _pointer_state,
     _refusal,
     _temp_path,
     _write_durably,
     _write_json,
     check_header,
+    describe_os_error,
+    find_os_error,
     is_sharded_checkpoint,
     load_checkpoint,
+    save_plain,
     to_plain,
     write_checkpoint,
 )
@@ -168,6 +173,26 @@ def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
     return CheckpointError(f"cannot read the shards of {path}: {type(exc).__name__}: {exc}")
 
 
+def _shards_failed(target: Path, exc: BaseException) -> CheckpointError:
+    """A failed write of a sharded checkpoint's shards (``dcp.save``, ``dcp.async_save``)
+    as a :class:`CheckpointError` naming the checkpoint and the cause: a file system's
+    error (a full disk) as what it says, not as the ``RuntimeError`` torch makes of it
+    nor DCP's report of every rank's traceback."""
+    error = find_os_error(exc)
+    if error is not None:
+        cause = describe_os_error(error)
+    else:
+        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
+        shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
+        cause = f"{type(shown).__name__}: {shown}"
+    return CheckpointError(
+        f"could not write the shards of the sharded checkpoint {target}: {cause}. It was not "
+        f"completed, so nothing was replaced: the checkpoints in {target.parent} (one of that "
+        f"name included) are unchanged, its temporary directory is removed, and "
+        f"{_pointer_state(target.parent)}."
+    )
+
+
 def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized()
 
@@ -224,10 +249,9 @@ class ShardedSave:
             try:
                 self.future.result()
             except (Exception, CheckpointException) as exc:
-                raise CheckpointError(
-                    f"the sharded checkpoint {self.path} could not be written: "
-                    f"{type(exc).__name__}: {exc}. The previous checkpoints are unchanged."
-                ) from exc
+                if self.writer_rank:
+                    shutil.rmtree(self.temp, ignore_errors=True)
+                raise _shards_failed(self.path, exc) from exc
         if self.writer_rank:
             self._complete()
         self._finished = True
@@ -235,31 +259,72 @@ class ShardedSave:
 
     def _complete(self) -> None:
         temp, target = self.temp, self.path
-        if self.plain is not None:  # host copies, taken at the save: written off the step
-            temp.mkdir(parents=True, exist_ok=True)
-            plain, self.plain = self.plain, None
-            _write_durably(temp / SHARDED_STATE, lambda f: torch.save(plain, f))
-        files = {
-            entry.name: entry.stat().st_size
-            for entry in sorted(temp.iterdir())
-            if entry.is_file() and entry.name != SHARDED_MARKER
-        }
-        info = dict(self.info, files=files, checkpoint=target.name)
-        _write_json(temp / SHARDED_MARKER, info)
-        aside = None
-        if target.exists():
-            # A directory cannot replace another atomically: the old one is moved aside
-            # under a temporary name (cleaned as stale if this process dies meanwhile).
-            aside = _temp_path(target)
-            os.replace(target, aside)
-        os.replace(temp, target)
-        _fsync_dir(target.parent)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
+        written = temp / SHARDED_STATE
+        try:
+            if self.plain is not None:  # host copies, taken at the save: written off the step
+                temp.mkdir(parents=True, exist_ok=True)
+                plain, self.plain = self.plain, None
+                _write_durably(written, lambda f: save_plain(plain, f))
+            files = {
+                entry.name: entry.stat().st_size
+                for entry in sorted(temp.iterdir())
+                if entry.is_file() and entry.name != SHARDED_MARKER
+            }
+            info = dict(self.info, files=files, checkpoint=target.name)
+            written = temp / SHARDED_MARKER
+            _write_json(written, info)
+        except OSError as exc:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise CheckpointError(
+                f"could not complete the sharded checkpoint {target}: writing {written.name} "
+                f"failed: {describe_os_error(exc)}. It was never published: its temporary "
+                f"directory is removed, and the checkpoints in {target.parent} (one of that "
+                f"name included) are unchanged; {_pointer_state(target.parent)}."
+            ) from exc
+        self._publish(temp, target)
         if self.update_last:
             pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
             pointer["checkpoint"] = target.name
-            _write_json(target.parent / LAST_POINTER, pointer)
+            try:
+                _write_json(target.parent / LAST_POINTER, pointer)
+            except OSError as exc:
+                raise CheckpointError(
+                    f"the sharded checkpoint {target} is complete, but the pointer "
+                    f"{target.parent / LAST_POINTER} could not be moved to it: "
+                    f"{describe_os_error(exc)}. The checkpoint loads by its path; "
+                    f"{_pointer_state(target.parent)}."
+                ) from exc
+
+    @staticmethod
+    def _publish(temp: Path, target: Path) -> None:
+        """Rename the complete directory ``temp`` to ``target``. A directory cannot
+        replace another atomically: one of that name is moved aside under a temporary
+        name first (cleaned as stale if this process dies meanwhile), and back if the
+        rename fails."""
+        aside = None
+        try:
+            if target.exists():
+                aside = _temp_path(target)
+                os.replace(target, aside)
+            os.replace(temp, target)
+        except OSError as exc:
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    os.replace(aside, target)
+            shutil.rmtree(temp, ignore_errors=True)
+            kept = (
+                f"the previous checkpoint of that name is still at {aside}: rename it back"
+                if aside is not None and aside.exists()
+                else f"the checkpoints in {target.parent} are unchanged"
+            )
+            raise CheckpointError(
+                f"could not rename the complete sharded checkpoint {temp} to {target}: "
+                f"{describe_os_error(exc)}. It is removed; {kept}; "
+                f"{_pointer_state(target.parent)}."
+            ) from exc
+        _fsync_dir(target.parent)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _write_shards(tensors: Any, temp: Path, group: Any, asynchronous: bool) -> Future[Any] | None:
@@ -339,7 +404,12 @@ class ShardedCheckpointWriter:
             "grads": grads,
         }
         tensors = _tensor_state(module, optimizers)
-        future = _write_shards(tensors, temp, self._process_group(), asynchronous)
+        try:
+            future = _write_shards(tensors, temp, self._process_group(), asynchronous)
+        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
+            if zero:
+                shutil.rmtree(temp, ignore_errors=True)
+            raise _shards_failed(target, exc) from exc
         info = {
             "format": header["format"],
             "format_version": header["format_version"],

@@ -31,7 +31,7 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -119,6 +119,7 @@ class Logger(Plugin):
         self._is_open = False
         self._error: BaseException | None = None
         self._error_raised = False
+        self._error_at_close = False
 
     @property
     def overflow_policy(self) -> Literal["block", "drop"]:
@@ -173,6 +174,7 @@ class Logger(Plugin):
         self._resume_step = self._resume_time = None
         self._error = None
         self._error_raised = False
+        self._error_at_close = False
         self._in_flight = None
         self._due = -math.inf
         # One worker thread: writes (and open, close) run off the event loop, one at a
@@ -251,7 +253,8 @@ class Logger(Plugin):
         error = self._error
         if error is not None and not self._error_raised:
             self._error_raised = True
-            raise RuntimeError(f"{type(self).__name__} could not write: {error}") from error
+            message = _failure(type(self).__name__, error, self._error_at_close)
+            raise RuntimeError(message) from error
 
     async def _write_when_due(self, scope: anyio.CancelScope) -> None:
         """Hand over a batch that no further record comes to hand over: checked every
@@ -306,7 +309,39 @@ class Logger(Plugin):
         finally:
             if self._is_open:
                 self._is_open = False
-                self.close()
+                try:
+                    self.close()
+                except Exception as exc:  # raised by stop(), naming the logger
+                    if self._error is None:
+                        self._error, self._error_at_close = exc, True
+
+
+def _failure(name: str, error: BaseException, at_close: bool) -> str:
+    """Why a logger failed, for the error the run raises: the file and the cause when
+    the file system said (a full disk), else the logger's own exception."""
+    what = "finish writing" if at_close else "write"
+    if isinstance(error, OSError) and error.filename is not None:
+        text = f"{name} could not {what} {error.filename}: {error.strerror or error}"
+    else:
+        text = f"{name} could not {what}: {error}"
+    if at_close:
+        text += (
+            " (when it closed its file at the end of the stage: the records it still held "
+            "are missing; what it wrote before is intact)"
+        )
+    return text
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Give an ``OSError`` raised without a file name (a failed write or flush) the name
+    of the file ``path`` it was writing."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.filename is None:
+            exc.filename = str(path)
+        raise
 
 
 # ---------------------------------------------------------------- shared file helpers
@@ -329,7 +364,7 @@ def _replace_atomically(path: Path, fill: Callable[[io.BufferedWriter], object])
     none) and at most a stray temporary, never a half-written ``path``."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "wb") as f:
+        with _naming(path), os.fdopen(fd, "wb") as f:
             fill(f)
             f.flush()
             os.fsync(f.fileno())
@@ -588,7 +623,8 @@ class CSVLogger(Logger):
                 step, epoch, row_time = record.step, record.epoch, record.time
             row[column] = record.value
         self._row, self._row_key, self._row_time = row, (step, epoch), row_time
-        self._emit(rows, new)
+        with _naming(self.path):
+            self._emit(rows, new)
 
     def _emit(self, rows: list[tuple[int, int, float, dict[str, Value]]], new: list[str]) -> None:
         if new:
@@ -616,44 +652,55 @@ class CSVLogger(Logger):
         self._header_written = True
 
     def _add_columns(self, new: list[str]) -> None:
-        self._columns.extend(new)
         if not self._header_written:
+            self._columns.extend(new)
             return  # the header is written with the first row
         f = self._file
         assert f is not None
         f.flush()
         f.close()
         self._file = None
-        pad = "," * len(new)
-        tmp = self.path.with_name(self.path.name + ".tmp")
-        with (
-            self.path.open(newline="", encoding="utf-8") as src,
-            tmp.open("w", newline="", encoding="utf-8") as dst,
-        ):
-            src.readline()  # the old header (names never contain a newline)
-            self._write_header(dst)
-            for line in src:
-                if line.endswith("\n"):
-                    dst.write(line[:-1] + pad + "\n")
-            dst.flush()
-            os.fsync(dst.fileno())
-        os.replace(tmp, self.path)
-        self._file = self.path.open("a", newline="", encoding="utf-8")
+        columns = [*self._columns, *new]
+        pad = b"," * len(new)
+
+        def rewrite(dst: io.BufferedWriter) -> None:
+            header = io.StringIO()
+            csv.writer(header, lineterminator="\n").writerow([*_FIXED, *columns])
+            dst.write(header.getvalue().encode("utf-8"))
+            with self.path.open("rb") as src:
+                src.readline()  # the old header (names never contain a newline)
+                for line in src:
+                    if line.endswith(b"\n"):
+                        dst.write(line[:-1] + pad + b"\n")
+
+        try:
+            # A failure leaves the old file (and no temporary): the columns stay as they were.
+            _replace_atomically(self.path, rewrite)
+            self._columns = columns
+        finally:
+            self._file = self.path.open("a", newline="", encoding="utf-8")
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            with _naming(self.path):
+                self._file.flush()
 
     def close(self) -> None:
         if self._file is None:
             return
-        row = self._row
-        if row:
-            self._row = {}
-            step, epoch = self._row_key
-            self._emit([(step, epoch, self._row_time, row)], [])
-        self._file.close()
-        self._file = None
+        f, row = self._file, self._row
+        self._row = {}
+        try:
+            with _naming(self.path):
+                if row and self._error is None:  # after a failure the row may not fit
+                    step, epoch = self._row_key
+                    self._emit([(step, epoch, self._row_time, row)], [])
+                f.close()
+        finally:
+            self._file = None
+            if not f.closed:
+                with contextlib.suppress(OSError):
+                    f.close()
 
 
 def read_csv(path: str | os.PathLike[str]) -> list[dict[str, Value]]:
@@ -736,16 +783,19 @@ class JSONLLogger(Logger):
 
     def write(self, records: Sequence[PutRecord]) -> None:
         assert self._file is not None
-        self._file.write(self._encoder.encode_lines([_wire(r) for r in records]))
+        with _naming(self.path):
+            self._file.write(self._encoder.encode_lines([_wire(r) for r in records]))
 
     def flush(self) -> None:
         if self._file is not None:
-            self._file.flush()
+            with _naming(self.path):
+                self._file.flush()
 
     def close(self) -> None:
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        f, self._file = self._file, None
+        if f is not None:
+            with _naming(self.path):
+                f.close()
 
 
 _DECODER = msgspec.json.Decoder(PutRecord, strict=False)

@@ -2,7 +2,8 @@
 which forwards it to every worker; both ranks stop at the same step, one consistent
 checkpoint is written, and a relaunch with ``ckpt_path="last"`` ends bit-identical to an
 uninterrupted job. And ``--max-restarts=1`` with a worker SIGKILLed: the group restarts
-from ``last`` and ends bit-identical too."""
+from ``last`` and ends bit-identical too. And under FSDP, a SIGTERM inside a gradient-
+accumulation window: the window is finished before the save, bit-identical again."""
 
 from __future__ import annotations
 
@@ -131,3 +132,81 @@ def test_max_restarts_after_a_sigkilled_worker_resumes_exactly(
     )
     assert (tmp_path / "attempts").read_text() == "0\n1\n"  # the group was restarted
     same_run(tmp_path, ddp_reference)
+
+
+#: FSDP with windows of 4 micro-batches: 10 batches a rank an epoch (windows 0-3, 4-7 and
+#: 8-9), 3 optimizer steps an epoch, 9 in all; a checkpoint every 4 steps. The stop is
+#: checked at every boundary (``stop_check_interval=0``), so a signal while batch 5 of
+#: epoch 1 runs (the window's second micro-batch) is agreed after batch 6: three
+#: micro-batches into the window that starts after step 4.
+FSDP_WINDOW = (
+    "--strategy", "fsdp", "--accumulate", "4", "--every-n-steps", "4",
+    "--stop-check-interval", "0",
+)  # fmt: skip
+FSDP_FINAL_STEP = 9
+
+
+def _epoch_position(checkpoint: Path) -> tuple[int, int]:
+    """A checkpoint's optimizer step and the batches of its epoch trained."""
+    state = loopbus.load_checkpoint(checkpoint)
+    progress = state["loops/fit"]["loops"]["epoch_loop"]["progress"]["current"]
+    return state["run"]["step"], progress["completed"]
+
+
+def test_sigterm_inside_an_fsdp_accumulation_window_finishes_it_and_resumes_exactly(
+    tmp_path: Path,
+) -> None:
+    # FSDP keeps a window's gradients unsharded, to itself: no checkpoint can hold them.
+    # The ranks run the window's last micro-batch and its optimizer step, then save and
+    # stop; the checkpoint of the window's start is left as it was.
+    reference_dir = tmp_path / "reference"
+    preempted_dir = tmp_path / "preempted"
+    # The uninterrupted run, meanwhile.
+    reference = subprocess.Popen(
+        torchrun(reference_dir, *FSDP_WINDOW),
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        proc = subprocess.Popen(
+            torchrun(preempted_dir, "--wait-at", "1:5", *FSDP_WINDOW),
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        wait_for(preempted_dir / "ready", proc)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=120)
+        out, ref_err = reference.communicate(timeout=240)
+    finally:
+        if reference.poll() is None:  # the test failed meanwhile
+            reference.terminate()  # the agent forwards it to its workers
+            reference.communicate(timeout=60)
+    assert reference.returncode == 0, out[-3000:] + ref_err[-6000:]
+
+    reports = [json.loads((preempted_dir / f"preempted_rank{r}.json").read_text()) for r in (0, 1)]
+    assert [(r["code"], r["step"]) for r in reports] == [(143, 5), (143, 5)], err[-6000:]
+    for rank in (0, 1):
+        events = json.loads((preempted_dir / f"events_rank{rank}.json").read_text())
+        assert [(e["event"], e["step"]) for e in events] == [
+            ("PreemptionRequested", 5),
+            ("Teardown", 5),
+        ]
+    directory = preempted_dir / "ckpt"
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "epoch=1-step=4.ckpt",
+        "epoch=1-step=5.ckpt",
+        "last.json",
+    ]
+    # The window's start (4 batches of epoch 1 trained), untouched; the stop at its end.
+    assert _epoch_position(directory / "epoch=1-step=4.ckpt") == (4, 4)
+    last = loopbus.latest_checkpoint(directory)
+    assert last == directory / "epoch=1-step=5.ckpt"
+    assert loopbus.is_sharded_checkpoint(last)
+    assert _epoch_position(last) == (5, 8)
+
+    launch(preempted_dir, "--resume", *FSDP_WINDOW)
+    assert_same_run(final(preempted_dir), final(reference_dir), FSDP_FINAL_STEP)

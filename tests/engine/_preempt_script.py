@@ -4,9 +4,10 @@
 With ``--wait-at epoch:batch`` the training step of that batch writes ``D/ready`` and
 waits until the trainer was asked to stop, so that the test's signal lands at a known
 batch (mid-epoch, inside an accumulation window). ``--resume`` continues from ``last``.
-A run that ends writes ``D/<out>.rank<R>`` with the final weights and optimizer state;
-one that raises ``loopbus.Preempted`` writes ``D/preempted_rank<R>.json`` first and lets it
-end the process. Under ``torchrun`` (gloo) every rank runs it.
+A run that ends writes ``D/<out>.rank<R>`` with the final weights and optimizer state
+(whole tensors, also under FSDP); one that raises ``loopbus.Preempted`` writes
+``D/preempted_rank<R>.json`` first and lets it end the process. Under ``torchrun`` (gloo)
+every rank runs it: DDP by default, FSDP with ``--strategy fsdp``.
 """
 
 from __future__ import annotations
@@ -165,7 +166,7 @@ def main(args: argparse.Namespace) -> None:
     module = Net(wait_at, directory / "ready", hang=args.grace is not None)
     checkpoint = Checkpoint(
         directory / "ckpt",
-        every_n_steps=EVERY_N_STEPS,
+        every_n_steps=args.every_n_steps,
         keep_last=None,
         sharded=True if args.sharded else None,
     )
@@ -182,9 +183,13 @@ def main(args: argparse.Namespace) -> None:
         options["preemption_exit_code"] = args.exit_code
     if args.grace is not None:
         options["preemption_grace"] = args.grace
+    if args.stop_check_interval is not None:
+        options["stop_check_interval"] = args.stop_check_interval
+    if args.strategy is not None:
+        options["strategy"] = args.strategy
     trainer = Trainer(
         max_epochs=EPOCHS,
-        accumulate_grad_batches=ACCUMULATE,
+        accumulate_grad_batches=args.accumulate,
         plugins=plugins,
         executor=args.executor,
         num_sanity_val_steps=0,
@@ -220,13 +225,29 @@ def main(args: argparse.Namespace) -> None:
         )
         raise
     torch.save(
-        {
-            "global_step": trainer.global_step,
-            "module": module.state_dict(),
-            "optimizer": trainer.optimizers[0].state_dict(),
-        },
+        _whole(
+            {
+                "global_step": trainer.global_step,
+                "module": module.state_dict(),
+                "optimizer": trainer.optimizers[0].state_dict(),
+            }
+        ),
         directory / f"{args.out}.rank{rank}",
     )
+
+
+def _whole(value: Any) -> Any:
+    """``value`` with every DTensor (FSDP's shards) gathered into a whole tensor; every
+    rank calls it."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return value.full_tensor()
+    if isinstance(value, dict):
+        return {k: _whole(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole(v) for v in value]
+    return value
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -243,6 +264,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
     parser.add_argument("--host-handler", action="store_true")
     parser.add_argument("--second-during-save", action="store_true")
     parser.add_argument("--sharded", action="store_true", help="sharded (DCP) checkpoints")
+    parser.add_argument("--strategy", default=None, choices=["ddp", "fsdp"])
+    parser.add_argument("--accumulate", type=int, default=ACCUMULATE)
+    parser.add_argument("--every-n-steps", type=int, default=EVERY_N_STEPS)
+    parser.add_argument("--stop-check-interval", type=float, default=None)
     return parser.parse_args(argv)
 
 

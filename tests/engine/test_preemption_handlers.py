@@ -217,7 +217,8 @@ async def test_last_checkpoint_path_is_a_property_and_calling_it_is_deprecated(
     assert checkpoint.last_model_path is None
     trainer = Trainer(max_epochs=1, plugins=[checkpoint], enable_model_summary=False)
     await trainer.fit(TinyModule(), make_loader(32, 8))
-    last = tmp_path / "epoch=0-step=4.ckpt"
+    # The end-of-fit save, after the periodic one of the same step (which it keeps).
+    last = tmp_path / "epoch=0-step=4-v1.ckpt"
     assert checkpoint.last_checkpoint_path == last
     assert checkpoint.last_model_path == last
     assert type(checkpoint.last_model_path) is type(Path())
@@ -279,7 +280,7 @@ async def test_a_plugin_with_a_last_checkpoint_path_method_still_resumes(tmp_pat
             return loopbus.latest_checkpoint(tmp_path)
 
     resumed = Trainer(max_epochs=2, plugins=[Finder()], enable_model_summary=False)
-    with pytest.warns(UserWarning, match=r"epoch=0-step=4\.ckpt with ckpt_strict=False"):
+    with pytest.warns(UserWarning, match=r"epoch=0-step=4-v1\.ckpt with ckpt_strict=False"):
         # Strict would refuse: the checkpoint holds the Checkpoint plugin's state.
         await resumed.fit(TinyModule(), make_loader(32, 8), ckpt_path="last", ckpt_strict=False)
     assert resumed.global_step == 8

@@ -62,10 +62,11 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any
 
 def test_a_sharded_checkpoint_is_a_complete_directory(saved: tuple[Path, dict[str, Any]]) -> None:
     directory, _ = saved
-    # keep_last=2 removed whole directories; the pointer names the newest.
-    assert _dirs(directory) == ["epoch=1-step=12.ckpt", "epoch=1-step=16.ckpt"]
+    # keep_last=2 removed whole directories; the pointer names the newest: the end-of-fit
+    # save, which took a name of its own after the periodic save of the same step.
+    assert _dirs(directory) == ["epoch=1-step=16-v1.ckpt", "epoch=1-step=16.ckpt"]
     last = loopbus.latest_checkpoint(directory)
-    assert last == directory / "epoch=1-step=16.ckpt"
+    assert last == directory / "epoch=1-step=16-v1.ckpt"
     info = json.loads((last / SHARDED_MARKER).read_text())
     assert info["layout"] == "sharded"
     assert (info["global_step"], info["world_size"], info["strategy"]) == (16, 1, "single")
@@ -81,7 +82,7 @@ def test_consolidated_equals_the_run_and_loads_weights_only(
     saved: tuple[Path, dict[str, Any]], tmp_path: Path
 ) -> None:
     directory, final = saved
-    last = directory / "epoch=1-step=16.ckpt"
+    last = directory / "epoch=1-step=16-v1.ckpt"  # saved when fit ended
     out = loopbus.consolidate_checkpoint(last, tmp_path / "full.ckpt")
     state = torch.load(out, weights_only=True)
     assert state["loopbus"]["layout"] == "consolidated"
@@ -138,18 +139,25 @@ def test_resume_from_a_sharded_checkpoint_is_exact(tmp_path: Path, at: int) -> N
 def test_incomplete_and_temporary_directories_are_never_picked(tmp_path: Path) -> None:
     directory = tmp_path / "ckpt"
     _fit(directory, epochs=1, keep_last=None)
-    assert _dirs(directory) == ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt"]
-    newest = directory / "epoch=0-step=8.ckpt"
+    assert _dirs(directory) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=0-step=8-v1.ckpt",
+        "epoch=0-step=8.ckpt",
+    ]
+    newest = directory / "epoch=0-step=8-v1.ckpt"
     # A newer directory without its marker (an interrupted save), and a temporary.
     torn = directory / "epoch=0-step=9.ckpt"
     shutil.copytree(newest, torn)
     (torn / SHARDED_MARKER).unlink()
     (directory / "last.json").unlink()
-    assert loopbus.latest_checkpoint(directory) == newest
+    skipped = r"epoch=0-step=9\.ckpt: it has no completeness marker loopbus\.complete"
+    with pytest.warns(UserWarning, match=skipped):
+        assert loopbus.latest_checkpoint(directory) == newest
     with pytest.raises(CheckpointError, match=r"incomplete: it has no completeness marker"):
         loopbus.load_checkpoint(torn)
     # "last" resolves to the complete one.
-    trainer, _ = _fit(directory, epochs=2, resume="last", keep_last=None)
+    with pytest.warns(UserWarning, match=skipped):
+        trainer, _ = _fit(directory, epochs=2, resume="last", keep_last=None)
     assert trainer.global_step == 16
 
 

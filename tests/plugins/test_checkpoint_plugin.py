@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import ast
 import os
-import statistics
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import anyio
 import pytest
 import torch
 
@@ -248,8 +247,10 @@ async def test_background_saves_are_durable_when_fit_returns(
     trainer, module, train, val = build(checkpoint, max_epochs=1)
     await trainer.fit(module, train, val)
     assert writes.most == 1, "more than one save was in flight"
-    assert writes.done == [f"epoch=0-step={s}.ckpt" for s in (3, 6, 9, 12, 12)]
-    assert ckpt_names(tmp_path) == [f"epoch=0-step={s}.ckpt" for s in (12, 3, 6, 9)]
+    # The end-of-fit save is at step 12 too: it gets a name of its own.
+    saved = [f"epoch=0-step={s}.ckpt" for s in (3, 6, 9, 12)] + ["epoch=0-step=12-v1.ckpt"]
+    assert writes.done == saved
+    assert ckpt_names(tmp_path) == sorted(saved)
     # Written from a host copy taken at the step: the weights are those of that step.
     final = loopbus.load_checkpoint(tmp_path / "epoch=0-step=12.ckpt")
     for name, tensor in module.state_dict().items():
@@ -275,87 +276,98 @@ async def test_a_failed_background_write_fails_fit(
         await trainer.fit(module, train, val)
 
 
-class Stopwatch(Plugin):
-    """Times the Checkpoint plugin's handler (``Checkpoint.delivery.priority`` is -100): just
-    before it (-99) wait until the previous write is complete, time a host copy of the
-    state on its own, start the clock; just after it (-101) stop the clock."""
+class HeldWrites:
+    """Wraps the plugin's writer: the write of the save at step ``s`` waits, in its worker
+    thread, until the test opens gate ``s``, then notes the last training step that had
+    completed by then. The wait has a deadline only so that a step that waits for the
+    write (which would never be opened) fails instead of hanging."""
 
-    def __init__(self, directory: Path, every: int) -> None:
-        self.directory = directory
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import loopbus.plugins._checkpoint as module
+
+        self.real = module.write_checkpoint
+        self.completed: list[int] = []  # training steps, appended on the event loop
+        self.released_after: dict[int, int] = {}
+        self._gates: dict[int, threading.Event] = {}
+        self._lock = threading.Lock()
+        monkeypatch.setattr(module, "write_checkpoint", self)
+
+    def gate(self, step: int) -> threading.Event:
+        with self._lock:
+            return self._gates.setdefault(step, threading.Event())
+
+    def __call__(self, state: Any, path: Any, **options: Any) -> Path:
+        step = int(Path(path).stem.rsplit("=", 1)[1])
+        if not self.gate(step).wait(timeout=60):
+            raise AssertionError(
+                f"the write of the save at step {step} was never let go: the training "
+                "steps after it did not run while it was in flight"
+            )
+        self.released_after[step] = self.completed[-1]
+        result: Path = self.real(state, path, **options)
+        return result
+
+
+class Overlap(Plugin):
+    """Around the Checkpoint plugin's handler (``Checkpoint.delivery.priority`` is -100):
+    just before it (-99), at a save step, keep a copy of the weights; just after it (-101),
+    note the step and let the write of the save ``every - 1`` steps back (or, at the last
+    step, every write still held) go."""
+
+    def __init__(self, writes: HeldWrites, module: Net, every: int, last: int) -> None:
+        self.writes = writes
+        self.module = module
         self.every = every
-        self.blocked: list[float] = []
-        self.copy: list[float] = []
-        self.previous: str | None = None
-        self.t0 = 0.0
-        self.trainer: Trainer | None = None
-
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        self.trainer = trainer
+        self.last = last
+        self.weights: dict[int, dict[str, torch.Tensor]] = {}
 
     @on(TrainBatchCompleted, priority=-99)
-    async def before(self, event: TrainBatchCompleted) -> None:
-        if event.step % self.every:
-            return
-        # Measure a save alone, not the wait for the previous one: wait until it is
-        # written, the pointer moved to it and the file before it deleted.
-        while self.previous and (  # noqa: ASYNC110 - polling files: there is no event
-            loopbus.latest_checkpoint(self.directory) != self.directory / self.previous
-            or len(list(self.directory.glob("*.ckpt*"))) != 2
-        ):
-            await anyio.sleep(0.005)
-        assert self.trainer is not None
-        start = time.perf_counter()
-        self.trainer.state_dict(to_host=True)
-        self.copy.append(time.perf_counter() - start)
-        self.t0 = time.perf_counter()
+    def before(self, event: TrainBatchCompleted) -> None:
+        if event.step % self.every == 0:
+            self.weights[event.step] = {
+                name: tensor.detach().clone() for name, tensor in self.module.state_dict().items()
+            }
 
     @on(TrainBatchCompleted, priority=-101)
-    async def after(self, event: TrainBatchCompleted) -> None:
-        if event.step % self.every:
-            return
-        self.blocked.append(time.perf_counter() - self.t0)
-        self.previous = f"epoch={event.epoch}-step={event.step}.ckpt"
+    def after(self, event: TrainBatchCompleted) -> None:
+        self.writes.completed.append(event.step)
+        saved = event.step - (self.every - 1)
+        if saved > 0 and saved % self.every == 0:
+            self.writes.gate(saved).set()
+        if event.step == self.last:
+            for step in self.weights:
+                self.writes.gate(step).set()
 
 
-class Wide(Net):
-    """About 2.1 M parameters (8 MB, and as much again of momentum)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.net = torch.nn.Sequential(
-            torch.nn.Linear(4, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 1024),
-            torch.nn.ReLU(),
-            torch.nn.Linear(1024, 2),
-        )
-
-
-async def test_background_save_blocks_the_step_only_for_the_host_copy(tmp_path: Path) -> None:
-    every = 2
-    watch = Stopwatch(tmp_path, every)
+async def test_background_save_blocks_the_step_only_for_the_host_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Saves at steps 4, 8 and 12. The write of each is held until the three steps after it
+    # have completed (the last one's, until the run's last step): were the step to wait for
+    # the write, those steps could never run. What the step did wait for is the host copy:
+    # each file holds the weights of its own step, although the write happened after later
+    # steps had changed them.
+    every, last = 4, 13
+    writes = HeldWrites(monkeypatch)
+    module = Net()
+    overlap = Overlap(writes, module, every, last)
     checkpoint = Checkpoint(
-        tmp_path, every_n_steps=every, keep_last=1, background=True, save_on_end=False
+        tmp_path, every_n_steps=every, keep_last=None, background=True, save_on_end=False
     )
     trainer, module, train, val = build(
-        checkpoint, plugins=[watch], module=Wide(), max_steps=32, max_epochs=3
+        checkpoint, plugins=[overlap], module=module, max_steps=last
     )
     await trainer.fit(module, train, val)
-    blocked = statistics.median(watch.blocked)
-    copy = statistics.median(watch.copy)
-    ratio = blocked / copy
-    print(
-        f"\nbackground save: step blocked {blocked * 1e3:.1f} ms, host copy {copy * 1e3:.1f} ms, ratio {ratio:.2f}"
-    )
-    assert len(watch.blocked) == 32 // every
-    # Blocking = bookkeeping + the host copy + handing off; generous for a noisy machine.
-    assert blocked <= 1.5 * copy + 0.005, f"blocked {blocked:.4f}s vs host copy {copy:.4f}s"
-    # Complete when fit returns.
-    assert ckpt_names(tmp_path) == ["epoch=2-step=32.ckpt"]
-    final = loopbus.load_checkpoint(tmp_path / "epoch=2-step=32.ckpt")
-    assert torch.equal(final["module"]["net.2.weight"], module.state_dict()["net.2.weight"])
+    assert writes.completed == list(range(1, last + 1))
+    # The write of step 4 was let go only after step 7 had completed, and so on.
+    assert writes.released_after == {4: 7, 8: 11, 12: 13}
+    assert ckpt_names(tmp_path) == [f"epoch=0-step={s}.ckpt" for s in (12, 4, 8)]
+    final = module.state_dict()
+    for step, weights in overlap.weights.items():
+        saved = loopbus.load_checkpoint(tmp_path / f"epoch=0-step={step}.ckpt")
+        for name, tensor in weights.items():
+            assert torch.equal(saved["module"][name], tensor), (step, name)
+        assert not torch.equal(weights["net.0.weight"], final["net.0.weight"]), step
 
 
 # ---------------------------------------------------------------- written like user code

@@ -72,6 +72,7 @@ class DataParallel(Strategy):
     a checkpoint. A subclass says what it does with the module."""
 
     name = "data-parallel"
+    saves_window_gradients = False
 
     def __init__(
         self, process_group_timeout: float = 1800.0, stop_check_interval: float = 0.05

@@ -309,6 +309,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     _state: RunState
     _collective: CollectiveStop
     _max_steps: float
+    _stop_window: int
     _val_every: int | None
 
     def __init__(self) -> None:
@@ -329,9 +330,13 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         # asynchronous exchange, read at a later one, so a stop asked on any rank stops
         # every rank at the same boundary.
         self._collective.exchange_stop(state)
-        if state.stop_requested or state.step >= self._max_steps:
+        if state.step >= self._max_steps:
             return True
-        if self.progress.current.ready >= self._limit:
+        ready = self.progress.current.ready
+        # Inside an accumulation window a stop may wait for its end (TrainStep.stop_window).
+        if state.stop_requested and ready % self._stop_window == 0:
+            return True
+        if ready >= self._limit:
             return True
         return not self.run_ctx.source.has_next()
 
@@ -347,6 +352,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         self._state = host.state
         self._collective = host.collective
         self._max_steps = options.max_steps
+        self._stop_window = step.stop_window
         self._val_every = options.val_check_interval
         iterator = self.resume_iterator(train_data)
         self._open_source(ctx, host.sources, train_data, iterator, is_stateful(train_data))

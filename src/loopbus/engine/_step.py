@@ -74,9 +74,13 @@ class FlushingRecorder(Protocol):
 class StepStrategy(Protocol):
     """What the training step asks of the strategy: a context in which backward does
     not synchronise gradients (the non-final micro-batches of an accumulation window,
-    DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync(False)``), and clipping."""
+    DDP's ``no_sync``, FSDP's ``set_requires_gradient_sync(False)``), clipping, and
+    whether a checkpoint holds the gradients of an unfinished window."""
 
     def no_sync(self) -> AbstractContextManager[Any]: ...
+
+    @property
+    def saves_window_gradients(self) -> bool: ...
 
     def clip_gradients(
         self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
@@ -271,6 +275,18 @@ class TrainStep:
         if self.variant != "general" or accumulate == 1:
             return self._variant
         return functools.partial(self._general, closes_window=closes_window)
+
+    @property
+    def stop_window(self) -> int:
+        """How many batches a stop lets complete, counted from the epoch's start: a stop
+        takes effect at a boundary that is a multiple of it. The accumulation window
+        when a checkpoint cannot hold an unfinished window's gradients (the strategy's
+        ``saves_window_gradients``: under DDP and FSDP), so that the checkpoint taken at
+        the stop resumes exactly; else 1 (the next batch)."""
+        options = self.options
+        if options.accumulate > 1 and not self.strategy.saves_window_gradients:
+            return options.accumulate
+        return 1
 
     def epoch_completed(self) -> None:
         """An epoch ended: step the schedulers configured with ``interval="epoch"``."""

@@ -174,6 +174,11 @@ class Strategy:
     """One process (the default): no wrapper, no collectives."""
 
     sharded_state: bool = False
+    #: Whether a checkpoint holds the gradients of an unfinished accumulation window, so
+    #: that a run stopped inside one resumes exactly: in one process it does; under DDP
+    #: and FSDP each rank accumulates its own (FSDP keeps them unsharded, to itself) and a
+    #: checkpoint holds one rank's or none, so there a stop waits for the window's end.
+    saves_window_gradients: bool = True
 
     name = "single"
     world_size = 1

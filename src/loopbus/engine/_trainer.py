@@ -275,9 +275,9 @@ class Trainer(OptionAttributes):
         self._schedulers.step(interval)
 
     def request_stop(self, reason: str | None = None) -> None:
-        """Ask the running stage to stop at the next step boundary, without an exception
-        (validation inside ``fit`` finishes its pass first). Safe to call from any task
-        and from other threads."""
+        """Ask the running stage to stop at the next step boundary (under DDP and FSDP: at
+        the accumulation window's end), without an exception (validation inside ``fit``
+        finishes its pass first). Safe to call from any task and from other threads."""
         self.state.request_stop(reason)
 
     def subscribe(self, event_type: Any, handler: Any, **options: Any) -> Subscription:

@@ -90,7 +90,9 @@ class Checkpoint(Plugin):
     * on preemption (SIGTERM, SIGUSR1; ``Trainer(preemption="auto")`` handles them while
       this plugin is active): at ``PreemptionRequested``, at the step boundary where the
       stop took effect, a checkpoint that resumes exactly there (mid-epoch, inside an
-      accumulation window); nothing is saved after it in that ``fit`` (an epoch-end or
+      accumulation window in one process; under DDP and FSDP the stop waits for the
+      window's end); none when the last save was taken at that very boundary (it is the
+      one to resume from); nothing is saved after it in that ``fit`` (an epoch-end or
       end-of-fit save would record the epoch as cut short). See
       ``docs/checkpointing.md``, "Preemption".
 
@@ -113,9 +115,11 @@ class Checkpoint(Plugin):
     checkpoint is complete (rank 0 writes its marker and renames it into place once
     every rank has written its shards) or ignored. See ``docs/checkpointing.md``.
 
-    File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``;
-    two saves at the same epoch and step share a name, and the later one replaces the
-    earlier (atomically).
+    File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``.
+    A save never replaces a checkpoint: when that name is taken (two saves at the same
+    epoch and step, such as an epoch-end save after the step's periodic one, or a
+    checkpoint a previous run left in ``dirpath``), the save is named ``<name>-v1.ckpt``
+    (``-v2``, ... if that is taken too), as Lightning's ``ModelCheckpoint`` does.
 
     Under DDP the plugin runs on every rank (its saves gather every rank's random
     generators, so all ranks decide to save at the same boundaries; a monitored value
@@ -208,6 +212,10 @@ class Checkpoint(Plugin):
         self._unannounced: CheckpointSaved | None = None
         self._saw_validation = False
         self._preempted = False
+        # Training batches completed in this stage, and how many when the last save was
+        # taken: a preemption at the boundary of the last save has nothing more to save.
+        self._batches = 0
+        self._saved_after: int | None = None
 
     def __repr__(self) -> str:
         return f"Checkpoint(dirpath={str(self.dirpath)!r})"
@@ -282,6 +290,8 @@ class Checkpoint(Plugin):
         self._unannounced = None
         self._saw_validation = False
         self._preempted = False
+        self._batches = 0
+        self._saved_after = None
         if trainer.is_global_zero:
             # Rank 0 alone writes, so it alone creates the directory and removes the
             # temporaries that dead writers left in it; a temporary written on another
@@ -376,6 +386,7 @@ class Checkpoint(Plugin):
         trainer = self._trainer
         if trainer is None:
             return
+        self._batches += 1
         step = trainer.global_step
         periodic = (
             self.every_n_steps is not None
@@ -415,7 +426,10 @@ class Checkpoint(Plugin):
     async def _on_preemption(self, event: PreemptionRequested) -> None:
         if self._trainer is None or self._preempted:
             return
-        await self._save("preempted", periodic=True, best=None)
+        # The stop took effect right where the last save was taken (a periodic save at
+        # the window's end, an epoch-end save): that checkpoint resumes exactly here.
+        if self._saved_after != self._batches:
+            await self._save("preempted", periodic=True, best=None)
         self._preempted = True  # what a later save would record is the epoch cut short
 
     @on(FitCompleted)
@@ -512,10 +526,12 @@ class Checkpoint(Plugin):
         assert trainer is not None
         await self._wait_idle()
         await self._announce()
-        name = self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step)
-        name += ".ckpt"
+        name = self._free_name(
+            trainer, self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step)
+        )
         evicted = self._register(name, periodic=periodic, best=best)
         self._last_saved = (trainer.global_step, kind)
+        self._saved_after = self._batches
         saved = CheckpointSaved(
             path=str(self.dirpath / name),
             step=trainer.global_step,
@@ -543,6 +559,23 @@ class Checkpoint(Plugin):
                 return
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
             await trainer.publish(saved)
+
+    def _free_name(self, trainer: Trainer, stem: str) -> str:
+        """``<stem>.ckpt``, or ``<stem>-v<N>.ckpt`` with the smallest N whose name is free:
+        a save never replaces a checkpoint (in ``dirpath``, or one this plugin recorded).
+        Rank 0 looks (the previous save is complete there); every rank takes its answer."""
+        name: str | None = None
+        if trainer.is_global_zero:
+            known = set(self._recent) | {n for _, n in self._best} | {self._last}
+            name = f"{stem}.ckpt"
+            version = 0
+            while name in known or os.path.lexists(self.dirpath / name):
+                version += 1
+                name = f"{stem}-v{version}.ckpt"
+        if trainer.world_size > 1:
+            name = trainer.strategy.broadcast_object(name)
+        assert name is not None
+        return name
 
     async def _save_sharded(self, name: str, evicted: list[str], saved: CheckpointSaved) -> None:
         """Every rank writes its shards; rank 0 completes the checkpoint once all have.

@@ -38,7 +38,7 @@ import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -65,6 +65,9 @@ from digits import DigitsNet, digits_loaders  # noqa: E402
 MAX_ACTIVE_RUNS = 4
 #: Seconds between keep-alive comments on an idle event stream.
 KEEPALIVE = 15.0
+#: The largest body ``POST /runs`` reads, in bytes (a run configuration is a few dozen):
+#: a larger one gets 413 and is not read further.
+MAX_BODY = 16 * 1024
 
 _encode = msgspec.json.Encoder().encode
 
@@ -255,8 +258,37 @@ async def list_runs(request: Request) -> Response:
     return _json([run.info() for run in _runs(request).runs.values()])
 
 
+async def _read_body(request: Request) -> bytes | None:
+    """The request's body; None once it is longer than ``MAX_BODY`` (reading stops)."""
+    body = bytearray()
+    async with aclosing(request.stream()) as chunks:
+        async for chunk in chunks:
+            body += chunk
+            if len(body) > MAX_BODY:
+                return None
+    return bytes(body)
+
+
+def _resume_at(last: str | None) -> int | None:
+    """The first record a reconnecting client wants: one past its ``Last-Event-ID``, 0
+    without one; None if that is not a record number (at most 20 characters, so that
+    ``int`` never reads a long string)."""
+    if last is None:
+        return 0
+    if len(last) > 20:
+        return None
+    try:
+        return max(int(last) + 1, 0)
+    except ValueError:
+        return None
+
+
 async def start_run(request: Request) -> Response:
-    body = await request.body()
+    # Untrusted input: a bounded body, decoded into a typed schema (RunConfig refuses
+    # unknown keys, so nothing in the body is skipped or nested deeper than its fields).
+    body = await _read_body(request)
+    if body is None:
+        return _json({"error": f"the body is larger than {MAX_BODY} bytes"}, 413)
     try:
         config = msgspec.json.decode(body, type=RunConfig) if body.strip() else RunConfig()
     except msgspec.ValidationError as exc:
@@ -292,12 +324,12 @@ async def run_events(request: Request) -> Response:
     if isinstance(run, Response):
         return run
     last = request.headers.get("last-event-id") or request.query_params.get("after")
-    try:
-        start = int(last) + 1 if last is not None else 0
-    except ValueError:
-        return _json({"error": f"Last-Event-ID must be a record number, got {last!r}"}, 400)
+    start = _resume_at(last)
+    if start is None:
+        shown = (last or "")[:40]
+        return _json({"error": f"Last-Event-ID must be a record number, got {shown!r}"}, 400)
     return StreamingResponse(
-        run.follow(max(start, 0)),
+        run.follow(start),
         media_type="text/event-stream",
         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
     )

@@ -76,6 +76,13 @@ async def test_a_browser_that_reconnects_gets_the_rest_and_new_messages_follow()
 
     status, _, _ = await read_events(app, "/events", lambda ev: True, query="after=x")
     assert status == 400
+    # Untrusted input: a number is never read from a long string (at most 20 characters).
+    status, _, _ = await read_events(app, "/events", lambda ev: True, query="after=" + "9" * 5000)
+    assert status == 400
+    _, _, events = await read_events(
+        app, "/events", lambda ev: len(_data(ev)) >= 1, headers=[("Last-Event-ID", "-7")]
+    )
+    assert _data(events)[0].id == "0"
 
 
 async def test_a_browser_behind_the_history_is_told_what_was_forgotten() -> None:

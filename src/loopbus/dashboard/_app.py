@@ -70,6 +70,20 @@ def _stream(hub: Hub, start: int) -> AsyncIterator[bytes | ServerSentEvent]:
     return events()
 
 
+def _resume_at(last: str | None) -> int | None:
+    """The first message a reconnecting browser wants: one past its ``Last-Event-ID``
+    (or ``?after=``), 0 without one; None if that is not a message id (untrusted input:
+    at most 20 characters, so that ``int`` never reads a long string)."""
+    if last is None:
+        return 0
+    if len(last) > 20:
+        return None
+    try:
+        return max(int(last) + 1, 0)
+    except ValueError:
+        return None
+
+
 def routes(hub: Hub, *, title: str = "loopbus dashboard", controls: str = "") -> list[BaseRoute]:
     """The dashboard's routes for ``hub``, for an application of one's own: ``/`` (the
     page), ``/events`` (Server-Sent Events), ``/status`` (the runs, JSON) and
@@ -82,11 +96,11 @@ def routes(hub: Hub, *, title: str = "loopbus dashboard", controls: str = "") ->
 
     async def events(request: Request) -> Response:
         last = request.headers.get("last-event-id") or request.query_params.get("after")
-        try:
-            start = int(last) + 1 if last is not None else 0
-        except ValueError:
-            return PlainTextResponse(f"Last-Event-ID must be a message id, got {last!r}.", 400)
-        return EventSourceResponse(_stream(hub, max(start, 0)), ping=PING, sep="\n")
+        start = _resume_at(last)
+        if start is None:
+            shown = (last or "")[:40]
+            return PlainTextResponse(f"Last-Event-ID must be a message id, got {shown!r}.", 400)
+        return EventSourceResponse(_stream(hub, start), ping=PING, sep="\n")
 
     async def status(request: Request) -> Response:
         return Response(hub.status(), media_type="application/json")

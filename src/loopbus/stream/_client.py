@@ -29,6 +29,7 @@ from .._exceptions import MisconfigurationError, StreamError
 from .._validate import check_number
 from ..events._types import PutRecord
 from ._address import Address, parse_address
+from ._untrusted import ServerFrames, plain
 from ._wire import (
     MAX_SERVER_FRAME,
     PROTOCOL_VERSION,
@@ -40,7 +41,6 @@ from ._wire import (
     Gap,
     Hello,
     Record,
-    ServerMessage,
     StageEnded,
     StageStarted,
     Subscribe,
@@ -99,6 +99,10 @@ def connect(
       dropped because this client read too slowly; either way :attr:`Stream.gaps`
       counts the dropped records.
     * ``timeout``: seconds to connect and complete the handshake.
+    * ``max_frame``: the largest frame (bytes) accepted from the server. What a server
+      sends is untrusted input: a larger frame, or one whose arrays and maps nest more
+      than 32 levels deep, ends the stream with :class:`~loopbus.StreamError` before it is
+      decoded (``docs/security.md``).
 
     Records put after the ``async with`` is entered are delivered (the server has
     acknowledged the subscription by then).
@@ -164,7 +168,7 @@ class Stream:
         self.received = 0
         self._socket: SocketStream | None = None
         self._reader = FrameReader(max_frame)
-        self._decode = msgspec.msgpack.Decoder(ServerMessage).decode
+        self._decode = ServerFrames().decode
         self._encoder = msgspec.msgpack.Encoder()
         self._items: deque[Any] = deque()
         self._head = 0
@@ -321,7 +325,7 @@ class Stream:
                 self._fail(f"{self.address} sent an invalid frame: {exc}", exc)
                 return
             kind = type(message)
-            if kind is Batch:
+            if isinstance(message, Batch):
                 if message.seq != self.next_seq:
                     self._fail(
                         f"{self.address} sent items from sequence number {message.seq}, "
@@ -341,8 +345,8 @@ class Stream:
                             source=x.source,
                             destinations=_DESTINATIONS,
                         )
-                        if type(x) is Record
-                        else x
+                        if isinstance(x, Record)
+                        else plain(x)
                         for x in items
                     ]
                 )

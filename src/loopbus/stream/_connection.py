@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from ._untrusted import check_nesting, msgpack_kind
 from ._wire import (
     MAX_SERVER_FRAME,
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSIONS,
     FrameReader,
     Gap,
     Hello,
@@ -182,13 +183,15 @@ def matcher(patterns: list[str]) -> Callable[[str], Any]:
     return re.compile(regex).match
 
 
-def _msgpack_kind(value: Any) -> str:
-    """How ``value`` (decoded msgpack) is called in the protocol's words."""
-    if value is None:
-        return "nil"
-    names = {bool: "bool", int: "int", float: "float", str: "str", bytes: "bin"}
-    names |= {list: "array", tuple: "array", dict: "map"}
-    return names.get(type(value), type(value).__name__)
+class _Head(msgspec.Struct):
+    """What the server reads of a frame it cannot decode as a client message, to say
+    why: the encoded values of its ``"type"`` and ``"version"`` keys (empty if absent)."""
+
+    type: msgspec.Raw = msgspec.Raw(b"")
+    version: msgspec.Raw = msgspec.Raw(b"")
+
+
+_decode_head = msgspec.msgpack.Decoder(_Head).decode
 
 
 def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
@@ -196,8 +199,9 @@ def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
     (the ``Bye`` codes of ``docs/protocol.md``). Untrusted input: any failure to decode
     is the frame's fault.
 
-    * not MessagePack, not a map, no ``"type"`` key or a ``"type"`` that is not a str:
-      ``malformed`` (not a message of the protocol at all);
+    * not MessagePack, nested more than ``MAX_DEPTH`` (32) levels deep (checked before
+      anything decodes it), not a map, no ``"type"`` key or a ``"type"`` that is not a
+      str: ``malformed`` (not a message of the protocol at all);
     * a ``"type"`` that is no client message's name: ``unexpected``;
     * a ``Hello`` whose ``version`` is an integer: decoded by its version alone when the
       rest is invalid, so that a Hello of another protocol version gets ``version``
@@ -205,34 +209,39 @@ def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
     * any other invalid key or value of a client message: ``malformed``.
     """
     try:
+        # Bound the nesting first: decoders recurse per level, skipped values included.
+        check_nesting(frame)
         return decode(frame)
     except msgspec.ValidationError as exc:
         invalid = exc
-    except Exception as exc:  # DecodeError, UnicodeDecodeError, RecursionError, ...
+    except Exception as exc:  # DecodeError, UnicodeDecodeError, ...
         raise Rejected("malformed", f"malformed frame: {exc}") from None
+    expected = "a message must be a msgpack map with a string 'type' key, got"
     try:
-        raw = msgspec.msgpack.decode(frame)
+        head = _decode_head(frame)
+    except msgspec.ValidationError:
+        got = msgpack_kind(frame[0])
+        got = "a map with a key that is not a str" if got == "map" else got
+        raise Rejected("malformed", f"{expected} {got}.") from None
     except Exception as exc:
         raise Rejected("malformed", f"malformed frame: {exc}") from None
-    if not isinstance(raw, dict):
-        got = _msgpack_kind(raw)
-        raise Rejected(
-            "malformed", f"a message must be a msgpack map with a string 'type' key, got {got}."
-        )
-    if "type" not in raw or not isinstance(raw["type"], str):
-        got = (
-            f"a map whose 'type' is {_msgpack_kind(raw['type'])}"
-            if "type" in raw
-            else "a map without 'type'"
-        )
-        raise Rejected(
-            "malformed", f"a message must be a msgpack map with a string 'type' key, got {got}."
-        )
-    kind = raw["type"]
-    if kind == "Hello":
-        version = raw.get("version")
-        if type(version) is int and version != PROTOCOL_VERSION:
-            return Hello(version=version)
+    if not head.type:
+        raise Rejected("malformed", f"{expected} a map without 'type'.")
+    try:
+        kind = msgspec.msgpack.decode(head.type, type=str)
+    except msgspec.ValidationError:
+        got = msgpack_kind(bytes(head.type)[0])
+        raise Rejected("malformed", f"{expected} a map whose 'type' is {got}.") from None
+    except Exception as exc:
+        raise Rejected("malformed", f"malformed frame: {exc}") from None
+    if kind == "Hello" and head.version:
+        try:
+            version = msgspec.msgpack.decode(head.version, type=int)
+        except Exception:
+            pass  # not an integer: invalid like any other key
+        else:
+            if version not in PROTOCOL_VERSIONS:
+                return Hello(version=version)
     if kind in CLIENT_TYPES:
         raise Rejected("malformed", f"invalid {kind} message: {invalid}")
     raise Rejected(

@@ -73,7 +73,18 @@ async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
                 (frame(b"\x00" * 2000), "too_large", "more than the limit of 1024"),
                 (frame(b"\xc1"), "malformed", "malformed frame"),
                 (frame(b""), "malformed", "malformed frame"),
-                (frame(b"\x91" * 1000 + b"\x01"), "malformed", "maximum recursion depth"),
+                # Refused for its nesting, before anything decodes it: the same reason
+                # whatever the process's recursion limit (tests/stream/test_deep_frames.py).
+                (
+                    frame(b"\x91" * 1000 + b"\x01"),
+                    "malformed",
+                    "nests arrays and maps more than 32 levels deep",
+                ),
+                (
+                    frame(b"\x83\xa4type\xa5Hello\xa7version\x01\xa1x" + b"\x91" * 900 + b"\x01"),
+                    "malformed",
+                    "nests arrays and maps more than 32 levels deep",
+                ),
                 (
                     frame(b"\x82\xa4type\xa5Hello\xa5token\xa1\x80"),
                     "malformed",
@@ -225,7 +236,7 @@ async def test_an_unknown_type_name_is_unexpected() -> None:
     assert (bye.code, bye.reason[:29]) == ("unexpected", "unknown message type 'Hola'; ")
 
 
-@pytest.mark.parametrize("version", [-1, 0, 2, 2**63 - 1, -(2**63), 2**64 - 1])
+@pytest.mark.parametrize("version", [-1, 0, 3, 2**63 - 1, -(2**63), 2**64 - 1])
 async def test_a_hello_with_another_integer_version_is_version(version: int) -> None:
     messages = await _answers(frame(msgspec.msgpack.encode({"type": "Hello", "version": version})))
     assert len(messages) == 1
@@ -236,7 +247,7 @@ async def test_a_hello_with_another_integer_version_is_version(version: int) -> 
 
 async def test_a_hello_with_another_version_is_version_whatever_its_other_keys() -> None:
     """A later protocol version may change the other keys: the version is judged first."""
-    hello = {"type": "Hello", "version": 2, "token": {"scheme": "new"}, "client": ["x"]}
+    hello = {"type": "Hello", "version": 3, "token": {"scheme": "new"}, "client": ["x"]}
     bye = _bye(await _answers(frame(msgspec.msgpack.encode(hello))))
     assert bye.code == "version", bye
 

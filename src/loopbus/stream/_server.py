@@ -22,6 +22,11 @@ The server runs on the event loop of the task that serves it (``async with serve
 ``await server.serve()``), or on an event loop of its own in a background thread
 (:meth:`Server.start_in_thread`): then it outlives the publisher's event loops, and
 reaches its clients even while the publisher's loop is busy.
+
+A connection speaks the protocol version its client's ``Hello`` names, for good: a
+version-1 client gets version 1's promises (its connection ends with the stage, after
+that stage's items and a ``Bye``; no ``StageStarted`` items), a version-2 client stays
+connected from stage to stage.
 """
 
 from __future__ import annotations
@@ -48,10 +53,10 @@ from anyio.abc import SocketAttribute
 from .._exceptions import MisconfigurationError, StreamError
 from .._validate import check_int, check_number
 from ._address import Address, is_loopback, parse_address
-from ._connection import Connection, Rejected, decode_client_message, matcher
+from ._connection import Connection, Rejected, decode_client_message, match_nothing, matcher
 from ._wire import (
     MAX_CLIENT_FRAME,
-    PROTOCOL_VERSION,
+    PROTOCOL_VERSIONS,
     TOPICS,
     Bye,
     ClientMessage,
@@ -83,6 +88,14 @@ _DISCARD_LIMIT = 1 << 20
 #: A queue length never reached: the pump is not to be woken.
 _NEVER = sys.maxsize
 _EVENT_TYPES = (EpochEnded, StageStarted, StageEnded)
+#: The version whose connections end with their stage (docs/protocol.md, "Versions").
+_STAGE_VERSION = 1
+
+
+def _spoken(versions: tuple[int, ...]) -> str:
+    """``"1 and 2"``: the versions a server speaks, in words."""
+    words = [str(v) for v in versions]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 async def _close(resource: Any) -> None:
@@ -146,7 +159,14 @@ class Server:
     thread) or :meth:`aclose`. A server serves once. Counters for monitoring:
     :attr:`connected`, :attr:`subscribers`, :attr:`accepted`, :attr:`rejected`,
     :attr:`dropped`, :attr:`errors`.
+
+    It speaks every protocol version of :attr:`versions`; each connection the one its
+    client's ``Hello`` names.
     """
+
+    #: The protocol versions the server speaks (told to clients in ``Welcome.versions``,
+    #: and in the reason of the ``Bye`` that refuses any other).
+    versions: tuple[int, ...] = PROTOCOL_VERSIONS
 
     def __init__(
         self,
@@ -239,6 +259,10 @@ class Server:
         self._record_clients: tuple[Connection, ...] = ()
         self._routes: dict[str, tuple[Connection, ...]] = {}
         self._event_clients: tuple[Connection, ...] = ()
+        # The event clients that take StageStarted items (version 2 on), and the clients
+        # that said version 1 (their connections end with the stage).
+        self._start_clients: tuple[Connection, ...] = ()
+        self._stage_clients: set[Connection] = set()
         # Publishing: the items waiting for the pump, the queue length that wakes it, and
         # whether records are wanted at all (read by publishers on any thread).
         self._pending: deque[Any] = deque()
@@ -474,11 +498,13 @@ class Server:
                 accept_scope.cancel()
                 self._distribute()
                 reason = self._close_reason
+                # A fresh event: an earlier moment without clients set the first one.
+                all_gone = self._all_gone = anyio.Event()
                 for client in self._client_list:
                     client.close("end", reason, flush=True)
                 if self._clients:
                     with anyio.move_on_after(self.linger):
-                        await self._all_gone.wait()
+                        await all_gone.wait()
                 tg.cancel_scope.cancel()
         finally:
             self._serving = False
@@ -495,6 +521,8 @@ class Server:
                 self._conn_tg = None
                 self._clients.clear()
                 self._client_list = self._record_clients = self._event_clients = ()
+                self._start_clients = ()
+                self._stage_clients.clear()
                 self._routes.clear()
                 self.connected = self.subscribers = 0
                 finished.set()
@@ -592,7 +620,9 @@ class Server:
 
         The per-record path: consecutive items going to the same clients are gathered in
         one list and each client's queue is extended once per list (not appended to once
-        per item), and the step and epoch are taken from the last item only."""
+        per item), and the step and epoch are taken from the last item only. At a
+        ``StageEnded``, version-1 clients get what came before it (and it, if they take
+        events), then their bye: nothing after it is queued for them."""
         pending = self._pending
         popleft = pending.popleft
         encode = self._encode
@@ -608,7 +638,16 @@ class Server:
             item = last = popleft()
             if isinstance(item, event_types):
                 self._note(item)
-                wanted = self._event_clients
+                kind = type(item)
+                wanted = self._event_clients if kind is not StageStarted else self._start_clients
+                if self._stage_clients and isinstance(item, StageEnded):
+                    if wanted:
+                        runs.append((wanted, [raw_type(encode(item))]))
+                    self._hand_over(runs)
+                    runs = []
+                    targets = ()
+                    self._end_stage(item.stage)
+                    continue
                 if not wanted:
                     continue
                 raw = raw_type(encode(item))
@@ -642,13 +681,28 @@ class Server:
         if last is not None and not isinstance(last, event_types):
             self.step = last.step
             self.epoch = last.epoch
+        self._hand_over(runs)
+        for client in self._client_list:
+            if client.queue:
+                client.notify()
+
+    @staticmethod
+    def _hand_over(runs: list[tuple[tuple[Connection, ...], list[msgspec.Raw]]]) -> None:
+        """Queue each run's items for its clients (numbering them)."""
         for clients, batch in runs:
             for client in clients:
                 client.queue.extend(batch)
                 client.next_seq += len(batch)
-        for client in self._client_list:
-            if client.queue:
-                client.notify()
+
+    def _end_stage(self, stage: str) -> None:
+        """Version 1's stage end: each version-1 client receives what is queued for it,
+        then ``Bye(code="end")``, and nothing more is queued for it."""
+        for client in self._stage_clients:
+            if client.bye is None:
+                client.close("end", f"the {stage} stage ended", flush=True)
+                client.match = match_nothing
+                client.topics = frozenset()
+        self._routes_changed()
 
     def _route(self, name: str) -> tuple[Connection, ...]:
         """The subscribed clients whose name filters accept ``name`` (cached per name
@@ -723,11 +777,11 @@ class Server:
             raise Rejected(
                 "unexpected", f"the first message must be Hello, got {type(hello).__name__}."
             )
-        if hello.version != PROTOCOL_VERSION:
+        if hello.version not in self.versions:
             raise Rejected(
                 "version",
-                f"this server speaks protocol version {PROTOCOL_VERSION}; the client asked "
-                f"for version {hello.version}.",
+                f"this server speaks protocol versions {_spoken(self.versions)}; the client "
+                f"asked for version {hello.version}.",
             )
         if self.token is not None:
             if hello.token is None:
@@ -743,10 +797,12 @@ class Server:
         self._clients.add(client)
         self._client_list = tuple(self._clients)
         self.connected = len(self._clients)
+        if hello.version == _STAGE_VERSION:
+            self._stage_clients.add(client)
         from .. import __version__
 
         welcome = Welcome(
-            version=PROTOCOL_VERSION,
+            version=hello.version,
             server=f"loopbus {__version__}",
             stage=self.stage,
             step=self.step,
@@ -755,6 +811,7 @@ class Server:
             max_frame=self.max_frame,
             buffer=self.client_buffer,
             topics=list(TOPICS),
+            versions=list(self.versions),
         )
         await self._send_now(client, welcome)
         self.accepted += 1
@@ -817,6 +874,8 @@ class Server:
             raise Rejected("malformed", f"unknown topic(s) {unknown}; topics are {list(TOPICS)}.")
         # Items published before this point are handed out under the old filters.
         self._distribute()
+        if client.bye is not None and client in self._stage_clients:
+            return  # version 1: its stage ended, its bye is on the way
         client.match = matcher(message.names)
         client.topics = frozenset(message.topics)
         self._routes_changed()
@@ -831,6 +890,8 @@ class Server:
         self._record_clients = tuple(c for c in clients if "records" in c.topics)
         self._routes.clear()
         self._event_clients = tuple(c for c in clients if "events" in c.topics)
+        stage_clients = self._stage_clients
+        self._start_clients = tuple(c for c in self._event_clients if c not in stage_clients)
         self.subscribers = sum(1 for c in clients if c.topics)
         self._records_wanted = self._serving and bool(self._record_clients)
 
@@ -838,6 +899,7 @@ class Server:
         if client in self._clients:
             self._dropped += client.pending_drops()
             self._clients.discard(client)
+            self._stage_clients.discard(client)
             self.connected = len(self._clients)
             self._routes_changed()
             if not self._clients and self._all_gone is not None:

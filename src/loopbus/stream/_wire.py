@@ -21,6 +21,7 @@ __all__ = [
     "MAX_CLIENT_FRAME",
     "MAX_SERVER_FRAME",
     "PROTOCOL_VERSION",
+    "PROTOCOL_VERSIONS",
     "TOPICS",
     "Record",
     "Batch",
@@ -42,8 +43,13 @@ __all__ = [
     "record_fields",
 ]
 
-#: The protocol version this module speaks (``Hello.version``, ``Welcome.version``).
-PROTOCOL_VERSION: Final = 1
+#: The newest protocol version, the one the Python client says in its ``Hello``.
+PROTOCOL_VERSION: Final = 2
+#: Every protocol version a server speaks (``Welcome.versions``): a client's ``Hello``
+#: names one, and the server keeps that version's promises for the whole connection
+#: (``docs/protocol.md``, "Versions"). Version 1 ends every connection with its stage;
+#: version 2 keeps a connection across stages and adds the ``StageStarted`` item.
+PROTOCOL_VERSIONS: Final = (1, 2)
 #: Bytes of the length prefix in front of every frame.
 HEADER_SIZE: Final = 4
 #: Default limit on the payload of a frame a client sends (servers may configure it).
@@ -108,7 +114,9 @@ class Bye(_Message, frozen=True, kw_only=True):
 
 
 class Welcome(_Message, frozen=True, kw_only=True):
-    """The server accepted the client's Hello. Describes the run and the server's limits."""
+    """The server accepted the client's Hello. Describes the run and the server's limits.
+    ``version`` is the version the client asked for (the one this connection speaks),
+    ``versions`` every version the server speaks."""
 
     version: int
     server: str
@@ -119,6 +127,7 @@ class Welcome(_Message, frozen=True, kw_only=True):
     max_frame: int = MAX_CLIENT_FRAME
     buffer: int = 0
     topics: list[str] = msgspec.field(default_factory=lambda: list(TOPICS))
+    versions: list[int] = msgspec.field(default_factory=lambda: list(PROTOCOL_VERSIONS))
 
 
 class Subscribed(_Message, frozen=True, kw_only=True):

@@ -72,9 +72,17 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
 
 
-# Variables a library sets for itself while it runs (pytest's current test, torch's
-# inductor's process-wide settings): theirs to keep, not a test's leak.
-_LIBRARY_VARIABLES = ("PYTEST_CURRENT_TEST", "_TORCHINDUCTOR_")
+# Variables a library sets (or removes) for itself while it runs: pytest's current test,
+# torch's inductor's process-wide settings, the OpenMP runtime's (set when scikit-learn
+# or torch load it), wandb's service address, MLflow's telemetry session: theirs to keep,
+# not a test's leak.
+_LIBRARY_VARIABLES = (
+    "PYTEST_CURRENT_TEST",
+    "_TORCHINDUCTOR_",
+    "KMP_",
+    "WANDB_SERVICE",
+    "_MLFLOW_",
+)
 # Set by what a test calls on purpose (``seed_everything`` sets PYTHONHASHSEED for the
 # processes the run starts, as Lightning's does): put back after each test, not a failure.
 _RESTORED_VARIABLES = ("PYTHONHASHSEED",)

@@ -139,7 +139,7 @@ def test_a_long_repr_is_cut_short_in_the_error(module: Module) -> None:
         def __repr__(self) -> str:
             return "L" * 10_000
 
-    with pytest.raises(TypeError, match=r"L{160}\.\.\. \(10000 characters\)\. put takes"):
+    with pytest.raises(TypeError, match=r"L{800}\.\.\. \(10000 characters\)\. put takes"):
         module.put("x", Long())
 
 

@@ -142,8 +142,8 @@ def _described(value: object) -> str:
         return f"<{type(value).__qualname__} object; its __repr__ raised {type(error).__name__}>"
     if type(text) is not str:
         return f"<{type(value).__qualname__} object>"
-    if len(text) > 200:
-        return f"{text[:160]}... ({len(text)} characters)"
+    if len(text) > 1000:
+        return f"{text[:800]}... ({len(text)} characters)"
     return text
 
 

@@ -32,6 +32,7 @@ from ._exceptions import StopLoop as StopLoop
 from ._exceptions import StreamError as StreamError
 from ._exceptions import SubscriptionError as SubscriptionError
 from ._exceptions import fixup_module_metadata as _fixup_module_metadata
+from ._untrusted import check_json_nesting as check_json_nesting
 from ._validate import check_choice as check_choice
 from ._validate import check_int as check_int
 from ._validate import check_number as check_number
@@ -175,6 +176,7 @@ __all__ = [
     "__version__",
     "check_choice",
     "check_int",
+    "check_json_nesting",
     "check_number",
     "connect",
     "events",

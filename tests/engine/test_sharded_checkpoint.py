@@ -174,6 +174,33 @@ def test_stale_temporary_directories_are_removed(tmp_path: Path) -> None:
     assert live.exists()
 
 
+def test_evicting_a_linked_checkpoint_leaves_the_original_complete(tmp_path: Path) -> None:
+    # Another run's checkpoint linked into a directory and resumed from there: once
+    # keep_last evicts it, the link goes, but the original (the one its own directory's
+    # last.json names) keeps its marker and every file.
+    source = tmp_path / "source"
+    _fit(source, epochs=1, keep_last=2)
+    original = loopbus.latest_checkpoint(source)
+    assert original == source / "epoch=0-step=8-v1.ckpt"
+    files = sorted(p.name for p in original.iterdir())
+    assert SHARDED_MARKER in files
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    link = directory / original.name
+    link.symlink_to(original, target_is_directory=True)
+    # Resumed for 2 more epochs: the saves at steps 12 and 16 evict the linked one.
+    trainer, _ = _fit(directory, epochs=3, resume=link, keep_last=2)
+    assert trainer.global_step == 24
+    assert not os.path.lexists(link)
+    assert sorted(p.name for p in original.iterdir()) == files
+    assert loopbus.latest_checkpoint(source) == original  # no warning: still complete
+    # Removed directly, too: the link only.
+    link.symlink_to(original, target_is_directory=True)
+    loopbus.remove_checkpoint(link)
+    assert not os.path.lexists(link)
+    assert sorted(p.name for p in original.iterdir()) == files
+
+
 @pytest.mark.parametrize("damage", ["missing", "truncated"])
 def test_a_damaged_shard_is_refused_naming_the_file(tmp_path: Path, damage: str) -> None:
     directory = tmp_path / "ckpt"

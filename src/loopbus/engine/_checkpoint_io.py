@@ -9,18 +9,26 @@ the target name; a reader that finds a marker checks the file against it, so a t
 modified file is refused with a clear error.
 
 Reading (:func:`load_checkpoint`): ``torch.load(..., weights_only=True)`` only, so a file
-holding pickled Python objects is refused and nothing from it runs; then the header is
-checked (format, version).
+holding pickled Python objects is refused and nothing from it runs; then the nesting of
+what it holds (at most 100 levels of lists, tuples and dicts, no container that contains
+itself: torch's unpickler builds any depth without recursion, but what reads the state
+next recurses) and the header (format, version) are checked. A state that nests deeper
+is refused when it is saved too.
 
 A sharded checkpoint (``_dcp.py``) is a directory instead of a file: it is written under a
 temporary name, its completeness marker (``loopbus.complete``, JSON: the size of every
 file in it) goes inside it last, and only then is it renamed to its own name. Pointer,
 scan for the newest, removal and the cleaning of temporaries treat both kinds alike.
 
+Markers and pointers are read as untrusted input: at most 1 MiB, nesting measured before
+they are decoded, and decoded only into the typed :class:`Marker` and :class:`Pointer`
+(keys they do not name are ignored, so files of earlier versions still load); one that is
+too large, too deep or of the wrong shape is damaged, like one that is not JSON.
+
 A directory means the checkpoint its ``last.json`` names or, without one or when that one
-is missing or damaged, the newest complete one (:func:`latest_checkpoint`: the marker
-there, every file of the size it records); the checkpoints passed over are named, with
-what is wrong with each, in a ``UserWarning``. A write that fails (a full disk) raises
+(or the pointer itself) is missing or damaged, the newest complete one
+(:func:`latest_checkpoint`: the marker there, every file of the size it records); the
+checkpoints passed over are named, with what is wrong with each, in a ``UserWarning``. A write that fails (a full disk) raises
 :class:`CheckpointError` naming the file, the cause and what is on disk since, not the
 ``RuntimeError`` torch makes of a failed write.
 """
@@ -46,21 +54,26 @@ import zlib
 from collections import OrderedDict, deque
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
+import msgspec
 import torch
 
 from .._exceptions import CheckpointError
+from .._untrusted import MAX_STATE_DEPTH, check_json_nesting, check_state_nesting, read_small
 
 __all__ = [
     "FORMAT",
     "FORMAT_VERSION",
     "LAST_POINTER",
+    "Marker",
+    "Pointer",
     "check_header",
     "checkpoint_info",
     "latest_checkpoint",
     "load_checkpoint",
     "newest",
+    "read_json",
     "remove_checkpoint",
     "remove_stale_temporaries",
     "to_plain",
@@ -138,12 +151,20 @@ class _Plain:
             self.memo[key] = copied
         return copied
 
-    def walk(self, obj: Any, where: str) -> Any:
+    def walk(self, obj: Any, where: str, depth: int = 1) -> Any:
         cls = type(obj)
         if cls in _LEAVES:
             return obj
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, where)
+        if depth > MAX_STATE_DEPTH and cls in (dict, OrderedDict, list, tuple):
+            raise CheckpointError(
+                f"cannot save {where.split('[', 1)[0]}: it nests lists, tuples and dicts more "
+                f"than {MAX_STATE_DEPTH} levels deep (at {where}), and a checkpoint holding "
+                "such a state would be refused when it loads. Flatten the component's "
+                "state_dict() (join nested keys into one, say) and rebuild it in its "
+                "load_state_dict()."
+            )
         if cls is dict or cls is OrderedDict:
             out: dict[Any, Any] = {} if cls is dict else OrderedDict()
             for key, value in obj.items():
@@ -152,15 +173,15 @@ class _Plain:
                         f"cannot save {where}: key {key!r} is a {type(key).__qualname__}; "
                         "state dict keys must be str, int, float, bool or None."
                     )
-                out[key] = self.walk(value, f"{where}[{key!r}]")
+                out[key] = self.walk(value, f"{where}[{key!r}]", depth + 1)
             metadata = getattr(obj, "_metadata", None)
             if metadata is not None:  # nn.Module.state_dict() versions its entries
-                out._metadata = self.walk(metadata, f"{where}._metadata")  # type: ignore[attr-defined]
+                out._metadata = self.walk(metadata, f"{where}._metadata", depth + 1)  # type: ignore[attr-defined]
             return out
         if cls is list:
-            return [self.walk(v, f"{where}[{i}]") for i, v in enumerate(obj)]
+            return [self.walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj)]
         if cls is tuple:
-            return tuple(self.walk(v, f"{where}[{i}]") for i, v in enumerate(obj))
+            return tuple(self.walk(v, f"{where}[{i}]", depth + 1) for i, v in enumerate(obj))
         if cls is torch.Size:
             return obj
         raise _fail_plain(where, obj)
@@ -304,10 +325,10 @@ def _pointer_state(directory: Path) -> str:
     """What the ``last.json`` of ``directory`` names now, for a message."""
     pointer = directory / LAST_POINTER
     try:
-        name = json.loads(pointer.read_text()).get("checkpoint")
+        name = read_json(pointer, Pointer).checkpoint
     except FileNotFoundError:
         return f"there is no {LAST_POINTER} in {directory}"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError):
         return f"{pointer} is as it was"
     return f"{pointer} still names {name!r}"
 
@@ -437,8 +458,15 @@ def _write_failed(
 def remove_checkpoint(path: PathLike) -> None:
     """Delete a checkpoint and its completeness marker (the marker first, so that a crash
     in between never leaves a marker without its file): a file, or a sharded checkpoint's
-    whole directory. Missing files are ignored."""
+    whole directory. Missing files are ignored.
+
+    A symbolic link is removed as a link: what it points to (a checkpoint of another run,
+    say) is never touched. The marker inside a linked directory belongs to that
+    checkpoint, which may be the one its own directory's ``last.json`` names."""
     target = Path(os.fspath(path))
+    if target.is_symlink() and target.is_dir():
+        target.unlink(missing_ok=True)
+        return
     marker_path(target).unlink(missing_ok=True)
     if target.is_dir() and not target.is_symlink():
         shutil.rmtree(target, ignore_errors=True)
@@ -510,30 +538,91 @@ def _alive(pid: int) -> bool:
 # ---------------------------------------------------------------- reading
 
 
+class Marker(msgspec.Struct, frozen=True, kw_only=True):
+    """A completeness marker as it is read: a checkpoint file's (``size``, ``crc32``) or
+    a sharded checkpoint's (``layout``, ``files``: each file's size). Every key is
+    optional and keys it does not name are ignored, so markers of earlier and later
+    versions load; what a reader needs is checked where it is used."""
+
+    format: str | None = None
+    format_version: int | None = None
+    layout: str | None = None
+    file: str | None = None
+    checkpoint: str | None = None
+    size: int | None = None
+    crc32: int | None = None
+    files: dict[str, int] | None = None
+    global_step: int | None = None
+    epoch: int | None = None
+    created: float | None = None
+    world_size: int | None = None
+    strategy: str | None = None
+
+
+class Pointer(msgspec.Struct, frozen=True, kw_only=True):
+    """A directory's ``last.json`` as it is read: the name of its last checkpoint (and
+    that checkpoint's step, epoch and time of creation, which readers do not need)."""
+
+    checkpoint: str
+    global_step: int | None = None
+    epoch: int | None = None
+    created: float | None = None
+
+
+_Schema = TypeVar("_Schema", Marker, Pointer)
+
+
+def read_json(path: Path, schema: type[_Schema]) -> _Schema:
+    """The small JSON file ``path`` (a marker, a pointer) decoded into ``schema``: read
+    whole only if it is a regular file of at most 1 MiB, decoded only if it nests at most
+    64 levels. Raises ``OSError`` (``FileNotFoundError`` when it is absent) or a
+    ``ValueError`` whose message is a clause (``"it ..."``) saying what is wrong."""
+    data = check_json_nesting(read_small(path))
+    try:
+        return msgspec.json.decode(data, type=schema)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"it is JSON but not of the expected shape ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"it is not valid JSON ({exc})") from None
+
+
+def _why(exc: OSError | ValueError) -> str:
+    """What :func:`read_json`'s error says, as a clause."""
+    if isinstance(exc, OSError):
+        return f"it cannot be read ({describe_os_error(exc)})"
+    return str(exc)
+
+
 def checkpoint_info(path: PathLike) -> dict[str, Any] | None:
     """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
-    time of creation), or None if it has none."""
-    marker = marker_path(path)
+    time of creation; for a sharded checkpoint every file's size), or None if it has
+    none. Keys that the marker leaves out (or sets to null) are left out."""
+    info = _read_marker(marker_path(path))
+    if info is None:
+        return None
+    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
+
+
+def _read_marker(marker: Path) -> Marker | None:
+    """The completeness marker at ``marker``, None if there is none; raises
+    :class:`CheckpointError` naming it and what is wrong with it."""
     try:
-        text = marker.read_text()
+        return read_json(marker, Marker)
     except FileNotFoundError:
         return None
     except OSError as exc:
-        raise CheckpointError(f"cannot read the completeness marker {marker}: {exc}") from exc
-    try:
-        info = json.loads(text)
-    except ValueError:
         raise CheckpointError(
-            f"the completeness marker {marker} is not valid JSON; it was modified by hand. "
-            "Delete it to load the checkpoint without the integrity check."
-        ) from None
-    if not isinstance(info, dict):
-        raise CheckpointError(f"the completeness marker {marker} does not hold a JSON object.")
-    return info
+            f"cannot read the completeness marker {marker}: {describe_os_error(exc)}"
+        ) from exc
+    except ValueError as exc:
+        raise CheckpointError(
+            f"the completeness marker {marker} is damaged: {exc}. Delete it to load the "
+            "checkpoint without the integrity check, or load another checkpoint."
+        ) from exc
 
 
 def _verify(file: Path) -> None:
-    info = checkpoint_info(file)
+    info = _read_marker(marker_path(file))
     if info is None:
         return
     try:
@@ -542,9 +631,9 @@ def _verify(file: Path) -> None:
         raise CheckpointError(f"cannot read the checkpoint {file}: {exc}") from exc
 
 
-def _check_against_marker(file: Path, info: dict[str, Any]) -> None:
+def _check_against_marker(file: Path, info: Marker) -> None:
     size = file.stat().st_size
-    expected = info.get("size")
+    expected = info.size
     if size != expected:
         raise CheckpointError(
             f"the checkpoint {file} is torn or truncated: its completeness marker records "
@@ -556,7 +645,7 @@ def _check_against_marker(file: Path, info: dict[str, Any]) -> None:
     with open(file, "rb") as handle:
         while chunk := handle.read(1 << 22):
             crc = zlib.crc32(chunk, crc)
-    if crc != info.get("crc32"):
+    if crc != info.crc32:
         raise CheckpointError(
             f"the checkpoint {file} is corrupted: its CRC-32 does not match the one its "
             "completeness marker recorded when it was written. Load another checkpoint, for "
@@ -609,14 +698,19 @@ def _latest(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
     named: Path | None = None
     skipped: list[tuple[Path, str]] = []
     if pointer.exists():
-        named = _follow_pointer(pointer)
-        # A file without a marker that the pointer names is taken (checked structurally
-        # when it loads); a sharded checkpoint that replaces one of the same name moves
-        # it aside for a moment (a directory cannot be replaced atomically).
-        why = _incomplete(named, unmarked_file=True)
-        if why is None:
-            return named, []
-        skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
+        try:
+            named = _follow_pointer(pointer)
+        except (OSError, ValueError) as exc:  # damaged: the newest complete one is taken
+            skipped.append((pointer, f"this pointer is ignored: {_why(exc)}"))
+        else:
+            # A file without a marker that the pointer names is taken (checked
+            # structurally when it loads); a sharded checkpoint that replaces one of the
+            # same name moves it aside for a moment (a directory cannot be replaced
+            # atomically).
+            why = _incomplete(named, unmarked_file=True)
+            if why is None:
+                return named, []
+            skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
     elif not d.is_dir():
         return None, []
     found, others = _newest_complete(d)
@@ -663,17 +757,17 @@ def _incomplete(path: Path, *, unmarked_file: bool = False) -> str | None:
         if not path.is_file():
             return "it does not exist"
         try:
-            info = checkpoint_info(path)
-        except CheckpointError:
-            return f"its completeness marker {marker_path(path).name} is unreadable or not JSON"
-        if info is None:
+            info = read_json(marker_path(path), Marker)
+        except FileNotFoundError:
             if unmarked_file:
                 return None
             return (
                 f"it has no completeness marker {marker_path(path).name} (its save did not "
                 "finish, or the marker was deleted)"
             )
-        size, expected = path.stat().st_size, info.get("size")
+        except (OSError, ValueError) as exc:
+            return f"its completeness marker {marker_path(path).name} is damaged: {_why(exc)}"
+        size, expected = path.stat().st_size, info.size
     except OSError as exc:
         return f"it cannot be read ({describe_os_error(exc)})"
     if size != expected:
@@ -689,16 +783,15 @@ def _sharded_incomplete(path: Path) -> str | None:
     every file it lists has the size it records."""
     marker = path / SHARDED_MARKER
     try:
-        info = json.loads(marker.read_text())
+        files = read_json(marker, Marker).files
     except FileNotFoundError:
         return (
             f"it has no completeness marker {SHARDED_MARKER} (its save did not finish, or "
             "the marker was deleted)"
         )
-    except (OSError, ValueError):
-        return f"its completeness marker {SHARDED_MARKER} is unreadable or not JSON"
-    files = info.get("files") if isinstance(info, dict) else None
-    if not isinstance(files, dict) or not files:
+    except (OSError, ValueError) as exc:
+        return f"its completeness marker {SHARDED_MARKER} is damaged: {_why(exc)}"
+    if not files:
         return f"its completeness marker {SHARDED_MARKER} lists no files"
     for name, size in files.items():
         file = path / str(name)
@@ -728,20 +821,18 @@ def _skipped_message(d: Path, found: Path | None, skipped: list[tuple[Path, str]
 
 
 def _follow_pointer(pointer: Path) -> Path:
+    """The checkpoint the ``last.json`` at ``pointer`` names. Raises what
+    :func:`read_json` raises, and ``ValueError`` for a name that is not a file name in
+    the pointer's directory."""
     try:
-        info = json.loads(pointer.read_text())
-        name = info["checkpoint"]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckpointError(
-            f"the last-checkpoint pointer {pointer} cannot be read ({exc!r}); it should be "
-            'JSON like {"checkpoint": "epoch=0-step=100.ckpt"}. Pass a checkpoint file '
-            "explicitly instead."
-        ) from exc
-    if not isinstance(name, str) or not name or os.sep in name or name in (".", ".."):
-        raise CheckpointError(
-            f"the last-checkpoint pointer {pointer} names {name!r}, which is not a file name "
-            "in its directory."
-        )
+        name = read_json(pointer, Pointer).checkpoint
+    except ValueError as exc:
+        raise ValueError(
+            f'{exc}; it should be JSON like {{"checkpoint": "epoch=0-step=100.ckpt"}}'
+        ) from None
+    separators = [s for s in (os.sep, os.altsep) if s]
+    if not name or name in (".", "..") or any(s in name for s in separators):
+        raise ValueError(f"it names {name!r}, which is not a file name in its directory")
     return pointer.parent / name
 
 
@@ -759,7 +850,10 @@ def resolve_checkpoint(path: PathLike) -> Path:
             damaged = [
                 f"{q.name}: {why}"
                 for q, why in skipped
-                if q.is_dir() or not q.exists() or marker_path(q).exists()
+                if q.is_dir()
+                or not q.exists()
+                or marker_path(q).exists()
+                or q == directory / LAST_POINTER
             ]
             listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
             raise CheckpointError(
@@ -1166,8 +1260,24 @@ def load_checkpoint(
         state = torch.load(file, map_location=map_location, weights_only=True)
     except Exception as exc:
         _load_failed(file, container, exc)
+    check_loaded(state, file)
     check_header(state, str(file))
     return state  # type: ignore[no-any-return]
+
+
+def check_loaded(state: Any, file: Path) -> None:
+    """Raise :class:`CheckpointError` if what ``torch.load`` built from ``file`` nests
+    deeper than a checkpoint may (or holds a container that contains itself): torch's
+    unpickler builds any depth without recursion, but what reads the state next
+    recurses, and a process that raised its recursion limit would overflow its stack."""
+    try:
+        check_state_nesting(state)
+    except ValueError as exc:
+        raise CheckpointError(
+            f"refusing to load {file}: {exc}. loopbus never writes such a checkpoint (a state "
+            f"that nests more than {MAX_STATE_DEPTH} levels is refused when it is saved): the "
+            "file was modified or comes from elsewhere."
+        ) from None
 
 
 def check_header(state: Any, source: str) -> dict[str, Any]:

@@ -27,15 +27,19 @@ all shards in one process (no process group) into one full checkpoint dict, the 
 as a file checkpoint's.
 
 Non-tensor values DCP saves inside its shard files (the optimizers' parameter groups)
-are read with ``torch.load(..., weights_only=True)`` too: nothing is unpickled.
+are read with ``torch.load(..., weights_only=True)`` too, and the shard index
+(``.metadata``, a pickle that DCP itself reads with ``pickle.load``) by an unpickler that
+finds only the classes an index is made of: nothing else is unpickled. The completeness
+marker and what the state file holds are bounded as for a file checkpoint
+(``_checkpoint_io.py``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import json
 import os
+import pickle
 import shutil
 import time
 from collections.abc import Mapping
@@ -44,8 +48,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
+import msgspec
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import (
@@ -53,6 +59,7 @@ from torch.distributed.checkpoint.default_planner import (
     _EmptyStateDictLoadPlanner,
 )
 from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
@@ -66,6 +73,7 @@ from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_asyn
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._exceptions import CheckpointError
+from .._untrusted import check_state_nesting
 from ._checkpoint import (
     CheckpointMismatch,
     _check,
@@ -79,6 +87,7 @@ from ._checkpoint_io import (
     LAST_POINTER,
     SHARDED_MARKER,
     SHARDED_STATE,
+    Marker,
     _fsync_dir,
     _pointer_state,
     _refusal,
@@ -86,10 +95,12 @@ from ._checkpoint_io import (
     _write_durably,
     _write_json,
     check_header,
+    check_loaded,
     describe_os_error,
     find_os_error,
     is_sharded_checkpoint,
     load_checkpoint,
+    read_json,
     save_plain,
     to_plain,
     write_checkpoint,
@@ -144,6 +155,12 @@ class _WeightsOnlyBytes:
                 "Nothing from it was run. loopbus checkpoints hold only tensors and Python "
                 "primitives."
             ) from None
+        try:
+            check_state_nesting(obj)
+        except ValueError as exc:
+            raise CheckpointError(
+                f"refusing the entry {fqn!r} of a sharded checkpoint: {exc}."
+            ) from None
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[fqn], obj)
         else:
@@ -156,6 +173,86 @@ class _LoadPlanner(_WeightsOnlyBytes, DefaultLoadPlanner):
 
 class _ReadAllPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanner):
     pass
+
+
+#: Modules whose classes DCP's shard index (``.metadata``) is made of: dataclasses and
+#: enums that hold names, sizes and offsets.
+_INDEX_MODULES = (
+    "torch.distributed.checkpoint.metadata",
+    "torch.distributed._shard.metadata",
+    "torch.distributed._shard.sharded_tensor.metadata",
+)
+#: The other names the index may use, each harmless to call with any arguments.
+_INDEX_NAMES = {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("collections", "OrderedDict"),
+    *(
+        ("pathlib", name)
+        for name in ("PosixPath", "WindowsPath", "PurePosixPath", "PureWindowsPath")
+    ),
+}
+
+
+class _IndexUnpickler(pickle.Unpickler):
+    """Reads DCP's shard index, which DCP pickles and would read with ``pickle.load``
+    (running whatever the file names): only the classes the index is made of, torch's
+    dtypes and the names in :data:`_INDEX_NAMES` are found; any other name is refused
+    before anything runs."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        found = None
+        if (module, name) in _INDEX_NAMES:
+            found = super().find_class(module, name)
+        elif module in _INDEX_MODULES and not name.startswith("__"):
+            candidate = super().find_class(module, name)
+            if isinstance(candidate, type) and candidate.__module__ == module:
+                found = candidate
+        elif module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            found = getattr(torch, name)
+        if found is None:
+            raise pickle.UnpicklingError(
+                f"it names {module}.{name}, which a shard index does not hold"
+            )
+        return found
+
+
+class _SafeReader(FileSystemReader):
+    """DCP's file reader, reading the shard index with :class:`_IndexUnpickler`."""
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        locate = getattr(self, "_get_metadata_path", None)
+        if locate is not None:
+            path = locate(kwargs.get("rank"))
+        else:  # earlier torch
+            path = self.fs.concat_path(self.path, ".metadata")
+        with self.fs.create_stream(path, "rb") as file:
+            try:
+                metadata = _IndexUnpickler(file).load()
+            except Exception as exc:
+                raise CheckpointError(
+                    f"refusing the shard index {path} of a sharded checkpoint: "
+                    f"{type(exc).__name__}: {exc}. Nothing from it was run."
+                ) from None
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(
+                f"refusing the shard index {path} of a sharded checkpoint: it holds a "
+                f"{type(metadata).__name__}, not DCP's Metadata."
+            )
+        try:
+            check_state_nesting(vars(metadata))
+        except ValueError as exc:
+            raise CheckpointError(
+                f"refusing the shard index {path} of a sharded checkpoint: {exc}."
+            ) from None
+        make_meta = getattr(dcp_metadata, "StorageMeta", None)
+        if make_meta is not None and hasattr(self, "load_id"):  # as DCP's reader does
+            meta: Any = getattr(metadata, "storage_meta", None)
+            if meta is None:
+                meta = metadata.storage_meta = make_meta()
+            meta.load_id = self.load_id
+        return metadata
 
 
 # ---------------------------------------------------------------- saving
@@ -482,14 +579,19 @@ def _marker(path: Path) -> dict[str, Any]:
             "Checkpoint plugin writes into."
         )
     try:
-        info = json.loads(marker.read_text())
-    except (OSError, ValueError) as exc:
+        info = read_json(marker, Marker)
+    except OSError as exc:
         raise CheckpointError(
-            f"the completeness marker {marker} cannot be read ({exc}); it was modified."
+            f"cannot read the completeness marker {marker}: {describe_os_error(exc)}"
         ) from None
-    if not isinstance(info, dict) or info.get("layout") != LAYOUT:
+    except ValueError as exc:
+        raise CheckpointError(
+            f"the completeness marker {marker} is damaged: {exc}. Load another checkpoint, "
+            "for example the previous one in its directory."
+        ) from None
+    if info.layout != LAYOUT:
         raise CheckpointError(f"the completeness marker {marker} is not a sharded checkpoint's.")
-    return info
+    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
 
 
 def verify_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -529,6 +631,7 @@ def _read_state(path: Path) -> dict[str, Any]:
             f"cannot read {file}, the plain part of the sharded checkpoint {path}: "
             f"{type(exc).__name__}: {exc}"
         ) from exc
+    check_loaded(state, file)
     header = check_header(state, str(path))
     if not isinstance(header.get("sharded"), Mapping):
         raise CheckpointError(f"{file} is not the state file of a sharded checkpoint.")
@@ -644,7 +747,9 @@ def load_sharded(
     keys = sorted((k for k in parts if k.startswith("optimizers/")), key=lambda k: int(k[11:]))
     optimizers = [parts[k].obj for k in keys]
     try:
-        metadata = FileSystemReader(p).read_metadata()
+        metadata = _SafeReader(p).read_metadata()
+    except CheckpointError:
+        raise
     except Exception as exc:
         raise CheckpointError(
             f"cannot read the shard index {p / '.metadata'} of {p}: {type(exc).__name__}: {exc}"
@@ -694,7 +799,7 @@ def _load_tensors(
     try:
         _load_state_dict(
             targets,
-            storage_reader=FileSystemReader(path),
+            storage_reader=_SafeReader(path),
             planner=_LoadPlanner(allow_partial_load=partial),
             no_dist=not _distributed(),
         )
@@ -769,10 +874,13 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     verify_sharded(p)
     state = _read_state(p)
     tensors: dict[str, Any] = {}
+    reader = _SafeReader(p)
+    with contextlib.suppress(OSError):  # a missing index is DCP's to report
+        reader.read_metadata()  # a refused one is said as such, not as DCP reports it
     try:
         _load_state_dict(
             tensors,
-            storage_reader=FileSystemReader(p),
+            storage_reader=reader,
             planner=_ReadAllPlanner(),  # type: ignore[no-untyped-call]
             no_dist=True,
         )

@@ -42,7 +42,16 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from loopbus import Delivery, Plugin, PutRecord, check_choice, check_int, check_number, on
+from loopbus import (
+    Delivery,
+    Plugin,
+    PutRecord,
+    check_choice,
+    check_int,
+    check_json_nesting,
+    check_number,
+    on,
+)
 from loopbus.events import FitStarted
 
 if TYPE_CHECKING:
@@ -811,20 +820,36 @@ _STEP_TIME_DECODER = msgspec.json.Decoder(_StepTime)
 
 def _jsonl_step_time(line: bytes) -> tuple[int, float] | None:
     try:
-        decoded = _STEP_TIME_DECODER.decode(line)
+        decoded = _STEP_TIME_DECODER.decode(check_json_nesting(line))
     except msgspec.DecodeError:
-        return None
+        return None  # not a record: kept as it is
     return decoded.step, decoded.time
 
 
 def decode_records(lines: Iterable[bytes]) -> list[PutRecord]:
-    """Decode JSON lines written by :class:`JSONLLogger` into :class:`PutRecord`\\ s."""
+    """Decode JSON lines written by :class:`JSONLLogger` into :class:`PutRecord`\\ s.
+    Blank lines are skipped; a line that does not decode, or that nests arrays and
+    objects more than 64 levels deep (it is not decoded), raises ``msgspec.DecodeError``
+    naming its number (the first line is line 1) and the problem."""
+    return _decode_lines(lines, "")
+
+
+def _decode_lines(lines: Iterable[bytes], where: str) -> list[PutRecord]:
     decode = _DECODER.decode
-    return [decode(line) for line in lines if line.strip()]
+    records: list[PutRecord] = []
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(decode(check_json_nesting(line)))
+        except msgspec.DecodeError as exc:
+            raise type(exc)(f"{where}line {number}: {exc}") from None
+    return records
 
 
 def read_jsonl(path: str | os.PathLike[str]) -> list[PutRecord]:
     """Read a :class:`JSONLLogger` file back into :class:`PutRecord`\\ s, in the order they
     were put. A torn last line (from a killed run) is ignored; any other line that does
-    not decode raises ``msgspec.DecodeError`` naming the problem."""
-    return decode_records(_complete_text(path).splitlines())
+    not decode, or that nests arrays and objects more than 64 levels deep, raises
+    ``msgspec.DecodeError`` naming the file, the line's number and the problem."""
+    return _decode_lines(_complete_text(path).splitlines(), f"{os.fspath(path)}, ")

@@ -12,6 +12,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import anyio
+import anyio.to_thread
 import pytest
 import torch
 
@@ -277,6 +279,53 @@ async def test_a_slow_sink_does_not_slow_the_steps_while_its_buffer_has_room() -
     # fit returned after the sink got everything
     assert [r.step for r in sink.got] == list(range(1, n + 1))
     assert steps.dropped == 0
+
+
+async def test_stop_between_the_due_checks_wake_up_and_its_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The race CI met: the due check's sleep ended (its task is ready to run) and stop()
+    # ran before the task's turn, taking the writer away. The check must see that it was
+    # stopped, and every record is still written once, by stop().
+    from types import SimpleNamespace
+
+    from loopbus.plugins import _loggers
+
+    woken = anyio.Event()
+    asleep = anyio.Event()
+
+    async def sleep(period: float) -> None:
+        asleep.set()
+        await woken.wait()  # ready to run once woken is set; runs at its next turn
+
+    fake = SimpleNamespace(**{k: getattr(anyio, k) for k in dir(anyio) if not k.startswith("__")})
+    fake.sleep, fake.to_thread = sleep, anyio.to_thread
+    monkeypatch.setattr(_loggers, "anyio", fake)
+
+    class Collect(Logger):
+        def __init__(self) -> None:
+            super().__init__(flush_interval=3600, buffer=100)
+            self.got: list[str] = []
+
+        def write(self, records: Sequence[PutRecord]) -> None:
+            self.got.extend(r.name for r in records)
+            written.set()
+
+    written = threading.Event()
+    real_sleep = anyio.sleep
+    sink = Collect()
+    trainer = SimpleNamespace(module=None)
+    async with anyio.create_task_group() as tg:
+        await sink.start(trainer, "validate", tg)  # type: ignore[arg-type]
+        await asleep.wait()
+        for name in ("a", "b"):  # "a" is handed over at once, "b" waits to be due
+            await sink.receive(PutRecord(name=name, value=1.0, step=1, time=0.0, source="t"))
+        await anyio.to_thread.run_sync(written.wait)
+        await real_sleep(0.05)  # the write of "a" is done: a due check would hand "b" over
+        woken.set()
+        await sink.stop(trainer, "validate")  # type: ignore[arg-type]
+    sink.teardown(trainer, "validate")  # type: ignore[arg-type]
+    assert sink.got == ["a", "b"]
 
 
 async def test_a_dropping_sink_never_holds_the_steps() -> None:

@@ -272,6 +272,10 @@ class Logger(Plugin):
         with scope:
             while True:
                 await anyio.sleep(period)
+                if scope.cancel_called:
+                    # stop() ran between the sleep's end and this task's turn: it hands
+                    # what is left to the writer itself, and the executor may be gone.
+                    return
                 in_flight = self._in_flight
                 if (
                     self._batch

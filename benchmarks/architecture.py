@@ -1,7 +1,7 @@
 """The engine's shape, measured: the figures the training-step issue asks for.
 
 * ``TrainEpochLoop`` in lines (target <= 150), the ``Trainer`` class (<= 500);
-* the longest function in ``engine/`` (<= 80 lines);
+* the longest function in the engine's packages (<= 80 lines);
 * the distinct attributes ``_loops.py`` reads of the host a stage gives its loops
   (``host.X`` / ``self.host.X``; target <= 8), and, for information, those it reads of
   the parts the host hands out (the run state, the options, the steps);
@@ -18,7 +18,7 @@ issue's targets (the engine split into packages by concern):
 * import cycles among loopbus modules, type-only imports (``if TYPE_CHECKING:``) and
   imports deferred into functions counted: the strongly connected components of the
   import graph (Tarjan), with their sizes (target: none);
-* the modules that import the trainer's module (``engine/_trainer.py``), type-only
+* the modules that import the trainer's module (``stage/_trainer.py``), type-only
   imports counted (target <= 3);
 * the packages whose docstring does not state their concern and what they may import
   (target: none).
@@ -46,8 +46,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "loopbus"
-ENGINE = SRC / "engine"
-NO_TRAINER = ("_step.py", "_loops.py", "_records.py", "_module.py", "_plugin.py")
+#: The packages that were ``engine/`` before the layout redesign.
+ENGINE_PACKAGES = ("state", "data", "records", "step", "distributed", "checkpoint", "loop", "stage")
+NO_TRAINER = (
+    "step/_step.py", "loop/_loops.py", "records/_records.py", "step/_module.py", "stage/_plugin.py"
+)
 
 
 @dataclass
@@ -63,8 +66,16 @@ class Report:
         return all(ok for *_, ok in self.figures)
 
 
-def _tree(name: str, engine: Path = ENGINE) -> ast.Module:
-    return ast.parse((engine / name).read_text(), filename=name)
+def _tree(name: str, src: Path = SRC) -> ast.Module:
+    return ast.parse((src / name).read_text(), filename=name)
+
+
+def _engine_modules(src: Path) -> list[str]:
+    return [
+        path.relative_to(src).as_posix()
+        for package in ENGINE_PACKAGES
+        for path in sorted((src / package).glob("*.py"))
+    ]
 
 
 def _class(tree: ast.Module, name: str) -> ast.ClassDef:
@@ -134,18 +145,18 @@ def _imports(tree: ast.Module) -> Iterator[tuple[int, str, list[str]]]:
                 yield node.lineno, alias.name, []
 
 
-def measure(engine: Path = ENGINE) -> Report:
+def measure(src: Path = SRC) -> Report:
     report = Report()
-    loops = _tree("_loops.py", engine)
+    loops = _tree("loop/_loops.py", src)
     epoch = _lines(_class(loops, "TrainEpochLoop"))
     report.add("TrainEpochLoop lines", epoch, "<= 150", epoch <= 150)
-    trainer = _lines(_class(_tree("_trainer.py", engine), "Trainer"))
+    trainer = _lines(_class(_tree("stage/_trainer.py", src), "Trainer"))
     report.add("Trainer class lines", trainer, "<= 500", trainer <= 500)
     longest = ("", 0)
-    for path in sorted(engine.glob("*.py")):
-        for fn in _functions(_tree(path.name, engine)):
+    for name in _engine_modules(src):
+        for fn in _functions(_tree(name, src)):
             if _lines(fn) > longest[1]:
-                longest = (f"{path.name}:{fn.name}", _lines(fn))
+                longest = (f"{name}:{fn.name}", _lines(fn))
     report.add(f"longest engine function ({longest[0]})", longest[1], "<= 80", longest[1] <= 80)
     host, parts = _host_reads(loops)
     report.add("distinct host attributes _loops.py reads", len(host), "<= 8", len(host) <= 8)
@@ -154,13 +165,13 @@ def measure(engine: Path = ENGINE) -> Report:
         f"attributes read of what the host hands out ({len(parts)}): {sorted(parts)}"
     )
     foreign = []
-    for path in sorted(engine.glob("*.py")):
-        foreign += [f"{path.name} {hit}" for hit in _foreign_setattr(_tree(path.name, engine))]
+    for name in _engine_modules(src):
+        foreign += [f"{name} {hit}" for hit in _foreign_setattr(_tree(name, src))]
     report.add("object.__setattr__ on another object", len(foreign), "0", not foreign)
     report.details += foreign
     trainer_imports = []
     for name in NO_TRAINER:
-        for line, module, names in _imports(_tree(name, engine)):
+        for line, module, names in _imports(_tree(name, src)):
             if module.endswith("_trainer"):
                 trainer_imports.append(f"{name}:{line} imports {module}")
             elif module in ("loopbus", "..") and "Trainer" in names:
@@ -179,7 +190,7 @@ def measure(engine: Path = ENGINE) -> Report:
 
 
 # ---------------------------------------------------------------- the layout report
-TRAINER = "loopbus.engine._trainer"
+TRAINER = "loopbus.stage._trainer"
 
 
 @dataclass
@@ -567,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
         help="the loopbus package folder to measure (default: this checkout's src/loopbus)",
     )
     args = parser.parse_args(argv)
-    report = measure(args.src / "engine")
+    report = measure(args.src)
     _print("training step", report)
     ok = report.ok
     if args.layout:

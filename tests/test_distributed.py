@@ -16,8 +16,8 @@ import torch
 
 import loopbus
 from loopbus import MisconfigurationError, Trainer
-from loopbus.engine._checkpoint_io import _host_tag, _temp_path
-from loopbus.engine._strategy import SingleProcess
+from loopbus.checkpoint._files import _host_tag, _temp_path
+from loopbus.distributed._strategy import SingleProcess
 from loopbus.plugins import Checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -1,12 +1,20 @@
 """loopbus: an async, event-driven training-loop engine for PyTorch.
 
-Dependency rule (a test enforces it):  events  <-  engine  <-  plugins
-  * ``loopbus.events`` imports neither torch nor the engine;
-  * ``loopbus.engine`` imports events, never plugins;
-  * ``loopbus.stream`` (the metric stream's protocol, server and client) imports events
-    only, so that ``loopbus watch`` starts without importing torch;
-  * ``loopbus.plugins`` import only public names (``loopbus``, ``loopbus.events``,
-    ``loopbus.stream``).
+The packages, each importing only those below it (a test enforces it):
+
+    plugins                      the standard plugins; public names only
+    stage                        Trainer, options, assembly, lifecycle, preemption
+    loop                         the Loop contract and the built-in loops
+    checkpoint                   parts, file format, sharded checkpoints, RNG states
+    distributed                  strategies: one process, DDP, FSDP2
+    step                         Module, optimizers, precision, train/eval steps
+    records                      put, the recorder
+    data                         batch sources, device moves, the elastic sampler
+    state                        run state, Stateful, scopes, seeding
+    stream, dashboard            the metric stream; import events only, never torch
+    events                       events, records, the bus; no torch
+    loopbus._exceptions, _validate, _untrusted, _durable   the base layer
+
 This module only re-exports, and makes what it exports carry the public name
 (``loopbus.MisconfigurationError`` in a traceback, not the private module it lives in).
 The engine's names (and with them torch and the standard plugins) are imported on first
@@ -22,6 +30,9 @@ from typing import TYPE_CHECKING, Any
 
 from . import events as events
 from . import stream as stream
+from ._durable import fsync_dir as fsync_dir
+from ._durable import naming_errors as naming_errors
+from ._durable import replace_atomically as replace_atomically
 from ._exceptions import CheckpointError as CheckpointError
 from ._exceptions import HandlerError as HandlerError
 from ._exceptions import LoopbusError as LoopbusError
@@ -47,87 +58,88 @@ from .stream import connect as connect
 
 if TYPE_CHECKING:
     from . import plugins as plugins
-    from .engine import CheckpointMismatch as CheckpointMismatch
-    from .engine import DDPStrategy as DDPStrategy
-    from .engine import Delivery as Delivery
-    from .engine import ElasticDistributedSampler as ElasticDistributedSampler
-    from .engine import EvaluationLoop as EvaluationLoop
-    from .engine import FitLoop as FitLoop
-    from .engine import FSDPStrategy as FSDPStrategy
-    from .engine import Loop as Loop
-    from .engine import LoopEvents as LoopEvents
-    from .engine import Module as Module
-    from .engine import Plugin as Plugin
-    from .engine import Precision as Precision
-    from .engine import PredictionLoop as PredictionLoop
-    from .engine import Progress as Progress
-    from .engine import Publication as Publication
-    from .engine import SchedulerConfig as SchedulerConfig
-    from .engine import Scope as Scope
-    from .engine import ShardedCheckpointWriter as ShardedCheckpointWriter
-    from .engine import ShardedSave as ShardedSave
-    from .engine import SingleProcess as SingleProcess
-    from .engine import Stateful as Stateful
-    from .engine import Strategy as Strategy
-    from .engine import TrainEpochLoop as TrainEpochLoop
-    from .engine import Trainer as Trainer
-    from .engine import checkpoint_info as checkpoint_info
-    from .engine import consolidate_checkpoint as consolidate_checkpoint
-    from .engine import is_sharded_checkpoint as is_sharded_checkpoint
-    from .engine import latest_checkpoint as latest_checkpoint
-    from .engine import load_checkpoint as load_checkpoint
-    from .engine import register_destination as register_destination
-    from .engine import register_precision as register_precision
-    from .engine import remove_checkpoint as remove_checkpoint
-    from .engine import remove_stale_temporaries as remove_stale_temporaries
-    from .engine import run as run
-    from .engine import seed_everything as seed_everything
-    from .engine import set_default_plugins as set_default_plugins
-    from .engine import write_checkpoint as write_checkpoint
+    from .checkpoint import CheckpointMismatch as CheckpointMismatch
+    from .checkpoint import ShardedCheckpointWriter as ShardedCheckpointWriter
+    from .checkpoint import ShardedSave as ShardedSave
+    from .checkpoint import checkpoint_info as checkpoint_info
+    from .checkpoint import consolidate_checkpoint as consolidate_checkpoint
+    from .checkpoint import is_sharded_checkpoint as is_sharded_checkpoint
+    from .checkpoint import latest_checkpoint as latest_checkpoint
+    from .checkpoint import load_checkpoint as load_checkpoint
+    from .checkpoint import remove_checkpoint as remove_checkpoint
+    from .checkpoint import remove_stale_temporaries as remove_stale_temporaries
+    from .checkpoint import write_checkpoint as write_checkpoint
+    from .data import ElasticDistributedSampler as ElasticDistributedSampler
+    from .distributed import DDPStrategy as DDPStrategy
+    from .distributed import FSDPStrategy as FSDPStrategy
+    from .distributed import SingleProcess as SingleProcess
+    from .distributed import Strategy as Strategy
+    from .loop import EvaluationLoop as EvaluationLoop
+    from .loop import FitLoop as FitLoop
+    from .loop import Loop as Loop
+    from .loop import LoopEvents as LoopEvents
+    from .loop import PredictionLoop as PredictionLoop
+    from .loop import Progress as Progress
+    from .loop import TrainEpochLoop as TrainEpochLoop
+    from .records import Publication as Publication
+    from .records import register_destination as register_destination
+    from .stage import Delivery as Delivery
+    from .stage import Plugin as Plugin
+    from .stage import Trainer as Trainer
+    from .stage import run as run
+    from .stage import set_default_plugins as set_default_plugins
+    from .state import Scope as Scope
+    from .state import Stateful as Stateful
+    from .state import seed_everything as seed_everything
+    from .step import Module as Module
+    from .step import Precision as Precision
+    from .step import SchedulerConfig as SchedulerConfig
+    from .step import register_precision as register_precision
 
 __version__ = "0.1.0"
 
-#: The names re-exported from ``loopbus.engine``, imported on first use.
-_ENGINE_NAMES = (
-    "ElasticDistributedSampler",
-    "ShardedCheckpointWriter",
-    "ShardedSave",
-    "checkpoint_info",
-    "consolidate_checkpoint",
-    "is_sharded_checkpoint",
-    "CheckpointMismatch",
-    "DDPStrategy",
-    "Delivery",
-    "EvaluationLoop",
-    "FSDPStrategy",
-    "FitLoop",
-    "Loop",
-    "LoopEvents",
-    "Module",
-    "Plugin",
-    "Precision",
-    "PredictionLoop",
-    "Progress",
-    "Publication",
-    "SchedulerConfig",
-    "Scope",
-    "SingleProcess",
-    "Stateful",
-    "Strategy",
-    "TrainEpochLoop",
-    "Trainer",
-    "TrainerOptions",
-    "latest_checkpoint",
-    "load_checkpoint",
-    "register_destination",
-    "register_precision",
-    "remove_checkpoint",
-    "remove_stale_temporaries",
-    "run",
-    "seed_everything",
-    "set_default_plugins",
-    "write_checkpoint",
-)
+#: The engine's public names, each with the package that defines it; imported on first
+#: use.
+_ENGINE_NAMES = {
+    "ElasticDistributedSampler": "data",
+    "ShardedCheckpointWriter": "checkpoint",
+    "ShardedSave": "checkpoint",
+    "checkpoint_info": "checkpoint",
+    "consolidate_checkpoint": "checkpoint",
+    "is_sharded_checkpoint": "checkpoint",
+    "CheckpointMismatch": "checkpoint",
+    "DDPStrategy": "distributed",
+    "Delivery": "stage",
+    "EvaluationLoop": "loop",
+    "FSDPStrategy": "distributed",
+    "FitLoop": "loop",
+    "Loop": "loop",
+    "LoopEvents": "loop",
+    "Module": "step",
+    "Plugin": "stage",
+    "Precision": "step",
+    "PredictionLoop": "loop",
+    "Progress": "loop",
+    "Publication": "records",
+    "SchedulerConfig": "step",
+    "Scope": "state",
+    "SingleProcess": "distributed",
+    "Stateful": "state",
+    "Strategy": "distributed",
+    "TrainEpochLoop": "loop",
+    "Trainer": "stage",
+    "TrainerOptions": "stage",
+    "latest_checkpoint": "checkpoint",
+    "load_checkpoint": "checkpoint",
+    "register_destination": "records",
+    "register_precision": "step",
+    "remove_checkpoint": "checkpoint",
+    "remove_stale_temporaries": "checkpoint",
+    "run": "stage",
+    "seed_everything": "state",
+    "set_default_plugins": "stage",
+    "write_checkpoint": "checkpoint",
+}
 
 __all__ = [
     "ElasticDistributedSampler",
@@ -177,6 +189,9 @@ __all__ = [
     "check_choice",
     "check_int",
     "check_json_nesting",
+    "fsync_dir",
+    "naming_errors",
+    "replace_atomically",
     "check_number",
     "connect",
     "events",
@@ -201,9 +216,8 @@ def _load_engine() -> None:
     those names, like user code; importing them registers the mixed precisions and the
     default progress bar)."""
     namespace = globals()
-    engine = importlib.import_module(".engine", __name__)
-    for name in _ENGINE_NAMES:
-        namespace[name] = getattr(engine, name)
+    for name, package in _ENGINE_NAMES.items():
+        namespace[name] = getattr(importlib.import_module(f".{package}", __name__), name)
     _fixup_module_metadata(__name__, namespace)
     plugins = sys.modules.get(f"{__name__}.plugins")
     if plugins is not None and getattr(plugins.__spec__, "_initializing", False):

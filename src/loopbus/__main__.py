@@ -125,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
 def _consolidate(args: argparse.Namespace) -> int:
     # Imports torch and the engine: only this command needs them.
     from ._exceptions import CheckpointError
-    from .engine import consolidate_checkpoint
+    from .checkpoint import consolidate_checkpoint
 
     try:
         written = consolidate_checkpoint(args.checkpoint, args.out)

@@ -15,11 +15,11 @@ from torch._dynamo.utils import counters
 from torch.nn import functional as F
 
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
-from loopbus.engine._options import compile_optimizer_option, compile_options
-from loopbus.engine._records import Recorder
-from loopbus.engine._runstate import RunState
-from loopbus.engine._step import optimizer_step_for
 from loopbus.events import CustomEvent, EventBus, TrainBatchCompleted
+from loopbus.records._records import Recorder
+from loopbus.stage._options import compile_optimizer_option, compile_options
+from loopbus.state._runstate import RunState
+from loopbus.step._step import optimizer_step_for
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 from loopbus import Module, Trainer
-from loopbus.engine._device import CudaBatchSource, copy_stream, pin_batch
+from loopbus.data._device import CudaBatchSource, copy_stream, pin_batch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -123,7 +123,7 @@ class Sample:
 
 
 def test_nested_tensors_get_record_stream_and_arrive_on_the_device() -> None:
-    from loopbus.engine._sources import BatchSource
+    from loopbus.data._sources import BatchSource
 
     host = [Sample(torch.ones(3) * i, (torch.ones(2) * i, [torch.ones(1) * i])) for i in range(3)]
     source = CudaBatchSource(BatchSource(iter(host)), CUDA, depth=2)

@@ -19,7 +19,7 @@ from torch.utils.data import (
 )
 
 from loopbus import MisconfigurationError
-from loopbus.engine._ddp import DDPStrategy
+from loopbus.distributed._ddp import DDPStrategy
 
 pytest.importorskip("torchdata")
 from torchdata.stateful_dataloader import StatefulDataLoader

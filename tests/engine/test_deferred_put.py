@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from loopbus import Module, Plugin, Trainer, on
-from loopbus.engine import _device
+from loopbus.data import _device
 from loopbus.events import EpochCompleted, PutRecord, TrainBatchCompleted
 from tests.helpers import make_loader
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from loopbus import MisconfigurationError, Trainer
-from loopbus.engine._device import move_batch
+from loopbus.data._device import move_batch
 
 META = torch.device("meta")
 Pair = namedtuple("Pair", ["x", "y"])
@@ -94,7 +94,7 @@ def test_every_nesting_arrives_intact_on_the_device() -> None:
 
 
 def test_unreachable_tensors_are_reported_when_they_must_be_collected() -> None:
-    from loopbus.engine._device import _Opaque
+    from loopbus.data._device import _Opaque
 
     with pytest.raises(_Opaque):
         move_batch([torch.ones(1), HasTo(torch.ones(1))], META, [], opaque_ok=False)

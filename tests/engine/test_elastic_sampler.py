@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DistributedSampler, TensorDataset
 
 from loopbus import ElasticDistributedSampler
-from loopbus.engine._sampler import SamplerPart
+from loopbus.data._sampler import SamplerPart
 
 
 def _data(n: int) -> TensorDataset:

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from loopbus import PutRecord, Trainer
-from loopbus.engine import _loops
-from loopbus.engine._loops import TrainEpochLoop
-from loopbus.engine._scope import Scope
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted, ValidationCompleted
+from loopbus.loop import _loops
+from loopbus.loop._loops import TrainEpochLoop
+from loopbus.state._scope import Scope
 from tests.helpers import TinyModule, load_benchmark, make_loader
 
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loopbus import Module, PutRecord, Trainer
-from loopbus.engine._records import _resolve
+from loopbus.records._records import _resolve
 
 
 class Many(Module):
@@ -88,7 +88,7 @@ def test_resolve_reads_each_dtype_once_and_keeps_types() -> None:
 
 
 def test_scalar_detaches_and_reshapes_only_what_needs_it() -> None:
-    from loopbus.engine._device import scalar
+    from loopbus.data._device import scalar
 
     w = torch.ones(1, requires_grad=True)
     graph = (w * 3).sum()  # 0-d, requires grad

@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 
 import loopbus
 from loopbus import Module, PutRecord, Trainer
-from loopbus.engine import _records
 from loopbus.plugins import CSVLogger, JSONLLogger, ProgressBar, read_csv, read_jsonl
+from loopbus.records import _records
 from loopbus.stream import record_fields
 from tests.helpers import TinyModule, make_loader
 from tests.plugins.stream_helpers import serving

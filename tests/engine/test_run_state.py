@@ -13,8 +13,8 @@ import torch
 
 import loopbus
 from loopbus import CheckpointError, MisconfigurationError, Plugin, Trainer, on
-from loopbus.engine import RunState
 from loopbus.events import FitStarted, TrainBatchCompleted
+from loopbus.state import RunState
 
 from ._ckpt_scenario import STATEFUL_WARNING, Net, SaveAtStep, make_data
 

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from loopbus import Plugin, Scope, ScopeLeakError, Trainer, on
-from loopbus.engine._scope import TrackedScope, drop_scope, new_scope
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted, TrainEpochStarted
+from loopbus.state._scope import TrackedScope, drop_scope, new_scope
 from tests.helpers import TinyModule, make_loader
 
 

@@ -11,15 +11,15 @@ import pytest
 import torch
 
 from loopbus import MisconfigurationError, Plugin, Precision, Strategy, Trainer, TrainerOptions
-from loopbus.engine._runstate import RunState
-from loopbus.engine._step import (
+from loopbus.events import EventBus, TrainBatchCompleted
+from loopbus.state._runstate import RunState
+from loopbus.step._step import (
     StepBoundary,
     StepEvents,
     StepOptions,
     TrainStep,
     build_train_step,
 )
-from loopbus.events import EventBus, TrainBatchCompleted
 from tests.helpers import TinyModule, make_loader
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from loopbus import Module
-from loopbus.engine._ddp import TrainingStepAdapter
-from loopbus.engine._runstate import RunState
-from loopbus.engine._strategy import StopExchange
+from loopbus.distributed._ddp import TrainingStepAdapter
+from loopbus.distributed._strategy import StopExchange
+from loopbus.state._runstate import RunState
 
 
 class World:

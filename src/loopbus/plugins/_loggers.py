@@ -28,10 +28,9 @@ import importlib.util
 import io
 import math
 import os
-import tempfile
 import time
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as wait_futures
 from pathlib import Path
@@ -50,7 +49,9 @@ from loopbus import (
     check_int,
     check_json_nesting,
     check_number,
+    naming_errors,
     on,
+    replace_atomically,
 )
 from loopbus.events import FitStarted
 
@@ -345,50 +346,6 @@ def _failure(name: str, error: BaseException, at_close: bool) -> str:
     return text
 
 
-@contextlib.contextmanager
-def _naming(path: Path) -> Iterator[None]:
-    """Give an ``OSError`` raised without a file name (a failed write or flush) the name
-    of the file ``path`` it was writing."""
-    try:
-        yield
-    except OSError as exc:
-        if exc.filename is None:
-            exc.filename = str(path)
-        raise
-
-
-# ---------------------------------------------------------------- shared file helpers
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # a platform without directory handles
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _replace_atomically(path: Path, fill: Callable[[io.BufferedWriter], object]) -> None:
-    """Write ``path`` anew through a temporary file in its directory: ``fill`` writes
-    it, then fsync and an atomic rename. A crash at any point leaves the old file (or
-    none) and at most a stray temporary, never a half-written ``path``."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with _naming(path), os.fdopen(fd, "wb") as f:
-            fill(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    _fsync_dir(path.parent)
-
-
 def _prepare_file(path: Path, append: bool) -> None:
     """Create the parent directory; truncate (``append=False``), or cut a torn last line
     left by a killed run (``append=True``) so new lines start on a line of their own."""
@@ -463,7 +420,7 @@ def _continue_after(
                 if index < header or not after(line):
                     dst.write(line)
 
-    _replace_atomically(path, keep)
+    replace_atomically(path, keep)
 
 
 def _complete_text(path: str | os.PathLike[str]) -> bytes:
@@ -494,7 +451,7 @@ def write_hparams_file(directory: str | os.PathLike[str], hparams: Mapping[str, 
         path, data = directory / "hparams.yaml", msgspec.yaml.encode(plain)
     else:
         path, data = directory / "hparams.json", msgspec.json.format(msgspec.json.encode(plain))
-    _replace_atomically(path, lambda f: f.write(data))
+    replace_atomically(path, lambda f: f.write(data))
     return path
 
 
@@ -636,7 +593,7 @@ class CSVLogger(Logger):
                 step, epoch, row_time = record.step, record.epoch, record.time
             row[column] = record.value
         self._row, self._row_key, self._row_time = row, (step, epoch), row_time
-        with _naming(self.path):
+        with naming_errors(self.path):
             self._emit(rows, new)
 
     def _emit(self, rows: list[tuple[int, int, float, dict[str, Value]]], new: list[str]) -> None:
@@ -688,14 +645,14 @@ class CSVLogger(Logger):
 
         try:
             # A failure leaves the old file (and no temporary): the columns stay as they were.
-            _replace_atomically(self.path, rewrite)
+            replace_atomically(self.path, rewrite)
             self._columns = columns
         finally:
             self._file = self.path.open("a", newline="", encoding="utf-8")
 
     def flush(self) -> None:
         if self._file is not None:
-            with _naming(self.path):
+            with naming_errors(self.path):
                 self._file.flush()
 
     def close(self) -> None:
@@ -704,7 +661,7 @@ class CSVLogger(Logger):
         f, row = self._file, self._row
         self._row = {}
         try:
-            with _naming(self.path):
+            with naming_errors(self.path):
                 if row and self._error is None:  # after a failure the row may not fit
                     step, epoch = self._row_key
                     self._emit([(step, epoch, self._row_time, row)], [])
@@ -796,18 +753,18 @@ class JSONLLogger(Logger):
 
     def write(self, records: Sequence[PutRecord]) -> None:
         assert self._file is not None
-        with _naming(self.path):
+        with naming_errors(self.path):
             self._file.write(self._encoder.encode_lines([_wire(r) for r in records]))
 
     def flush(self) -> None:
         if self._file is not None:
-            with _naming(self.path):
+            with naming_errors(self.path):
                 self._file.flush()
 
     def close(self) -> None:
         f, self._file = self._file, None
         if f is not None:
-            with _naming(self.path):
+            with naming_errors(self.path):
                 f.close()
 
 

@@ -13,9 +13,7 @@ import anyio
 import anyio.from_thread
 import torch
 
-from .._exceptions import CheckpointError, MisconfigurationError
-from ..events import EventBus
-from ._checkpoint import (
+from loopbus.checkpoint._parts import (
     GradsPart,
     HparamsPart,
     LoaderPart,
@@ -26,20 +24,19 @@ from ._checkpoint import (
     RngPart,
     SchedulerPart,
 )
-from ._device import CudaBatchSource, pin_batch
-from ._loop import Loop
-from ._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
-from ._module import Module
-from ._optim import LRSchedulers
-from ._options import TrainerOptions
-from ._plugin import Plugin
-from ._precision import Precision
-from ._records import Recorder
-from ._runstate import RunState
-from ._sampler import ElasticDistributedSampler, SamplerPart
-from ._sources import Sources
-from ._state import Stateful
-from ._step import (
+from loopbus.data._device import CudaBatchSource, pin_batch
+from loopbus.data._sampler import ElasticDistributedSampler, SamplerPart
+from loopbus.data._sources import Sources
+from loopbus.distributed._strategy import Strategy
+from loopbus.loop._loop import Loop
+from loopbus.loop._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
+from loopbus.records._records import Recorder
+from loopbus.state._runstate import RunState
+from loopbus.state._stateful import Stateful
+from loopbus.step._module import Module
+from loopbus.step._optim import LRSchedulers
+from loopbus.step._precision import Precision
+from loopbus.step._step import (
     EvalStep,
     StepBoundary,
     StepEvents,
@@ -49,7 +46,11 @@ from ._step import (
     build_train_step,
     compiled,
 )
-from ._strategy import Strategy
+
+from .._exceptions import CheckpointError, MisconfigurationError
+from ..events import EventBus
+from ._options import TrainerOptions
+from ._plugin import Plugin
 
 __all__ = [
     "StageHost",

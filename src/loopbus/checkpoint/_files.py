@@ -59,6 +59,7 @@ from typing import Any, NoReturn, TypeVar
 import msgspec
 import torch
 
+from .._durable import fsync_dir
 from .._exceptions import CheckpointError
 from .._untrusted import MAX_STATE_DEPTH, check_json_nesting, check_state_nesting, read_small
 
@@ -210,19 +211,6 @@ def marker_path(path: PathLike) -> Path:
     return p.with_name(p.name + MARKER_SUFFIX)
 
 
-def _fsync_dir(directory: Path) -> None:
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:  # platforms that cannot open a directory (Windows)
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _temp_path(target: Path) -> Path:
     """``.<name>.tmp-<pid>-<random>@<host>``: the writer's process id and host name, so
     that :func:`remove_stale_temporaries` judges whether the writer still runs only on
@@ -349,7 +337,7 @@ def _write_durably(target: Path, write: Any, before_replace: Any = None) -> Any:
         with contextlib.suppress(OSError):
             temp.unlink()
         raise
-    _fsync_dir(target.parent)
+    fsync_dir(target.parent)
     return result
 
 
@@ -1250,7 +1238,7 @@ def load_checkpoint(
     """
     file = resolve_checkpoint(path)
     if file.is_dir():
-        from ._dcp import consolidate  # it builds on this module
+        from ._sharded import consolidate  # it builds on this module
 
         return consolidate(file)
     if verify:

@@ -21,6 +21,20 @@ from typing import Any, Protocol
 
 from anyio.lowlevel import checkpoint
 
+from loopbus.checkpoint._rng import (
+    capture_epoch_rng,
+    capture_rng,
+    epoch_rng_state,
+    restore_epoch_rng,
+    restore_rng,
+    set_sampler_epoch,
+)
+from loopbus.data._sources import Source, Sources
+from loopbus.state._runstate import RunState
+from loopbus.state._scope import Scope
+from loopbus.state._stateful import is_stateful
+from loopbus.step._step import EvalStep, TrainStep, run_in_worker
+
 from .._exceptions import MisconfigurationError
 from ..events import (
     EpochCompleted,
@@ -46,20 +60,6 @@ from ..events import (
     ValidationStarted,
 )
 from ._loop import Loop, LoopEvents
-from ._options import TrainerOptions
-from ._rng import (
-    capture_epoch_rng,
-    capture_rng,
-    epoch_rng_state,
-    restore_epoch_rng,
-    restore_rng,
-    set_sampler_epoch,
-)
-from ._runstate import RunState
-from ._scope import Scope
-from ._sources import Source, Sources
-from ._state import is_stateful
-from ._step import EvalStep, TrainStep, run_in_worker
 
 __all__ = [
     "CollectiveStop",
@@ -99,6 +99,35 @@ class Records(Protocol):
     def discard_pending(self) -> None: ...
 
 
+class LoopLimits(Protocol):
+    """The options the loops read: how long they run and when validation runs (the
+    trainer's options satisfy it)."""
+
+    @property
+    def max_epochs(self) -> float: ...
+
+    @property
+    def max_steps(self) -> float: ...
+
+    @property
+    def val_check_interval(self) -> int | None: ...
+
+    @property
+    def check_val_every_n_epoch(self) -> int: ...
+
+    @property
+    def limit_train_batches(self) -> int | float | None: ...
+
+    @property
+    def limit_val_batches(self) -> int | float | None: ...
+
+    @property
+    def limit_test_batches(self) -> int | float | None: ...
+
+    @property
+    def limit_predict_batches(self) -> int | float | None: ...
+
+
 class LoopHost(Protocol):
     """What a stage gives its loops, and all they read of the run."""
 
@@ -106,7 +135,7 @@ class LoopHost(Protocol):
     def state(self) -> RunState: ...
 
     @property
-    def options(self) -> TrainerOptions: ...
+    def options(self) -> LoopLimits: ...
 
     @property
     def sources(self) -> Sources: ...
@@ -584,7 +613,7 @@ class EvaluationLoop(_DataLoop):
         with step.evaluating():
             return await super().run(*args, parent_ctx=parent_ctx, **kwargs)
 
-    def _pass_limit(self, options: TrainerOptions, data: Any) -> float:
+    def _pass_limit(self, options: LoopLimits, data: Any) -> float:
         """How many batches of ``data`` this pass runs (``limit_*_batches``)."""
         option = f"limit_{'val' if self.stage == 'validate' else self.stage}_batches"
         return _batch_limit(getattr(options, option), data, option)
@@ -653,7 +682,7 @@ class SanityCheckLoop(EvaluationLoop):
         self.name = "sanity_check"
         self.steps = steps
 
-    def _pass_limit(self, options: TrainerOptions, data: Any) -> float:
+    def _pass_limit(self, options: LoopLimits, data: Any) -> float:
         return min(super()._pass_limit(options, data), self.steps)
 
     async def on_run_start(self, ctx: Scope, data: Any) -> None:

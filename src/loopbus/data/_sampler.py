@@ -128,7 +128,7 @@ class SamplerPart:
         self.sampler.resume(int(state["epoch"]), int(state["consumed"]), self.batches_done())
 
     def explain_mismatch(self, saved: Any) -> list[Any]:
-        from ._checkpoint import Problem
+        from loopbus.state._stateful import Problem
 
         if not isinstance(saved, Mapping) or not isinstance(saved.get("consumed"), int):
             return [Problem("mismatched", "the checkpoint's entry is not a sampler position")]

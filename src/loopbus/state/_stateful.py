@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, NamedTuple, Protocol, runtime_checkable
 
-__all__ = ["Stateful", "is_stateful"]
+__all__ = ["Problem", "Stateful", "is_stateful"]
 
 
 @runtime_checkable
@@ -25,3 +25,15 @@ def is_stateful(obj: Any) -> bool:
         getattr(obj, "state_dict", None) is not None
         and getattr(obj, "load_state_dict", None) is not None
     )
+
+
+class Problem(NamedTuple):
+    """One incompatibility a part found between a saved state and itself.
+
+    ``kind`` is ``"missing"`` (this run has something the checkpoint lacks),
+    ``"unexpected"`` (the reverse) or ``"mismatched"``; ``skip`` says whether, with
+    ``strict=False``, the part is left as it is (True) or loads what matches (False)."""
+
+    kind: str
+    message: str
+    skip: bool = True

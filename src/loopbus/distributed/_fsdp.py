@@ -6,7 +6,7 @@ forward (and again for its backward) and freed after, and gradients are reduce-s
 Nothing here shards by hand: :class:`FSDPStrategy` chooses the shard units and calls
 ``fully_shard`` on them, bottom-up, then on the root.
 
-What it adds to the shared data-parallel part (:class:`~loopbus.engine._ddp.DataParallel`:
+What it adds to the shared data-parallel part (:class:`~loopbus.distributed._ddp.DataParallel`:
 the process group, the ``DistributedSampler``, the collective stop):
 
 * ``prepare_module`` shards the module when a stage starts, before
@@ -36,8 +36,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loopbus.step._params import own_class
+
 from .._exceptions import MisconfigurationError
-from ._checkpoint import own_class
 from ._ddp import DataParallel
 
 # torch.distributed.fsdp is imported where it is used: importing it costs about half a
@@ -46,9 +47,9 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from ._module import Module
-    from ._precision import Precision
-    from ._runstate import RunState
+    from loopbus.state._runstate import RunState
+    from loopbus.step._module import Module
+    from loopbus.step._precision import Precision
 
 __all__ = ["FSDPStrategy"]
 

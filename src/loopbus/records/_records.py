@@ -18,11 +18,12 @@ from typing import TYPE_CHECKING, Any, cast
 import msgspec
 import torch
 
+from loopbus.data import _device
+
 from ..events import DESTINATIONS, CustomEvent, Event, EventBus, PutRecord
-from . import _device
 
 if TYPE_CHECKING:
-    from ._runstate import RunState
+    from loopbus.state._runstate import RunState
 
 __all__ = ["PutMixin", "Publication", "Recorder"]
 

@@ -11,9 +11,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
+from loopbus.records._records import PutMixin
+from loopbus.state._scope import Scope
+
 from .._exceptions import CheckpointError, MisconfigurationError
-from ._records import PutMixin
-from ._scope import Scope
 
 if TYPE_CHECKING:
     # The public type, for the public signatures (as a user's module names it).
@@ -157,7 +158,7 @@ class Module(PutMixin, torch.nn.Module):
             model = Net.load_from_checkpoint("checkpoints/last.ckpt")
             model = Net.load_from_checkpoint(path, lr=0.01)  # one argument changed
         """
-        from ._checkpoint import ModulePart, load_checkpoint
+        from loopbus.checkpoint._parts import ModulePart, load_checkpoint
 
         state = load_checkpoint(path)
         saved = state.get("hparams")

@@ -30,11 +30,12 @@ from contextlib import contextmanager
 from types import FrameType
 from typing import Any, Literal, Protocol
 
+from loopbus.state._runstate import RunState
+
 from .._exceptions import Preempted
 from ..events import Event, PreemptionRequested
 from ._options import TrainerOptions
 from ._plugin import Plugin
-from ._runstate import RunState
 
 __all__ = ["PREEMPTION_SIGNALS", "Preemption"]
 

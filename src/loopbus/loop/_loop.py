@@ -26,10 +26,21 @@ that does the three iteration hooks' work in one call, run while nobody subscrib
 from __future__ import annotations
 
 import inspect
-import os
 import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
+
+from loopbus.state._scope import (
+    LeakCheck,
+    Scope,
+    Suspect,
+    TrackedScope,
+    check_suspects,
+    collect_suspects,
+    leak_check_from_env,
+    new_scope,
+    plain_scope,
+)
 
 from .._exceptions import MisconfigurationError, StopLoop
 from ..events import (
@@ -42,19 +53,9 @@ from ..events import (
     RunStarted,
 )
 from ._progress import Progress
-from ._scope import (
-    LeakCheck,
-    Scope,
-    Suspect,
-    TrackedScope,
-    check_suspects,
-    collect_suspects,
-    new_scope,
-    plain_scope,
-)
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from loopbus.stage._trainer import Trainer
 
 __all__ = ["Loop", "LoopEvents"]
 
@@ -78,13 +79,6 @@ class LoopEvents(NamedTuple):
     advance_completed: type[AdvanceCompleted] = AdvanceCompleted
     run_completed: type[RunCompleted] = RunCompleted
     run_skipped: type[RunSkipped] = RunSkipped
-
-
-def _default_leak_check() -> LeakCheck:
-    value = os.environ.get("LOOPBUS_LEAK_CHECK", "").strip().lower()
-    if value in ("raise", "warn"):
-        return value  # type: ignore[return-value]
-    return None
 
 
 def _snake(name: str) -> str:
@@ -162,7 +156,7 @@ class Loop(Generic[T]):
         # What the running stage gives the loop (the built-in loops' LoopHost).
         self._host: Any = None
         self.bus: EventBus | None = None
-        self.leak_check: LeakCheck = _default_leak_check()
+        self.leak_check: LeakCheck = leak_check_from_env()
         #: The scope of the current run (cleared, so empty, once the run has ended).
         self.run_ctx: Any = None
 

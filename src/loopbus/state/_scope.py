@@ -16,6 +16,7 @@ the hook that set it when something kept it alive.
 from __future__ import annotations
 
 import gc
+import os
 import types
 import warnings
 import weakref
@@ -26,6 +27,7 @@ from .._exceptions import ScopeLeakError
 
 __all__ = [
     "LeakCheck",
+    "leak_check_from_env",
     "Scope",
     "TrackedScope",
     "check_suspects",
@@ -35,6 +37,14 @@ __all__ = [
 ]
 
 LeakCheck = Literal["raise", "warn"] | None
+
+
+def leak_check_from_env() -> LeakCheck:
+    """The leak check ``LOOPBUS_LEAK_CHECK`` asks for ("raise" or "warn"), else None."""
+    value = os.environ.get("LOOPBUS_LEAK_CHECK", "").strip().lower()
+    if value in ("raise", "warn"):
+        return value  # type: ignore[return-value]
+    return None
 
 _RESERVED = frozenset({"promote", "detach", "borrow", "get", "parent", "names"})
 

@@ -14,19 +14,20 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup
 
+from loopbus.checkpoint._parts import CheckpointMismatch, resolve_resume_path
+from loopbus.checkpoint._rng import RngSnapshot
+from loopbus.checkpoint._sharded import read_for_resume
+from loopbus.distributed._strategy import Strategy
+from loopbus.loop._loop import Loop
+from loopbus.loop._loops import SanityCheckLoop
+from loopbus.records._records import Recorder
+from loopbus.state._runstate import RunState
+from loopbus.step._module import Module
+
 from ..events import EventBus, ExceptionRaised, Teardown
-from ._checkpoint import CheckpointMismatch, resolve_resume_path
-from ._dcp import read_for_resume
-from ._loop import Loop
-from ._loops import SanityCheckLoop
-from ._module import Module
 from ._options import TrainerOptions
 from ._plugin import Plugin
 from ._preemption import Preemption
-from ._records import Recorder
-from ._rng import RngSnapshot
-from ._runstate import RunState
-from ._strategy import Strategy
 
 __all__ = [
     "classify",

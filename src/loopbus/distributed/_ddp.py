@@ -36,13 +36,14 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
+from loopbus.data._sampler import ElasticDistributedSampler
+
 from .._exceptions import MisconfigurationError
-from ._sampler import ElasticDistributedSampler
 from ._strategy import StopExchange, Strategy
 
 if TYPE_CHECKING:
-    from ._module import Module
-    from ._runstate import RunState
+    from loopbus.state._runstate import RunState
+    from loopbus.step._module import Module
 
 __all__ = ["DDPStrategy", "DataParallel", "TrainingStepAdapter"]
 

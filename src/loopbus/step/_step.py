@@ -30,12 +30,13 @@ import anyio.to_thread
 import torch
 from anyio.lowlevel import checkpoint
 
+from loopbus.state._runstate import RunState
+from loopbus.state._scope import Scope
+from loopbus.step._params import has_sharded_parameters
+
 from .._exceptions import MisconfigurationError
 from ..events import AfterBackward, BeforeOptimizerStep
-from ._checkpoint import has_sharded_parameters
 from ._precision import Precision
-from ._runstate import RunState
-from ._scope import Scope
 
 __all__ = [
     "EvalStep",

@@ -31,9 +31,9 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 if TYPE_CHECKING:
-    from ._module import Module
-    from ._precision import Precision
-    from ._runstate import RunState
+    from loopbus.state._runstate import RunState
+    from loopbus.step._module import Module
+    from loopbus.step._precision import Precision
 
 __all__ = [
     "SingleProcess",

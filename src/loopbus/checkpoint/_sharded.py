@@ -72,23 +72,16 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
+from loopbus.state._runstate import ResumePlan
+
+from .._durable import fsync_dir
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
-from ._checkpoint import (
-    CheckpointMismatch,
-    _check,
-    collect_state,
-    has_sharded_parameters,
-    load_state,
-    own_class,
-    qualname,
-)
-from ._checkpoint_io import (
+from ._files import (
     LAST_POINTER,
     SHARDED_MARKER,
     SHARDED_STATE,
     Marker,
-    _fsync_dir,
     _pointer_state,
     _refusal,
     _temp_path,
@@ -105,10 +98,18 @@ from ._checkpoint_io import (
     to_plain,
     write_checkpoint,
 )
-from ._runstate import ResumePlan
+from ._parts import (
+    CheckpointMismatch,
+    _check,
+    collect_state,
+    has_sharded_parameters,
+    load_state,
+    own_class,
+    qualname,
+)
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from loopbus.stage._trainer import Trainer
 
 __all__ = [
     "ShardedCheckpointWriter",
@@ -419,7 +420,7 @@ class ShardedSave:
                 f"{describe_os_error(exc)}. It is removed; {kept}; "
                 f"{_pointer_state(target.parent)}."
             ) from exc
-        _fsync_dir(target.parent)
+        fsync_dir(target.parent)
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
 

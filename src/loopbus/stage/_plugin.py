@@ -7,9 +7,10 @@ import inspect
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
+from loopbus.records._records import PutMixin
+
 from .._exceptions import MisconfigurationError
 from .._validate import check_choice, check_int
-from ._records import PutMixin
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup

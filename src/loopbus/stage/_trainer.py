@@ -17,6 +17,26 @@ import anyio
 import anyio.to_thread
 import torch
 
+from loopbus.checkpoint._parts import (
+    CheckpointMismatch,
+    collect_state,
+    load_state,
+    load_weights,
+    resolve_weights_path,
+    write_checkpoint,
+)
+from loopbus.checkpoint._sharded import no_full_state, save_sharded, save_sharded_async
+from loopbus.distributed._strategy import Strategy, StrategyName, resolve_strategy
+from loopbus.loop._loop import Loop
+from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
+from loopbus.records._records import Publication, Recorder
+from loopbus.state._runstate import ResumePlan, RunState
+from loopbus.state._scope import LeakCheck
+from loopbus.state._stateful import Stateful
+from loopbus.step._module import Module
+from loopbus.step._optim import LRSchedulers, SchedulerConfig, parse_optimizers
+from loopbus.step._precision import Precision, resolve_precision
+
 from .._exceptions import MisconfigurationError
 from ..events import Event, EventBus, PutRecord, Subscription
 from ._assembly import (
@@ -26,29 +46,10 @@ from ._assembly import (
     build_registry,
     check_registration,
 )
-from ._checkpoint import (
-    CheckpointMismatch,
-    collect_state,
-    load_state,
-    load_weights,
-    resolve_weights_path,
-    write_checkpoint,
-)
-from ._dcp import no_full_state, save_sharded, save_sharded_async
 from ._lifecycle import resume_from, running_stage, sanity_check
-from ._loop import Loop
-from ._loops import EvaluationLoop, FitLoop, PredictionLoop
-from ._module import Module
-from ._optim import LRSchedulers, SchedulerConfig, parse_optimizers
 from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
-from ._precision import Precision, resolve_precision
 from ._preemption import Preemption
-from ._records import Publication, Recorder
-from ._runstate import ResumePlan, RunState
-from ._scope import LeakCheck
-from ._state import Stateful
-from ._strategy import Strategy, StrategyName, resolve_strategy
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
 

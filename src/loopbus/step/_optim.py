@@ -11,8 +11,9 @@ import torch
 from .._exceptions import MisconfigurationError
 
 if TYPE_CHECKING:
+    from loopbus.state._runstate import RunState
+
     from ._module import Module
-    from ._runstate import RunState
 
 __all__ = ["LRSchedulers", "SchedulerConfig", "parse_optimizers"]
 

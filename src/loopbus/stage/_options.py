@@ -19,11 +19,11 @@ from typing import Any, Generic, Literal, TypeVar, overload
 
 import torch
 
+from loopbus.distributed._strategy import Strategy
+from loopbus.state._scope import LeakCheck, leak_check_from_env
+
 from .._exceptions import MisconfigurationError
 from .._validate import check_choice, check_int, check_number
-from ._loop import _default_leak_check
-from ._scope import LeakCheck
-from ._strategy import Strategy
 
 __all__ = [
     "Executor",
@@ -482,7 +482,7 @@ def _runtime_options(raw: dict[str, Any]) -> dict[str, Any]:
             f"in a worker thread), got {executor!r}."
         )
     if leak_check == "env":
-        leak_check = _default_leak_check()
+        leak_check = leak_check_from_env()
     if leak_check not in (None, "raise", "warn"):
         raise MisconfigurationError(
             f"leak_check must be None, 'warn' or 'raise', got {leak_check!r}."

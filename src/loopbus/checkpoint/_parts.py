@@ -42,12 +42,16 @@ import warnings
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from loopbus.state._runstate import ResumePlan
+from loopbus.state._stateful import Problem
+from loopbus.step._params import has_sharded_parameters, own_class
+
 from .._exceptions import CheckpointError, MisconfigurationError
-from ._checkpoint_io import (
+from ._files import (
     FORMAT,
     FORMAT_VERSION,
     check_header,
@@ -69,10 +73,9 @@ from ._rng import (
     rng_preserved,
     set_sampler_epoch,
 )
-from ._runstate import ResumePlan
 
 if TYPE_CHECKING:
-    from ._trainer import Trainer
+    from loopbus.stage._trainer import Trainer
 
 __all__ = [
     "CheckpointMismatch",
@@ -107,18 +110,6 @@ def qualname(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-class Problem(NamedTuple):
-    """One incompatibility a part found between a saved state and itself.
-
-    ``kind`` is ``"missing"`` (this run has something the checkpoint lacks),
-    ``"unexpected"`` (the reverse) or ``"mismatched"``; ``skip`` says whether, with
-    ``strict=False``, the part is left as it is (True) or loads what matches (False)."""
-
-    kind: str
-    message: str
-    skip: bool = True
-
-
 def _listing(names: list[str], limit: int = 8) -> str:
     shown = ", ".join(repr(n) for n in names[:limit])
     return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
@@ -127,25 +118,6 @@ def _listing(names: list[str], limit: int = 8) -> str:
 # ---------------------------------------------------------------- adapters
 # Parts for objects whose own state_dict is torch's (module, optimizers, schedulers) or
 # that need a word about how they load (loops, loader, generators, gradients).
-
-
-def own_class(module: object) -> type:
-    """The module's own class: under FSDP ``fully_shard`` makes the module an instance
-    of a subclass (``FSDP<Name>``) that checkpoints and messages should not show."""
-    for cls in type(module).__mro__:
-        if not cls.__module__.startswith("torch.distributed.fsdp"):
-            return cls
-    return type(module)
-
-
-def has_sharded_parameters(parameters: Iterable[torch.Tensor]) -> bool:
-    """Whether any of ``parameters`` (a module's, an optimizer's) is sharded (a DTensor,
-    as under FSDP). False where torch is built without ``torch.distributed``."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(p, DTensor) for p in parameters)
 
 
 class ModulePart:

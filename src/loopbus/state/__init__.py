@@ -1,0 +1,22 @@
+"""What one run holds and gets back exactly: the run's state (one object, one writer),
+the protocol every stateful part follows, per-run and per-iteration scopes that free
+memory by themselves, and seeding.
+
+Imports the base layer only (``loopbus._exceptions``, ``loopbus._validate``) and torch.
+"""
+
+from __future__ import annotations
+
+from ._runstate import ResumePlan as ResumePlan
+from ._runstate import RunState as RunState
+from ._scope import Scope as Scope
+from ._seed import seed_everything as seed_everything
+from ._stateful import Stateful as Stateful
+
+__all__ = [
+    "ResumePlan",
+    "RunState",
+    "Scope",
+    "Stateful",
+    "seed_everything",
+]

@@ -43,6 +43,44 @@ def test_every_layout_figure_is_within_its_target(architecture: ModuleType) -> N
     assert not off, (off, report.details)
 
 
+#: The layout figures the redesign has not reached yet (each one's test is a strict xfail:
+#: reaching it fails the test until it is taken off this list).
+LAYOUT_OPEN = {
+    "import cycles": "Module.trainer, Loop.trainer and the plugins' hooks name the Trainer type",
+    "import the trainer": "the plugins' hooks and the base classes name the Trainer type",
+}
+
+LAYOUT_FIGURES = (
+    "most modules in one package folder",
+    "longest module",
+    "longest class",
+    "longest function",
+    "import cycles",
+    "import the trainer",
+    "docstring",
+)
+
+
+@pytest.mark.parametrize(
+    "figure",
+    [
+        pytest.param(
+            key,
+            marks=[pytest.mark.xfail(reason=LAYOUT_OPEN[key], strict=True)]
+            if key in LAYOUT_OPEN
+            else [],
+        )
+        for key in LAYOUT_FIGURES
+    ],
+)
+def test_layout_figure_within_its_target(architecture: ModuleType, figure: str) -> None:
+    report = architecture.measure_layout()
+    found = [entry for entry in report.figures if figure in entry[0]]
+    assert len(found) == 1, [name for name, *_ in report.figures]
+    name, value, target, ok = found[0]
+    assert ok, (name, value, target, report.details)
+
+
 # ---------------------------------------------------------------- the instrument itself
 def write_tree(root: Path, files: dict[str, str]) -> Path:
     """``files`` (relative path -> source) under ``root / "pkg"``; returns that folder."""

@@ -68,3 +68,93 @@ def test_plugins_import_only_public_names() -> None:
             assert ".".join(parts[:2]) in public or parts[:1] == ["loopbus"], (path, name)
             if name.startswith("loopbus.events."):
                 assert not parts[2].startswith("_"), (path, name)
+
+
+# ---------------------------------------------------------------- the package layers
+#: Bottom to top: a module imports only from its own package or those below it, lazy and
+#: type-only imports included. The base layer is ``loopbus``'s own private modules.
+LAYERS = (
+    "base",
+    "events",
+    "stream",
+    "dashboard",
+    "state",
+    "data",
+    "records",
+    "step",
+    "distributed",
+    "checkpoint",
+    "loop",
+    "stage",
+    "plugins",
+)
+
+#: The arrows that point up, each with why. A new one fails the test below; one that is
+#: gone fails it too, so that this list only shrinks.
+UPWARD = {
+    # The public back-references users read: ``Module.trainer``, ``Loop.trainer`` and the
+    # ``Plugin`` hooks' ``trainer`` argument are typed as the public ``loopbus.Trainer``.
+    ("loopbus.step._module", "stage"): "Module.trainer is typed as the public Trainer",
+    ("loopbus.loop._loop", "stage"): "Loop.trainer is typed as the public Trainer",
+    # ``Module.load_from_checkpoint`` reads a checkpoint file (a lazy import).
+    ("loopbus.step._module", "checkpoint"): "Module.load_from_checkpoint reads a checkpoint",
+}
+
+
+def _layer(name: str) -> str | None:
+    """The layer of the loopbus module ``name``; None for the ``loopbus`` facade itself."""
+    parts = name.split(".")
+    if parts[0] != "loopbus":
+        return None
+    if len(parts) == 1:
+        return None
+    head = parts[1]
+    if head.startswith("_"):
+        return "base" if head != "__main__" else None
+    return head if head in LAYERS else None
+
+
+def _facade_layer(imported: str) -> str | None:
+    """The layer that defines ``loopbus.<name>`` when a module imports it from the facade."""
+    import loopbus
+
+    name = imported.split(".", 1)[1] if imported.count(".") == 1 else ""
+    package = loopbus._ENGINE_NAMES.get(name)
+    if package is not None:
+        return package
+    if name in ("events", "stream", "plugins"):
+        return name
+    return "base" if name else None
+
+
+def test_each_package_imports_only_those_below_it() -> None:
+    found: dict[tuple[str, str], str] = {}
+    for path in sorted(SRC.rglob("*.py")):
+        module = ".".join(path.relative_to(SRC.parent).with_suffix("").parts)
+        module = module.removesuffix(".__init__")
+        source = _layer(module)
+        if source is None:
+            continue
+        bare = any(
+            isinstance(node, ast.Import) and any(a.name == "loopbus" for a in node.names)
+            for node in ast.walk(ast.parse(path.read_text()))
+        )
+        if bare and source != "plugins":  # ``import loopbus``: the facade is above all
+            found[(module, "loopbus")] = "import loopbus"
+        for name, _ in imports_of(path):
+            if name == "loopbus" or not name.startswith("loopbus"):
+                continue
+            target = _layer(name)
+            if target is None:  # ``from loopbus import X``: where X is defined
+                target = _facade_layer(name)
+            if target is None or target == source:
+                continue
+            if LAYERS.index(target) > LAYERS.index(source):
+                found[(module, target)] = name
+    unexpected = {k: v for k, v in found.items() if k not in UPWARD}
+    assert not unexpected, (
+        "these imports point up the layers (module, layer imported: name): "
+        f"{unexpected}; import from a lower package, or pass what is needed in"
+    )
+    gone = sorted(set(UPWARD) - set(found))
+    assert not gone, f"these upward imports are gone; remove them from UPWARD: {gone}"

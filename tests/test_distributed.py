@@ -16,7 +16,7 @@ import torch
 
 import loopbus
 from loopbus import MisconfigurationError, Trainer
-from loopbus.checkpoint._files import _host_tag, _temp_path
+from loopbus.checkpoint._format import _host_tag, _temp_path
 from loopbus.distributed._strategy import SingleProcess
 from loopbus.plugins import Checkpoint
 

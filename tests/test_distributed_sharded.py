@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import loopbus
-from loopbus.checkpoint._files import SHARDED_MARKER
+from loopbus.checkpoint._format import SHARDED_MARKER
 from tests.test_distributed import SCRIPT, _env, _launch, _ok, _same, _summary, _weights
 
 pytestmark = pytest.mark.skipif(

@@ -16,7 +16,7 @@ import torch
 
 import loopbus
 from loopbus import FSDPStrategy, MisconfigurationError, Trainer
-from loopbus.checkpoint._files import SHARDED_MARKER
+from loopbus.checkpoint._format import SHARDED_MARKER
 from tests.fsdp_script import TinyLM
 from tests.test_distributed import _env, _free_port, _ok, _torchrun
 

@@ -47,6 +47,7 @@ from ._untrusted import check_json_nesting as check_json_nesting
 from ._validate import check_choice as check_choice
 from ._validate import check_int as check_int
 from ._validate import check_number as check_number
+from ._version import __version__ as __version__
 from .events import DESTINATIONS as DESTINATIONS
 from .events import CustomEvent as CustomEvent
 from .events import Event as Event
@@ -96,7 +97,6 @@ if TYPE_CHECKING:
     from .step import SchedulerConfig as SchedulerConfig
     from .step import register_precision as register_precision
 
-__version__ = "0.1.0"
 
 #: The engine's public names, each with the package that defines it; imported on first
 #: use.

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import math
 import os
 import signal
 import sys
 import time
 from collections.abc import Sequence
-from typing import IO, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import anyio
 import msgspec
@@ -26,6 +27,9 @@ import msgspec
 from ._exceptions import StreamError
 from .events import PutRecord
 from .stream import EpochEnded, Gap, StageEnded, StageStarted, Stream, connect
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 __all__ = ["main"]
 
@@ -38,6 +42,13 @@ def _parser() -> argparse.ArgumentParser:
         description="loopbus: an async, event-driven training-loop engine for PyTorch.",
     )
     commands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_watch(commands)
+    _add_dashboard(commands)
+    _add_consolidate(commands)
+    return parser
+
+
+def _add_watch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     watch = commands.add_parser(
         "watch",
         help="watch the records of a run that serves them (StreamServer)",
@@ -80,6 +91,9 @@ def _parser() -> argparse.ArgumentParser:
         help="keep trying to connect for this long while nothing listens yet",
     )
     watch.set_defaults(run=_watch_command)
+
+
+def _add_dashboard(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dashboard = commands.add_parser(
         "dashboard",
         help="chart the records of running jobs live in a web page",
@@ -107,6 +121,9 @@ def _parser() -> argparse.ArgumentParser:
     dashboard.add_argument("--label", action="append", help="a job's name on the page (repeat)")
     dashboard.add_argument("--open", action="store_true", help="open the page in a browser")
     dashboard.set_defaults(run=_dashboard)
+
+
+def _add_consolidate(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     consolidate = commands.add_parser(
         "consolidate",
         help="write a sharded checkpoint as one checkpoint file",
@@ -119,7 +136,6 @@ def _parser() -> argparse.ArgumentParser:
     consolidate.add_argument("checkpoint", help="the sharded checkpoint's directory")
     consolidate.add_argument("out", help="the checkpoint file to write")
     consolidate.set_defaults(run=_consolidate)
-    return parser
 
 
 def _consolidate(args: argparse.Namespace) -> int:
@@ -185,7 +201,9 @@ async def _open(args: argparse.Namespace, names: list[str] | None) -> Stream:
     topics = ["records", "events"] if args.events else ["records"]
     deadline = time.monotonic() + max(0.0, args.wait)
     while True:
-        stream = connect(args.address, names=names, topics=topics, token=args.token, yield_gaps=True)
+        stream = connect(
+            args.address, names=names, topics=topics, token=args.token, yield_gaps=True
+        )
         try:
             return await stream.__aenter__()
         except StreamError as exc:
@@ -260,9 +278,12 @@ class _Row:
 
 
 class _Status:
-    __slots__ = ("last", "records", "step")
+    """What the table's title and caption say besides the rows."""
 
-    def __init__(self) -> None:
+    __slots__ = ("last", "records", "stage", "step")
+
+    def __init__(self, stage: str | None) -> None:
+        self.stage = stage
         self.last = ""
         self.records = 0
         self.step = 0
@@ -274,68 +295,76 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
+def _table(stream: Stream, rows: dict[str, _Row], status: _Status) -> Table:
+    """The table as it stands: one row per record name, the run's progress below."""
+    from rich.table import Table
+
+    stage = status.stage
+    title = f"loopbus · {stream.address}" + (f" · {stage}" if stage else "")
+    table = Table(title=title, title_justify="left", expand=False)
+    table.add_column("name", style="bold")
+    table.add_column("value", justify="right")
+    table.add_column("step", justify="right")
+    table.add_column("epoch", justify="right")
+    table.add_column("records/s", justify="right")
+    table.add_column("count", justify="right")
+    for name in sorted(rows):
+        row = rows[name]
+        rate = row.rate()
+        table.add_row(
+            name,
+            _fmt(row.value),
+            str(row.step),
+            str(row.epoch),
+            "" if rate is None else f"{rate:.3g}",
+            str(row.count),
+        )
+    caption = f"{status.records} records · step {status.step}"
+    if stream.gaps:
+        caption += f" · {stream.gaps} dropped (display too slow)"
+    if status.last:
+        caption += f" · {status.last}"
+    table.caption = caption
+    table.caption_justify = "left"
+    return table
+
+
+def _take(item: Any, rows: dict[str, _Row], status: _Status) -> None:
+    """Count a record into its row, or say what an event says in the caption."""
+    kind = type(item)
+    if kind is PutRecord:
+        record: PutRecord = item
+        row = rows.get(record.name)
+        if row is None:
+            row = rows[record.name] = _Row()
+        row.value = record.value
+        row.step = record.step
+        row.epoch = record.epoch
+        row.count += 1
+        row.times.append(record.time)
+        status.records += 1
+        status.step = max(status.step, record.step)
+    elif isinstance(item, EpochEnded):
+        status.last = f"epoch {item.epoch} ended"
+    elif isinstance(item, StageStarted):
+        status.stage = item.stage
+        status.last = f"{item.stage} started"
+    elif isinstance(item, StageEnded):
+        status.last = f"{item.stage} {item.reason}"
+
+
 async def _show_table(stream: Stream) -> None:
     from rich.console import Console
     from rich.live import Live
-    from rich.table import Table
 
     rows: dict[str, _Row] = {}
-    status = _Status()
     welcome = stream.welcome
-    stage = welcome.stage if welcome is not None else None
-
-    def render() -> Table:
-        title = f"loopbus · {stream.address}" + (f" · {stage}" if stage else "")
-        table = Table(title=title, title_justify="left", expand=False)
-        table.add_column("name", style="bold")
-        table.add_column("value", justify="right")
-        table.add_column("step", justify="right")
-        table.add_column("epoch", justify="right")
-        table.add_column("records/s", justify="right")
-        table.add_column("count", justify="right")
-        for name in sorted(rows):
-            row = rows[name]
-            rate = row.rate()
-            table.add_row(
-                name,
-                _fmt(row.value),
-                str(row.step),
-                str(row.epoch),
-                "" if rate is None else f"{rate:.3g}",
-                str(row.count),
-            )
-        caption = f"{status.records} records · step {status.step}"
-        if stream.gaps:
-            caption += f" · {stream.gaps} dropped (display too slow)"
-        if status.last:
-            caption += f" · {status.last}"
-        table.caption = caption
-        table.caption_justify = "left"
-        return table
-
+    status = _Status(welcome.stage if welcome is not None else None)
+    render = functools.partial(_table, stream, rows, status)
     console = Console(stderr=False)
     with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False):
         async for item in stream:
-            kind = type(item)
-            if kind is PutRecord:
-                record: PutRecord = item  # type: ignore[assignment]
-                row = rows.get(record.name)
-                if row is None:
-                    row = rows[record.name] = _Row()
-                row.value = record.value
-                row.step = record.step
-                row.epoch = record.epoch
-                row.count += 1
-                row.times.append(record.time)
-                status.records += 1
-                status.step = max(status.step, record.step)
-            elif isinstance(item, EpochEnded):
-                status.last = f"epoch {item.epoch} ended"
-            elif isinstance(item, StageStarted):
-                stage = item.stage
-                status.last = f"{item.stage} started"
-            elif isinstance(item, StageEnded):
-                status.last = f"{item.stage} {item.reason}"
+            _take(item, rows, status)
         if stream.bye is not None:
             status.last = f"ended: {stream.bye.reason or 'the server closed'}"
 

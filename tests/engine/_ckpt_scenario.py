@@ -238,7 +238,7 @@ def run_scenario(
 def write_then_die(dirpath: str, second: str, die_after: int) -> None:
     """Write ``a.ckpt`` (and the last pointer), then start writing ``second`` and SIGKILL
     this process once ``die_after`` bytes of it are written: a torn write."""
-    from loopbus.checkpoint import _files as _checkpoint_io
+    from loopbus.checkpoint import _write as _checkpoint_io
 
     torch.set_num_threads(1)
     loopbus.seed_everything(SEED)

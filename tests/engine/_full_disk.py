@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from loopbus.checkpoint import _files as _checkpoint_io
+from loopbus.checkpoint import _write as _checkpoint_io
 
 NO_SPACE = os.strerror(errno.ENOSPC)
 

@@ -129,7 +129,7 @@ def _slow_second_signal(ready: Path) -> None:
     """Once the signal's batch has started (``ready``), the checkpoint writer's file fsync
     sends SIGTERM again and waits: the second signal arrives while the checkpoint is
     being written."""
-    from loopbus.checkpoint import _files as _checkpoint_io
+    from loopbus.checkpoint import _write as _checkpoint_io
 
     real = os.fsync
 

@@ -15,7 +15,7 @@ import pytest
 
 import loopbus
 from loopbus import CheckpointError, Trainer
-from loopbus.checkpoint._files import SHARDED_MARKER
+from loopbus.checkpoint._format import SHARDED_MARKER
 from loopbus.events import FitStarted
 from loopbus.plugins import Checkpoint
 

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.events import CustomEvent, EventBus, TrainBatchCompleted
-from loopbus.records._records import Recorder
+from loopbus.records._recorder import Recorder
 from loopbus.stage._options import compile_optimizer_option, compile_options
 from loopbus.state._runstate import RunState
 from loopbus.step._step import optimizer_step_for

@@ -136,7 +136,7 @@ async def test_file_loggers_write_them_beside_their_files(
     assert written == {**dict(net.hparams), "sizes": [3]}  # a tuple reads back as a list
 
     # Without PyYAML: the same as JSON, in hparams.json.
-    from loopbus.plugins import _loggers
+    from loopbus.plugins.loggers import _files as _loggers
 
     monkeypatch.setattr(_loggers, "_have_yaml", lambda: False)
     trainer = Trainer(max_steps=1, plugins=[JSONLLogger(tmp_path / "jsonl")], device="cpu")

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loopbus import Module, PutRecord, Trainer
-from loopbus.records._records import _resolve
+from loopbus.records._recorder import _resolve
 
 
 class Many(Module):

@@ -17,7 +17,7 @@ import torch
 
 import loopbus
 from loopbus import CheckpointError, Trainer
-from loopbus.checkpoint._files import SHARDED_MARKER, SHARDED_STATE, _host_tag
+from loopbus.checkpoint._format import SHARDED_MARKER, SHARDED_STATE, _host_tag
 from loopbus.plugins import Checkpoint
 from tests.engine._ckpt_scenario import Net, make_data
 

@@ -218,7 +218,7 @@ class SlowWrites:
     """Wraps the plugin's writer: slow, and counting how many writes overlap."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, delay: float = 0.05) -> None:
-        import loopbus.plugins._checkpoint as module
+        import loopbus.plugins._checkpoint_files as module
 
         self.real = module.write_checkpoint
         self.delay = delay
@@ -262,7 +262,7 @@ async def test_background_saves_are_durable_when_fit_returns(
 async def test_a_failed_background_write_fails_fit(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import loopbus.plugins._checkpoint as module_under_test
+    import loopbus.plugins._checkpoint_files as module_under_test
 
     def broken(state: Any, path: Any, **options: Any) -> Path:
         raise CheckpointError(f"could not write the checkpoint {path}: disk full")
@@ -283,7 +283,7 @@ class HeldWrites:
     write (which would never be opened) fails instead of hanging."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        import loopbus.plugins._checkpoint as module
+        import loopbus.plugins._checkpoint_files as module
 
         self.real = module.write_checkpoint
         self.completed: list[int] = []  # training steps, appended on the event loop

@@ -22,7 +22,8 @@ from loopbus.plugins import (
     read_csv,
     read_jsonl,
 )
-from loopbus.plugins._loggers import _continue_after, _csv_step_time
+from loopbus.plugins.loggers._csv import _csv_step_time
+from loopbus.plugins.loggers._files import _continue_after
 from tests.helpers import TinyModule, make_loader
 
 STEPS = 12  # 3 epochs of 4 batches, validation (4 batches) after each

@@ -289,7 +289,7 @@ async def test_stop_between_the_due_checks_wake_up_and_its_turn(
     # stopped, and every record is still written once, by stop().
     from types import SimpleNamespace
 
-    from loopbus.plugins import _loggers
+    from loopbus.plugins.loggers import _base as _loggers
 
     woken = anyio.Event()
     asleep = anyio.Event()

@@ -23,7 +23,7 @@ pytest.importorskip("sqlalchemy")
 
 from mlflow.tracking import MlflowClient
 
-from loopbus.plugins._mlflow import (
+from loopbus.plugins.loggers._mlflow import (
     BEST_CHECKPOINT_TAG,
     LAST_CHECKPOINT_TAG,
     mlflow_key,

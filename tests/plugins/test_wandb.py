@@ -23,7 +23,7 @@ from tests.plugins.tracking_helpers import Captured
 
 pytest.importorskip("wandb")
 
-from loopbus.plugins._wandb import BEST_CHECKPOINT_KEY, LAST_CHECKPOINT_KEY
+from loopbus.plugins.loggers._wandb import BEST_CHECKPOINT_KEY, LAST_CHECKPOINT_KEY
 
 
 @pytest.fixture(autouse=True)

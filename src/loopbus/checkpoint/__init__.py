@@ -2,22 +2,31 @@
 (atomic writes, completeness markers, bounded decoding), sharded checkpoints through
 ``torch.distributed.checkpoint``, and the random generators' states.
 
-Imports ``loopbus.distributed``, ``loopbus.step``, ``loopbus.data``, ``loopbus.state``.
+Imports ``loopbus.distributed`` (for types only), ``loopbus.step``, ``loopbus.state`` and
+the base modules; what it reads of the trainer is named by protocols of its own
+(:class:`CheckpointSource`, :class:`ShardedSource`).
+
+Modules, bottom to top: ``_format`` (names, markers, pointers, the header), ``_write``
+(plain values, atomic writes), ``_clean`` (removal), ``_diagnose`` (files read as
+untrusted input), ``_locate`` (which checkpoint a directory or ``ckpt_path`` means),
+``_rng`` (generators), ``_parts`` (the registry's parts, composing and loading a
+checkpoint dict), ``_sharded_save`` and ``_sharded_load`` (sharded checkpoints),
+``_load`` (reading any checkpoint).
 """
 
 from __future__ import annotations
 
+from ._clean import remove_checkpoint as remove_checkpoint
+from ._clean import remove_stale_temporaries as remove_stale_temporaries
+from ._format import checkpoint_info as checkpoint_info
+from ._format import is_sharded_checkpoint as is_sharded_checkpoint
+from ._load import load_checkpoint as load_checkpoint
+from ._locate import latest_checkpoint as latest_checkpoint
 from ._parts import CheckpointMismatch as CheckpointMismatch
-from ._parts import checkpoint_info as checkpoint_info
-from ._parts import is_sharded_checkpoint as is_sharded_checkpoint
-from ._parts import latest_checkpoint as latest_checkpoint
-from ._parts import load_checkpoint as load_checkpoint
-from ._parts import remove_checkpoint as remove_checkpoint
-from ._parts import remove_stale_temporaries as remove_stale_temporaries
-from ._parts import write_checkpoint as write_checkpoint
-from ._sharded import ShardedCheckpointWriter as ShardedCheckpointWriter
-from ._sharded import ShardedSave as ShardedSave
-from ._sharded import consolidate_checkpoint as consolidate_checkpoint
+from ._sharded_load import consolidate_checkpoint as consolidate_checkpoint
+from ._sharded_save import ShardedCheckpointWriter as ShardedCheckpointWriter
+from ._sharded_save import ShardedSave as ShardedSave
+from ._write import write_checkpoint as write_checkpoint
 
 __all__ = [
     "CheckpointMismatch",

@@ -36,13 +36,10 @@ for presence only, and an error from its ``load_state_dict`` names its key.
 
 from __future__ import annotations
 
-import os
 import time
-import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -50,21 +47,9 @@ from loopbus.state._runstate import ResumePlan
 from loopbus.state._stateful import Problem
 from loopbus.step._params import has_sharded_parameters, own_class
 
-from .._exceptions import CheckpointError, MisconfigurationError
-from ._files import (
-    FORMAT,
-    FORMAT_VERSION,
-    check_header,
-    checkpoint_info,
-    is_sharded_checkpoint,
-    latest_checkpoint,
-    load_checkpoint,
-    newest,
-    remove_checkpoint,
-    remove_stale_temporaries,
-    to_plain,
-    write_checkpoint,
-)
+from .._exceptions import CheckpointError
+from .._version import __version__
+from ._format import FORMAT, FORMAT_VERSION, check_header
 from ._rng import (
     capture_rng,
     loader_generator_states,
@@ -73,12 +58,11 @@ from ._rng import (
     rng_preserved,
     set_sampler_epoch,
 )
-
-if TYPE_CHECKING:
-    from loopbus.stage._trainer import Trainer
+from ._write import to_plain
 
 __all__ = [
     "CheckpointMismatch",
+    "CheckpointSource",
     "GradsPart",
     "HparamsPart",
     "LoaderPart",
@@ -89,20 +73,9 @@ __all__ = [
     "Problem",
     "RngPart",
     "SchedulerPart",
-    "checkpoint_info",
     "collect_state",
-    "has_sharded_parameters",
-    "is_sharded_checkpoint",
-    "latest_checkpoint",
-    "load_checkpoint",
     "load_state",
-    "own_class",
     "qualname",
-    "remove_checkpoint",
-    "remove_stale_temporaries",
-    "resolve_best",
-    "resolve_last",
-    "write_checkpoint",
 ]
 
 
@@ -472,19 +445,31 @@ class GradsPart:
 # ---------------------------------------------------------------- saving
 
 
+class CheckpointSource(Protocol):
+    """What composing a checkpoint reads of the trainer, for its header: the module (its
+    class is recorded) and how far the run is."""
+
+    @property
+    def module(self) -> torch.nn.Module | None: ...
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def current_epoch(self) -> int: ...
+
+
 def collect_state(
-    trainer: Trainer, parts: Mapping[str, Any], *, to_host: bool = False
+    trainer: CheckpointSource, parts: Mapping[str, Any], *, to_host: bool = False
 ) -> dict[str, Any]:
     """The checkpoint dict of ``parts`` (a trainer's registry), with its header. Without
     ``to_host`` tensors are the live ones; with it, host copies later steps don't touch."""
-    import loopbus
-
     module = trainer.module
     state: dict[str, Any] = {
         "loopbus": {
             "format": FORMAT,
             "format_version": FORMAT_VERSION,
-            "version": loopbus.__version__,
+            "version": __version__,
             "torch_version": str(torch.__version__),
             "created": time.time(),
             "global_step": trainer.global_step,
@@ -652,128 +637,3 @@ def _created(header: Mapping[str, Any]) -> float | None:
 def _own_rng(part: Any, state: dict[str, Any]) -> dict[str, Any]:
     own = getattr(part, "own", None)
     return own(state) if callable(own) else state
-
-
-def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
-    """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
-    through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
-    that name is called); None (with a warning unless ``warn`` is false) if none has
-    written one."""
-    providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
-    if not providers:
-        raise MisconfigurationError(
-            "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "
-            "as loopbus.plugins.Checkpoint(dirpath), among the trainer's plugins; add one or "
-            "pass the path of a checkpoint (or of its directory)."
-        )
-    found = []
-    for plugin in providers:
-        path = plugin.last_checkpoint_path
-        if not isinstance(path, (str, os.PathLike)) and callable(path):
-            path = path()
-        if path is not None:
-            found.append(Path(os.fspath(path)))
-    if not found:
-        if not warn:
-            return None
-        where = ", ".join(str(getattr(p, "dirpath", None) or type(p).__name__) for p in providers)
-        warnings.warn(
-            f"ckpt_path='last' but no checkpoint has been written yet (looked in {where}); "
-            "training starts from the beginning.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return None
-    return newest(found) if len(found) > 1 else found[0]
-
-
-def resolve_best(plugins: Iterable[Any]) -> Path:
-    """The checkpoint ``ckpt_path="best"`` means: the ``best_model_path`` of the plugin
-    that saves checkpoints on a monitored value (``Checkpoint(dirpath, monitor=...)``).
-    Raises :class:`MisconfigurationError` when there is no such plugin, when several
-    could answer, or when it has saved no best checkpoint yet."""
-    savers = [p for p in plugins if hasattr(p, "best_model_path") and hasattr(p, "monitor")]
-    monitored = [p for p in savers if p.monitor is not None]
-    if not monitored:
-        extra = (
-            f" (the trainer's {', '.join(repr(p) for p in savers)} monitor nothing, so "
-            "they rank no checkpoint as best)"
-            if savers
-            else ""
-        )
-        raise MisconfigurationError(
-            "ckpt_path='best' needs a Checkpoint plugin that monitors a record, such as "
-            "loopbus.plugins.Checkpoint(dirpath, monitor='val/loss'), among the trainer's "
-            f"plugins{extra}; add one and fit first, or pass ckpt_path='last' or the path "
-            "of a checkpoint."
-        )
-    found = [(p, p.best_model_path) for p in monitored if p.best_model_path is not None]
-    if not found:
-        names = ", ".join(f"{p!r} (monitor {p.monitor!r})" for p in monitored)
-        raise MisconfigurationError(
-            f"ckpt_path='best' but {names} has saved no best checkpoint yet: it ranks the "
-            "checkpoints that fit saves on this trainer after a validation that put the "
-            "monitored record (a new Trainer knows nothing of an earlier one's best). Fit "
-            "with validation data first, or pass the path of a checkpoint."
-        )
-    if len(found) > 1:
-        listing = "; ".join(f"{p!r} (monitor {p.monitor!r}): {path}" for p, path in found)
-        raise MisconfigurationError(
-            f"ckpt_path='best' is ambiguous: several Checkpoint plugins have a best "
-            f"checkpoint ({listing}). Pass the one you mean, as "
-            "ckpt_path=plugin.best_model_path."
-        )
-    return Path(os.fspath(found[0][1]))
-
-
-def resolve_weights_path(
-    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
-) -> str | os.PathLike[str]:
-    """The checkpoint ``ckpt_path`` names for loading weights: ``"best"`` (the best of
-    the plugin that monitors a record), ``"last"`` (the newest; an error if none was
-    written) or a path as it is. The names are resolved once, on rank 0, and broadcast
-    (``strategy.broadcast_object``), so every rank raises the same error or loads the
-    same file."""
-    if ckpt_path not in ("best", "last"):
-        return ckpt_path
-    found: Path | None = None
-    problem: str | None = None
-    if strategy.is_global_zero:
-        try:
-            if ckpt_path == "best":
-                found = resolve_best(plugins)
-            else:
-                found = resolve_last(plugins, warn=False)
-                if found is None:
-                    problem = (
-                        "ckpt_path='last' but no checkpoint has been written yet, so "
-                        "there are no weights to load; fit first, or pass the path "
-                        "of a checkpoint."
-                    )
-        except MisconfigurationError as exc:
-            problem = str(exc)
-    found, problem = strategy.broadcast_object((found, problem))
-    if problem is not None:
-        raise MisconfigurationError(problem)
-    assert found is not None
-    return found
-
-
-def resolve_resume_path(
-    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
-) -> str | os.PathLike[str] | None:
-    """The checkpoint ``fit(ckpt_path=...)`` resumes from: ``"last"`` is the newest of
-    the plugins that write them (None, with a warning, when there is none yet), resolved
-    once on rank 0 and broadcast so that every rank loads the same file; anything else
-    as it is."""
-    if ckpt_path != "last":
-        return ckpt_path
-    found = resolve_last(plugins) if strategy.is_global_zero else None
-    return strategy.broadcast_object(found)  # type: ignore[no-any-return]
-
-
-def load_weights(path: str | os.PathLike[str], module: torch.nn.Module) -> None:
-    """Load the weights (only those) of the checkpoint at ``path`` into ``module``."""
-    state = load_checkpoint(path)
-    weights: dict[str, Any] = {k: state[k] for k in ("loopbus", "module") if k in state}
-    load_state({"module": ModulePart(module)}, weights, strict=True, source=str(path))

@@ -8,7 +8,7 @@ import anyio
 
 from .._exceptions import StreamError
 from ..events import PutRecord
-from ..stream import EpochEnded, Gap, StageEnded, StageStarted, connect
+from ..stream import EpochEnded, Gap, StageEnded, StageStarted, Stream, connect
 from ._hub import RunFeed
 
 __all__ = ["follow"]
@@ -48,25 +48,7 @@ async def follow(
                 if welcome.step < feed.step:
                     feed = feed.successor()
                 feed.started(welcome.stage, welcome.step, welcome.epoch)
-                record = feed.record
-                async for item in stream:
-                    kind = type(item)
-                    if kind is PutRecord:
-                        r: PutRecord = item  # type: ignore[assignment]
-                        record(r.name, r.value, r.step, r.epoch)
-                    elif kind is EpochEnded:
-                        e: EpochEnded = item  # type: ignore[assignment]
-                        feed.epoch_ended(e.epoch, e.step)
-                    elif kind is StageStarted:
-                        # The next stage of a job served for the trainer's lifetime.
-                        t: StageStarted = item  # type: ignore[assignment]
-                        feed.started(t.stage, t.step, t.epoch)
-                    elif kind is StageEnded:
-                        s: StageEnded = item  # type: ignore[assignment]
-                        feed.stage_ended(s.stage, s.reason, s.step)
-                    elif kind is Gap:
-                        g: Gap = item  # type: ignore[assignment]
-                        feed.gap(g.count)
+                await _feed(feed, stream)
             if feed.state == "connected":  # a bye without a StageEnded before it
                 feed.set_state("between stages", "the stage ended")
             last_seen = anyio.current_time()
@@ -85,3 +67,27 @@ async def follow(
             elif feed.state == "between stages" and anyio.current_time() - last_seen > patience:
                 feed.set_state("ended", f"{feed.detail}; not serving any more")
         await anyio.sleep(retry)
+
+
+async def _feed(feed: RunFeed, stream: Stream) -> None:
+    """Feed the records, events and gap notices of ``stream`` into ``feed`` until the
+    stream ends."""
+    record = feed.record
+    async for item in stream:
+        kind = type(item)
+        if kind is PutRecord:
+            r: PutRecord = item  # type: ignore[assignment]
+            record(r.name, r.value, r.step, r.epoch)
+        elif kind is EpochEnded:
+            e: EpochEnded = item  # type: ignore[assignment]
+            feed.epoch_ended(e.epoch, e.step)
+        elif kind is StageStarted:
+            # The next stage of a job served for the trainer's lifetime.
+            t: StageStarted = item  # type: ignore[assignment]
+            feed.started(t.stage, t.step, t.epoch)
+        elif kind is StageEnded:
+            s: StageEnded = item  # type: ignore[assignment]
+            feed.stage_ended(s.stage, s.reason, s.step)
+        elif kind is Gap:
+            g: Gap = item  # type: ignore[assignment]
+            feed.gap(g.count)

@@ -41,7 +41,6 @@ __all__ = [
     "Strategy",
     "StrategyName",
     "launched_distributed",
-    "resolve_strategy",
 ]
 
 StrategyName = Literal["auto", "ddp", "fsdp", "single"]
@@ -258,25 +257,3 @@ class Strategy:
 
 class SingleProcess(Strategy):
     """``strategy="single"``: the run stays in this process."""
-
-
-def resolve_strategy(
-    name: str | Strategy, process_group_timeout: float, stop_check_interval: float
-) -> Strategy:
-    """The strategy of ``Trainer(strategy=...)``: an instance as given, or one by name
-    (``"auto"``: DDP under a launcher of several processes, else one process)."""
-    if isinstance(name, Strategy):
-        return name
-    if name == "auto":
-        name = "ddp" if launched_distributed() else "single"
-    if name == "ddp":
-        from ._ddp import DDPStrategy
-
-        return DDPStrategy(process_group_timeout, stop_check_interval)
-    if name == "fsdp":
-        from ._fsdp import FSDPStrategy
-
-        return FSDPStrategy(
-            process_group_timeout=process_group_timeout, stop_check_interval=stop_check_interval
-        )
-    return SingleProcess()

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from .._exceptions import fixup_module_metadata as _fixup_module_metadata
-from ._bus import DESTINATIONS as DESTINATIONS
 from ._bus import EventBus as EventBus
-from ._bus import Subscription as Subscription
-from ._bus import on as on
+from ._options import DESTINATIONS as DESTINATIONS
+from ._options import on as on
+from ._subscription import Subscription as Subscription
 from ._types import AdvanceCompleted as AdvanceCompleted
 from ._types import AdvanceStarted as AdvanceStarted
 from ._types import AfterBackward as AfterBackward

@@ -1,4 +1,5 @@
-"""The event bus: subscriptions, dispatch tables and the two delivery modes.
+"""The event bus: the subscriptions, the dispatch tables built from them, publishing and
+the two delivery modes (inline, and queued to a consumer task per subscriber).
 
 Dispatch tables are built when subscriptions change, never per publish: ``table[T]`` is
 a plain dict lookup that returns a tuple of ``(callable, is_async, subscription)``
@@ -11,30 +12,22 @@ entries, empty when nobody listens, so a loop can skip building an event nobody 
 
 from __future__ import annotations
 
-import inspect
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable, Sized
+from collections.abc import AsyncIterator, Callable, Sized
 from contextlib import asynccontextmanager
 from typing import Any, Literal, Protocol
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from anyio.streams.memory import MemoryObjectReceiveStream
 
-from .._exceptions import HandlerError, StopLoop, SubscriptionError
-from .._validate import check_choice, check_int
-from ._types import Event, LoopEvent, PutRecord
+from .._exceptions import HandlerError, StopLoop
+from ._handlers import Handler, check_event_type, check_handler, handler_error
+from ._options import check_count, check_options
+from ._subscription import Entry, Subscription
+from ._types import Event, PutRecord
 
-__all__ = ["DESTINATIONS", "EventBus", "RecordSource", "Subscription", "describe_handler", "on"]
-
-#: The destinations a put record can be routed to, and the roles a record subscriber
-#: can declare. Plugins may use further roles of their own.
-DESTINATIONS: tuple[str, ...] = ("callbacks", "loggers", "progress_bar", "external")
-
-_MODES = {"inline": "awaited where it is published", "queued": "handed to a task of its own"}
-_OVERFLOWS = {"block": "wait for the subscriber", "drop": "drop and count"}
-
-Handler = Callable[[Any], Any]
+__all__ = ["EventBus", "RecordSource"]
 
 
 class RecordSource(Protocol):
@@ -45,299 +38,6 @@ class RecordSource(Protocol):
     def pending(self) -> Sized: ...
 
     async def flush(self) -> None: ...
-
-
-Entry = tuple[Callable[[Any], Any], bool, "Subscription"]
-
-_LIGHTNING_NAMES = {
-    "on_fit_start": "FitStarted",
-    "on_fit_end": "FitCompleted",
-    "on_train_start": "FitStarted",
-    "on_train_end": "FitCompleted",
-    "on_train_epoch_start": "TrainEpochStarted",
-    "on_train_epoch_end": "TrainEpochCompleted",
-    "on_train_batch_start": "TrainBatchStarted",
-    "on_train_batch_end": "TrainBatchCompleted",
-    "on_validation_start": "ValidationStarted",
-    "on_validation_end": "ValidationCompleted",
-    "on_validation_epoch_start": "ValidationStarted",
-    "on_validation_epoch_end": "ValidationCompleted",
-    "on_validation_batch_start": "ValidationBatchStarted",
-    "on_validation_batch_end": "ValidationBatchCompleted",
-    "on_test_start": "TestStarted",
-    "on_test_end": "TestCompleted",
-    "on_test_batch_end": "TestBatchCompleted",
-    "on_predict_start": "PredictStarted",
-    "on_predict_end": "PredictCompleted",
-    "on_predict_batch_end": "PredictBatchCompleted",
-    "on_after_backward": "AfterBackward",
-    "on_before_optimizer_step": "BeforeOptimizerStep",
-    "on_exception": "ExceptionRaised",
-    "teardown": "Teardown",
-}
-
-
-def describe_handler(handler: object) -> str:
-    """A short, readable name for a handler: ``Plugin.method`` or a function's qualname."""
-    self_obj = getattr(handler, "__self__", None)
-    func = getattr(handler, "__func__", handler)
-    name = getattr(func, "__qualname__", None) or getattr(func, "__name__", None)
-    if self_obj is not None and name is not None:
-        return f"{type(self_obj).__name__}.{getattr(func, '__name__', name)}"
-    if name is not None:
-        return str(name)
-    return repr(handler)
-
-
-def _check_event_type(event_type: object) -> type[Event]:
-    if isinstance(event_type, type) and issubclass(event_type, Event):
-        return event_type
-    from . import _types
-
-    if isinstance(event_type, str):
-        guess = _LIGHTNING_NAMES.get(event_type)
-        if guess is None:
-            lowered = event_type.replace("_", "").lower()
-            for candidate in _types.__all__:
-                if candidate.lower() == lowered:
-                    guess = candidate
-                    break
-        hint = (
-            f" Did you mean loopbus.events.{guess}? (from loopbus.events import {guess})"
-            if guess
-            else " See loopbus.events.__all__ for the event types."
-        )
-        raise SubscriptionError(
-            f"event types are classes, not strings: got {event_type!r}.{hint}"
-        )
-    if isinstance(event_type, Event):
-        raise SubscriptionError(
-            f"pass the event class, not an instance: got {event_type!r}; "
-            f"use {type(event_type).__name__} instead of {type(event_type).__name__}(...)."
-        )
-    raise SubscriptionError(
-        f"{event_type!r} is not an event type. Event types are subclasses of "
-        "loopbus.events.Event, for example `class Milestone(Event, frozen=True): ...`."
-    )
-
-
-def _is_async_callable(handler: object) -> bool:
-    if inspect.iscoroutinefunction(handler):
-        return True
-    if inspect.isroutine(handler):
-        return False
-    call = vars(type(handler)).get("__call__") or type(handler).__call__
-    return inspect.iscoroutinefunction(call)
-
-
-def _check_handler(handler: object, event_type: type[Event]) -> bool:
-    """Validate a handler's shape; return whether it is async."""
-    what = f"the handler for {event_type.__name__}"
-    if inspect.iscoroutine(handler):
-        handler.close()
-        raise SubscriptionError(
-            f"{what} is a coroutine object, the result of calling an async function. "
-            "Pass the function itself: subscribe(Event, handler), not subscribe(Event, handler())."
-        )
-    if handler is None or not callable(handler):
-        raise SubscriptionError(
-            f"{what} must be a callable that takes the event, got {handler!r}. "
-            "Pass the function itself: subscribe(Event, handler), not subscribe(Event, handler())."
-        )
-    if inspect.isgeneratorfunction(handler) or inspect.isasyncgenfunction(handler):
-        raise SubscriptionError(
-            f"{what}, {describe_handler(handler)}, is a generator function; a handler must "
-            "be a plain `def` or `async def` function that returns (no `yield`)."
-        )
-    try:
-        signature = inspect.signature(handler)
-    except (TypeError, ValueError):  # builtins without a signature: trust them
-        signature = None
-    if signature is not None:
-        try:
-            signature.bind(None)
-        except TypeError:
-            raise SubscriptionError(
-                f"{what}, {describe_handler(handler)}{signature}, must accept exactly one "
-                "positional argument, the event. To pass more, bind them first: "
-                "subscribe(Event, functools.partial(handler, extra=value))."
-            ) from None
-    return _is_async_callable(handler)
-
-
-def _check_count(option: str, value: object, minimum: int) -> int | None:
-    return check_int(option, value, minimum=minimum, allow_none=True, error=SubscriptionError)
-
-
-class Subscription:
-    """A handle on one subscription. ``unsubscribe()`` (or leaving its ``with`` block)
-    removes it. For queued subscriptions :attr:`dropped` counts events dropped by the
-    ``"drop"`` overflow policy and :attr:`delivered` the events handled so far."""
-
-    __slots__ = (
-        "__weakref__",
-        "_accept_count",
-        "_done",
-        "_recv",
-        "_send",
-        "active",
-        "after",
-        "before",
-        "buffer",
-        "bus",
-        "delivered",
-        "destination",
-        "dropped",
-        "event_type",
-        "every",
-        "handler",
-        "is_async",
-        "loop",
-        "mode",
-        "once",
-        "overflow",
-        "owner",
-        "priority",
-        "seq",
-        "when",
-    )
-
-    def __init__(self, bus: EventBus, event_type: type[Event], handler: Handler) -> None:
-        self.bus = bus
-        self.event_type = event_type
-        self.handler = handler
-        self.owner = describe_handler(handler)
-        self.is_async = False
-        self.mode: Literal["inline", "queued"] = "inline"
-        self.priority = 0
-        self.loop: str | None = None
-        self.every: int | None = None
-        self.once: int | None = None
-        self.before: int | None = None
-        self.after: int | None = None
-        self.when: Callable[[Any], bool] | None = None
-        self.destination = "callbacks"
-        self.buffer = 0
-        self.overflow: Literal["block", "drop"] = "block"
-        self.dropped = 0
-        self.delivered = 0
-        self.active = True
-        self.seq = 0
-        self._accept_count = 0
-        self._send: MemoryObjectSendStream[Any] | None = None
-        self._recv: MemoryObjectReceiveStream[Any] | None = None
-        self._done: anyio.Event | None = None
-
-    def __repr__(self) -> str:
-        return (
-            f"<Subscription {self.owner} to {self.event_type.__name__} "
-            f"({self.mode}, priority={self.priority}{'' if self.active else ', removed'})>"
-        )
-
-    def unsubscribe(self) -> None:
-        """Remove the subscription; safe to call more than once."""
-        if self.active:
-            self.active = False
-            self.bus._remove(self)
-
-    def __enter__(self) -> Subscription:
-        return self
-
-    def __exit__(self, *exc_info: object) -> None:
-        self.unsubscribe()
-
-    # ---- filters
-    @property
-    def filtered(self) -> bool:
-        return (
-            self.loop is not None
-            or self.every is not None
-            or self.once is not None
-            or self.before is not None
-            or self.after is not None
-            or self.when is not None
-        )
-
-    def accepts(self, event: Any) -> bool:
-        """Apply the loop/every/once/before/after/when filters; counts occurrences."""
-        if self.loop is not None and getattr(event, "loop", None) != self.loop:
-            return False
-        self._accept_count += 1
-        n = self._accept_count
-        if self.every is not None and n % self.every:
-            return False
-        if self.once is not None and n != self.once:
-            return False
-        if self.before is not None and n >= self.before:
-            return False
-        if self.after is not None and n <= self.after:
-            return False
-        return self.when is None or bool(self.when(event))
-
-    # ---- queued delivery
-    def _offer_drop(self, event: Any) -> None:
-        send = self._send
-        if send is None:
-            raise self.bus._not_running(self)
-        try:
-            send.send_nowait(event)
-        except (anyio.WouldBlock, anyio.BrokenResourceError):
-            # Broken: the consumer failed, and its error is already ending the stage.
-            self.dropped += 1
-
-    async def _offer_block(self, event: Any) -> None:
-        send = self._send
-        if send is None:
-            raise self.bus._not_running(self)
-        try:
-            send.send_nowait(event)
-        except anyio.WouldBlock:
-            try:
-                await send.send(event)
-            except anyio.BrokenResourceError:
-                self.dropped += 1
-        except anyio.BrokenResourceError:
-            # The consumer failed, and its error is already ending the stage.
-            self.dropped += 1
-
-    def _entry(self) -> Entry:
-        if self.mode == "queued":
-            target: Callable[[Any], Any] = (
-                self._offer_drop if self.overflow == "drop" else self._offer_block
-            )
-            target_async = self.overflow == "block"
-        else:
-            target = self.handler
-            target_async = self.is_async
-        if not self.filtered:
-            return (target, target_async, self)
-        accepts = self.accepts
-        once = self.once is not None
-        unsubscribe = self.unsubscribe
-        if target_async:
-            async_target = target
-
-            async def filtered_async(event: Any) -> None:
-                if accepts(event):
-                    try:
-                        await async_target(event)
-                    finally:
-                        if once:
-                            unsubscribe()
-
-            return (filtered_async, True, self)
-
-        sync_target = target
-
-        def filtered(event: Any) -> None:
-            if accepts(event):
-                try:
-                    sync_target(event)
-                finally:
-                    if once:
-                        unsubscribe()
-
-        return (filtered, False, self)
 
 
 class _Table(dict[type, tuple[Entry, ...]]):
@@ -404,48 +104,28 @@ class EventBus:
         ``destination`` is the role a :class:`PutRecord` subscriber plays: it receives the
         records whose ``destinations`` name that role.
         """
-        event_type = _check_event_type(event_type)
-        is_async = _check_handler(handler, event_type)
-        check_int("priority", priority, minimum=None, error=SubscriptionError)
-        check_choice("mode", mode, _MODES, error=SubscriptionError)
-        check_choice("overflow", overflow, _OVERFLOWS, error=SubscriptionError)
-        if mode == "queued":
-            check_int("buffer", buffer, error=SubscriptionError)
-        if loop is not None:
-            if not isinstance(loop, str):
-                raise SubscriptionError(f"loop must be a loop name (str), got {loop!r}.")
-            if not issubclass(event_type, LoopEvent):
-                raise SubscriptionError(
-                    f"loop={loop!r} filters loop events, but {event_type.__name__} is not "
-                    "a LoopEvent; drop the loop argument."
-                )
-        if when is not None and not callable(when):
-            raise SubscriptionError(f"when must be a callable taking the event, got {when!r}.")
-        if not isinstance(destination, str) or not destination:
-            raise SubscriptionError(
-                f"destination must be a non-empty role name such as {DESTINATIONS!r}, "
-                f"got {destination!r}."
-            )
-        if event_type.inside_step:
-            if mode == "queued":
-                raise SubscriptionError(
-                    f"{event_type.__name__} is published inside the training step and cannot "
-                    "be queued; subscribe inline (the default)."
-                )
-            if is_async:
-                raise SubscriptionError(
-                    f"{event_type.__name__} is published inside the (synchronous) training "
-                    f"step, so its handlers must be plain `def` functions; "
-                    f"{describe_handler(handler)} is `async def`."
-                )
+        event_type = check_event_type(event_type)
+        is_async = check_handler(handler, event_type)
+        check_options(
+            event_type,
+            handler,
+            is_async,
+            priority=priority,
+            loop=loop,
+            when=when,
+            mode=mode,
+            buffer=buffer,
+            overflow=overflow,
+            destination=destination,
+        )
         sub = Subscription(self, event_type, handler)
         sub.is_async = is_async
         sub.priority = priority
         sub.loop = loop
-        sub.every = _check_count("every", every, 1)
-        sub.once = _check_count("once", once, 1)
-        sub.before = _check_count("before", before, 1)
-        sub.after = _check_count("after", after, 0)
+        sub.every = check_count("every", every, 1)
+        sub.once = check_count("once", once, 1)
+        sub.before = check_count("before", before, 1)
+        sub.after = check_count("after", after, 0)
         sub.when = when
         sub.mode = mode
         sub.buffer = buffer
@@ -453,11 +133,16 @@ class EventBus:
         sub.destination = destination
         if owner is not None:
             sub.owner = owner
+        return self._add(sub)
+
+    def _add(self, sub: Subscription) -> Subscription:
+        """Add ``sub`` after the subscriptions so far (its place among those of the same
+        priority), and start its consumer if it is queued and the bus runs."""
         self._seq += 1
         sub.seq = self._seq
         self._subs.append(sub)
         self._changed()
-        if mode == "queued" and self._tg is not None:
+        if sub.mode == "queued" and self._tg is not None:
             self._start(sub, self._tg)
         return sub
 
@@ -501,9 +186,7 @@ class EventBus:
         except ValueError:
             return
         self._changed()
-        if sub._send is not None:
-            sub._send.close()
-            sub._send = None
+        sub._close_queue()
 
     def _changed(self) -> None:
         self.table.clear()
@@ -554,7 +237,7 @@ class EventBus:
             except (HandlerError, StopLoop):
                 raise
             except Exception as exc:
-                raise _handler_error(sub, event, exc) from exc
+                raise handler_error(sub.owner, event, exc) from exc
             settle = self._records
 
     async def deliver_record(self, entries: tuple[Entry, ...], record: PutRecord) -> None:
@@ -569,7 +252,7 @@ class EventBus:
             except (HandlerError, StopLoop):
                 raise
             except Exception as exc:
-                raise _handler_error(sub, record, exc) from exc
+                raise handler_error(sub.owner, record, exc) from exc
 
     def attach_records(self, source: RecordSource | None) -> None:
         """Flush ``source`` (the pending records of the trainer that owns this bus)
@@ -585,23 +268,15 @@ class EventBus:
             except (HandlerError, StopLoop):
                 raise
             except Exception as exc:
-                raise _handler_error(sub, event, exc) from exc
+                raise handler_error(sub.owner, event, exc) from exc
 
     # ------------------------------------------------------------ queued delivery
-    def _not_running(self, sub: Subscription) -> RuntimeError:
-        return RuntimeError(
-            f"{sub.owner} is a queued subscriber of {sub.event_type.__name__}, but the bus is "
-            "not running. Publish inside a Trainer stage or `async with bus.running():`."
-        )
-
     def _start(self, sub: Subscription, tg: TaskGroup) -> None:
-        send, recv = anyio.create_memory_object_stream[Any](sub.buffer)
-        sub._send, sub._recv = send, recv
-        sub._done = anyio.Event()
+        recv, done = sub._open_queue()
         scope = anyio.CancelScope(shield=True)
         self._consumers.append(scope)
         tg.start_soon(
-            self._consume_shielded, scope, sub, recv, sub._done, name=f"loopbus consumer {sub.owner}"
+            self._consume_shielded, scope, sub, recv, done, name=f"loopbus consumer {sub.owner}"
         )
 
     async def _consume_shielded(
@@ -642,7 +317,7 @@ class EventBus:
                         else:
                             handler(event)
                     except Exception as exc:
-                        error = _handler_error(sub, event, exc)
+                        error = handler_error(sub.owner, event, exc)
                         if self.failure is None:
                             self.failure = error
                         raise error from exc
@@ -665,12 +340,10 @@ class EventBus:
         sent. Returns False if ``timeout`` (seconds) ran out first."""
         waits: list[anyio.Event] = []
         for sub in self._subs:
-            if sub._send is not None:
-                sub._send.close()
-                sub._send = None
-            if sub._done is not None:
-                waits.append(sub._done)
-                sub._done = None
+            sub._close_queue()
+            consumer_done = sub._take_done()
+            if consumer_done is not None:
+                waits.append(consumer_done)
         self._tg = None
         with anyio.move_on_after(math.inf if timeout is None else timeout) as scope:
             for done in waits:
@@ -693,63 +366,3 @@ class EventBus:
             finally:
                 with anyio.CancelScope(shield=True):
                     await self.drain(drain_timeout)
-
-
-def _handler_error(sub: Subscription, event: Any, exc: BaseException) -> HandlerError:
-    name = type(event).__name__
-    loop = getattr(event, "loop", None)
-    where = f"{name} (loop {loop!r})" if loop else name
-    return HandlerError(
-        f"{sub.owner} raised {type(exc).__name__} while handling {where}: {exc}",
-        owner=sub.owner,
-        event=name,
-        original=exc,
-    )
-
-
-def on(
-    event_type: type[Event], **options: Any
-) -> Callable[[Callable[..., Awaitable[Any] | Any]], Callable[..., Any]]:
-    """Mark a method as a handler of ``event_type``; the options are those of
-    :meth:`EventBus.subscribe`. Plugins and modules are subscribed with their marked
-    methods when a Trainer stage starts::
-
-        class Printer(Plugin):
-            @on(TrainBatchCompleted, every=100)
-            def report(self, event: TrainBatchCompleted) -> None: ...
-    """
-    event_type = _check_event_type(event_type)
-    unknown = set(options) - _ON_OPTIONS
-    if unknown:
-        raise SubscriptionError(
-            f"on({event_type.__name__}) got unknown option(s) {sorted(unknown)}; "
-            f"known options are {sorted(_ON_OPTIONS)}."
-        )
-
-    def mark(func: Callable[..., Any]) -> Callable[..., Any]:
-        specs: list[tuple[type[Event], dict[str, Any]]] = list(
-            getattr(func, "__loopbus_on__", ())
-        )
-        specs.append((event_type, options))
-        func.__loopbus_on__ = specs  # type: ignore[attr-defined]
-        return func
-
-    return mark
-
-
-_ON_OPTIONS = frozenset(
-    {
-        "priority",
-        "loop",
-        "every",
-        "once",
-        "before",
-        "after",
-        "when",
-        "mode",
-        "buffer",
-        "overflow",
-        "destination",
-    }
-)
-

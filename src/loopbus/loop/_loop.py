@@ -55,7 +55,7 @@ from ..events import (
 from ._progress import Progress
 
 if TYPE_CHECKING:
-    from loopbus.stage._trainer import Trainer
+    from loopbus import Trainer
 
 __all__ = ["Loop", "LoopEvents"]
 
@@ -228,26 +228,7 @@ class Loop(Generic[T]):
                     f"{type(self).__name__} has no sub-loop {name!r} to replace; its sub-loops "
                     f"are {sorted(self.children)}."
                 )
-            if isinstance(replacement, type):
-                if not issubclass(replacement, Loop):
-                    raise TypeError(f"replace({name}=...) needs a Loop class, got {replacement!r}.")
-                old_params = inspect.signature(type(old).__init__).parameters
-                new_params = inspect.signature(replacement.__init__).parameters
-                if list(old_params) != list(new_params):
-                    raise MisconfigurationError(
-                        f"{type(self).__name__}.replace({name}={replacement.__name__}) needs "
-                        f"the same __init__ signature as {type(old).__name__}: "
-                        f"{list(old_params)[1:]} != {list(new_params)[1:]}. Pass an instance "
-                        "instead."
-                    )
-                kwargs = {p: getattr(old, p) for p in old_params if p != "self"}
-                loop = replacement(**kwargs)
-            elif isinstance(replacement, Loop):
-                loop = replacement
-            else:
-                raise TypeError(
-                    f"replace({name}=...) needs a Loop class or instance, got {replacement!r}."
-                )
+            loop = _replacement(type(self).__name__, name, old, replacement)
             grandchildren = old.children
             if grandchildren:
                 loop.connect(**grandchildren)
@@ -325,11 +306,7 @@ class Loop(Generic[T]):
         deliver = bus.deliver
         events = self.events
         if self.skip:
-            output = await self.on_skip()
-            entries = table[events.run_skipped]
-            if entries:
-                await deliver(entries, self.make_event(events.run_skipped, None, output=output))
-            return output
+            return await self._skip_run(bus)
         self.reset()
         # The iteration path is chosen here, once per run: with the leak check the hooks
         # are labelled (so a leak names the hook that set the value) and every scope is
@@ -379,6 +356,15 @@ class Loop(Generic[T]):
                 check_suspects(suspects + collect_suspects(ctx), leak_check)
             else:
                 ctx.__dict__.clear()
+
+    async def _skip_run(self, bus: EventBus) -> Any:
+        """A run that ``skip`` said not to do: ``on_skip`` and ``RunSkipped`` only."""
+        output = await self.on_skip()
+        event_type = self.events.run_skipped
+        entries = bus.table[event_type]
+        if entries:
+            await bus.deliver(entries, self.make_event(event_type, None, output=output))
+        return output
 
     def fused_iteration(self) -> Callable[[Scope], Awaitable[None]] | None:
         """One coroutine that does what ``on_advance_start``, ``advance`` and
@@ -450,19 +436,7 @@ class Loop(Generic[T]):
                     if fused is not None and not table[adv_started]:
                         await fused(it)
                     else:
-                        await on_advance_start(it)
-                        entries = table[adv_started]
-                        if entries:
-                            await deliver(
-                                entries,
-                                self.make_event(adv_started, it, iteration=current.ready - 1),
-                            )
-                        total.started += 1
-                        current.started += 1
-                        await advance(it)
-                        total.processed += 1
-                        current.processed += 1
-                        await on_advance_end(it)
+                        await _advance_by_hooks(self, it, on_advance_start, advance, on_advance_end)
                     total.completed += 1
                     current.completed += 1
                     entries = table[adv_completed]
@@ -528,3 +502,50 @@ class Loop(Generic[T]):
     def __repr__(self) -> str:
         kids = ", ".join(f"{k}={type(v).__name__}" for k, v in self.children.items())
         return f"{type(self).__name__}(name={self.name!r}{', ' + kids if kids else ''})"
+
+
+async def _advance_by_hooks(
+    loop: Loop[Any], it: Scope, on_advance_start: Any, advance: Any, on_advance_end: Any
+) -> None:
+    """One iteration's hooks one by one, with ``AdvanceStarted`` between the first two
+    (the path when someone subscribes to it, or the loop offers no fused iteration)."""
+    total = loop.progress.total
+    current = loop.progress.current
+    await on_advance_start(it)
+    bus = loop.bus
+    assert bus is not None
+    adv_started = loop.events.advance_started
+    entries = bus.table[adv_started]
+    if entries:
+        await bus.deliver(entries, loop.make_event(adv_started, it, iteration=current.ready - 1))
+    total.started += 1
+    current.started += 1
+    await advance(it)
+    total.processed += 1
+    current.processed += 1
+    await on_advance_end(it)
+
+
+def _replacement(
+    owner: str, name: str, old: Loop[Any], replacement: Loop[Any] | type[Loop[Any]]
+) -> Loop[Any]:
+    """The loop that replaces ``old`` (the sub-loop ``name`` of a loop of class ``owner``):
+    ``replacement`` itself, or an instance of that class built from ``old``'s attributes
+    named like its ``__init__`` parameters."""
+    if isinstance(replacement, type):
+        if not issubclass(replacement, Loop):
+            raise TypeError(f"replace({name}=...) needs a Loop class, got {replacement!r}.")
+        old_params = inspect.signature(type(old).__init__).parameters
+        new_params = inspect.signature(replacement.__init__).parameters
+        if list(old_params) != list(new_params):
+            raise MisconfigurationError(
+                f"{owner}.replace({name}={replacement.__name__}) needs "
+                f"the same __init__ signature as {type(old).__name__}: "
+                f"{list(old_params)[1:]} != {list(new_params)[1:]}. Pass an instance "
+                "instead."
+            )
+        kwargs = {p: getattr(old, p) for p in old_params if p != "self"}
+        return replacement(**kwargs)
+    if isinstance(replacement, Loop):
+        return replacement
+    raise TypeError(f"replace({name}=...) needs a Loop class or instance, got {replacement!r}.")

@@ -9,22 +9,22 @@ from loopbus import register_precision, set_default_plugins
 from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointSaved as CheckpointSaved
 from ._early_stopping import EarlyStopping as EarlyStopping
-from ._loggers import CSVLogger as CSVLogger
-from ._loggers import JSONLLogger as JSONLLogger
-from ._loggers import Logger as Logger
-from ._loggers import decode_records as decode_records
-from ._loggers import read_csv as read_csv
-from ._loggers import read_jsonl as read_jsonl
 from ._lr_monitor import LearningRateMonitor as LearningRateMonitor
-from ._mlflow import MLflowLogger as MLflowLogger
 from ._precision import MixedPrecision as MixedPrecision
 from ._progress import ProgressBar as ProgressBar
 from ._stream import ServerStarted as ServerStarted
 from ._stream import StreamServer as StreamServer
 from ._summary import ModelSummary as ModelSummary
-from ._tensorboard import TensorBoardLogger as TensorBoardLogger
 from ._timer import Timer as Timer
-from ._wandb import WandbLogger as WandbLogger
+from .loggers import CSVLogger as CSVLogger
+from .loggers import JSONLLogger as JSONLLogger
+from .loggers import Logger as Logger
+from .loggers import MLflowLogger as MLflowLogger
+from .loggers import TensorBoardLogger as TensorBoardLogger
+from .loggers import WandbLogger as WandbLogger
+from .loggers import decode_records as decode_records
+from .loggers import read_csv as read_csv
+from .loggers import read_jsonl as read_jsonl
 
 __all__: list[str] = [
     "CSVLogger",

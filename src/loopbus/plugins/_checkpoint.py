@@ -1,6 +1,8 @@
-"""``Checkpoint``: save the run every N steps, every N epochs and/or on the best value of a
-monitored record; keep the last K and the best K; maintain a ``last.json`` pointer; write
-in the background if asked.
+"""``Checkpoint``: when to save the run (every N steps, every N epochs and/or on the best
+value of a monitored record; on preemption; when ``fit`` ends) and which checkpoints to
+keep (the last K and the best K). How a checkpoint is written (a name that replaces
+none, the write itself, in the background if asked, the removal of the checkpoints no
+longer kept, the ``last.json`` pointer) is ``_checkpoint_files``'s concern.
 
 Written against the public API only, like a user's plugin.
 """
@@ -13,24 +15,15 @@ import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
-import anyio
-import anyio.to_thread
-
 from loopbus import (
-    CheckpointError,
     Delivery,
     Event,
     MisconfigurationError,
     Plugin,
-    ShardedCheckpointWriter,
-    ShardedSave,
     check_choice,
     check_int,
     latest_checkpoint,
     on,
-    remove_checkpoint,
-    remove_stale_temporaries,
-    write_checkpoint,
 )
 from loopbus.events import (
     EpochCompleted,
@@ -41,6 +34,8 @@ from loopbus.events import (
     TrainBatchCompleted,
     ValidationCompleted,
 )
+
+from ._checkpoint_files import CheckpointFiles
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -53,6 +48,130 @@ __all__ = ["Checkpoint", "CheckpointSaved"]
 _MODES = {"min": "lower is better", "max": "higher is better"}
 _OFF = "None turns it off"
 _ALL = "None keeps them all"
+
+
+def _directory(dirpath: str | os.PathLike[str]) -> Path:
+    if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
+        raise MisconfigurationError(
+            f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
+        )
+    return Path(os.fspath(dirpath))
+
+
+def _optional_count(option: str, value: int | None, hint: str) -> int | None:
+    """A count option that None may turn off (``hint`` says what None does)."""
+    return check_int(option, value, allow_none=True, owner="Checkpoint", hint=hint)
+
+
+def _check_monitor(monitor: str | None) -> None:
+    if monitor is not None and (not isinstance(monitor, str) or not monitor):
+        raise MisconfigurationError(
+            f"Checkpoint(monitor=...) must be the name of a put record such as 'val/acc', "
+            f"got {monitor!r}."
+        )
+
+
+def _check_filename(filename: str) -> None:
+    """``filename`` must be a template of a plain file name, with the fields ``{epoch}``
+    and ``{step}`` at most."""
+    try:
+        example = filename.format(epoch=0, step=0)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise MisconfigurationError(
+            f"Checkpoint(filename={filename!r}) is not a valid template: {exc!r}; use the "
+            "fields {epoch} and {step}, for example 'epoch={epoch}-step={step}'."
+        ) from None
+    if not example or "/" in example or os.sep in example or example.startswith("."):
+        raise MisconfigurationError(
+            f"Checkpoint(filename={filename!r}) must make a plain file name (no "
+            "directory separators, not starting with a dot)."
+        )
+
+
+def _agreed(trainer: Trainer, best: float | None) -> float | None:
+    """Under DDP, rank 0's decision on every rank: the ranks save together, since saving
+    gathers every rank's generators. Called at boundaries every rank reaches."""
+    if trainer.world_size == 1:
+        return best
+    agreed: float | None = trainer.strategy.broadcast_object(best)
+    return agreed
+
+
+def _shards(trainer: Trainer, sharded: bool | None) -> bool:
+    """Whether this fit's checkpoints are sharded: as asked, else when the strategy shards
+    the model's state (whose checkpoints cannot be anything else)."""
+    if sharded is None:
+        return trainer.strategy.sharded_state
+    if trainer.strategy.sharded_state and not sharded:
+        raise MisconfigurationError(
+            f"Checkpoint(sharded=False) under strategy {trainer.strategy.name!r}, which "
+            "shards the model's state over the ranks: its checkpoints are sharded "
+            "directories. Leave sharded unset (or True)."
+        )
+    return sharded
+
+
+class _Kept:
+    """The checkpoints a ``Checkpoint`` plugin keeps, by name: the ``keep_last`` most
+    recent periodic ones, the ``keep_best`` best by the monitored value (best first),
+    and the last one saved, which ``last.json`` names. Part of the plugin's state."""
+
+    def __init__(self) -> None:
+        self.recent: list[str] = []
+        self.best: list[tuple[float, str]] = []
+        self.last: str | None = None
+
+    def names(self) -> set[str]:
+        kept = set(self.recent) | {n for _, n in self.best}
+        if self.last is not None:
+            kept.add(self.last)
+        return kept
+
+    def earns_place(self, value: float, keep_best: int | None, mode: str) -> bool:
+        """Whether a checkpoint of the monitored ``value`` enters the best."""
+        if keep_best is None or len(self.best) < keep_best:
+            return True
+        worst = self.best[-1][0]
+        return value < worst if mode == "min" else value > worst
+
+    def register(
+        self,
+        name: str,
+        *,
+        periodic: bool,
+        best: float | None,
+        keep_last: int | None,
+        keep_best: int | None,
+        mode: str,
+    ) -> list[str]:
+        """Record a save of ``name``; return the checkpoints no longer kept."""
+        before = self.names()
+        if periodic:
+            self.recent = [n for n in self.recent if n != name] + [name]
+            if keep_last is not None:
+                self.recent = self.recent[-keep_last:]
+        if best is not None:
+            ranked = [(v, n) for v, n in self.best if n != name] + [(best, name)]
+            ranked.sort(key=lambda item: item[0], reverse=mode == "max")
+            self.best = ranked if keep_best is None else ranked[:keep_best]
+        self.last = name
+        kept = set(self.recent) | {n for _, n in self.best} | {name}
+        return sorted(before - kept)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "recent": list(self.recent),
+            "best": [[value, name] for value, name in self.best],
+            "last": self.last,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any], *, best: bool) -> None:
+        """Load ``state_dict``, its best checkpoints only if ``best`` (they were ranked
+        by the same monitored record, in the same order)."""
+        self.best = [(float(v), str(n)) for v, n in state_dict.get("best", [])] if best else []
+        self.recent = [str(n) for n in state_dict.get("recent", [])]
+        last = state_dict.get("last")
+        self.last = None if last is None else str(last)
 
 
 class CheckpointSaved(Event, frozen=True, kw_only=True):
@@ -148,56 +267,27 @@ class Checkpoint(Plugin):
         save_on_end: bool = True,
         sharded: bool | None = None,
     ) -> None:
-        if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
-            raise MisconfigurationError(
-                f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
-            )
-        self.dirpath = Path(os.fspath(dirpath))
-        self.every_n_steps = check_int(
-            "every_n_steps", every_n_steps, allow_none=True, owner="Checkpoint", hint=_OFF
-        )
-        self.every_n_epochs = check_int(
-            "every_n_epochs", every_n_epochs, allow_none=True, owner="Checkpoint", hint=_OFF
-        )
-        if monitor is not None and (not isinstance(monitor, str) or not monitor):
-            raise MisconfigurationError(
-                f"Checkpoint(monitor=...) must be the name of a put record such as 'val/acc', "
-                f"got {monitor!r}."
-            )
+        # How the checkpoints are written (see _checkpoint_files); when, decided here.
+        self._files = CheckpointFiles(_directory(dirpath))
+        self.every_n_steps = _optional_count("every_n_steps", every_n_steps, _OFF)
+        self.every_n_epochs = _optional_count("every_n_epochs", every_n_epochs, _OFF)
+        _check_monitor(monitor)
         check_choice("mode", mode, _MODES, owner="Checkpoint")
         if monitor is None and self.every_n_steps is None and self.every_n_epochs is None:
             self.every_n_epochs = 1
         self.monitor = monitor
         self.mode: Literal["min", "max"] = mode
-        self.keep_last = check_int(
-            "keep_last", keep_last, allow_none=True, owner="Checkpoint", hint=_ALL
-        )
-        self.keep_best = check_int(
-            "keep_best", keep_best, allow_none=True, owner="Checkpoint", hint=_ALL
-        )
-        try:
-            example = filename.format(epoch=0, step=0)
-        except (KeyError, IndexError, ValueError, AttributeError) as exc:
-            raise MisconfigurationError(
-                f"Checkpoint(filename={filename!r}) is not a valid template: {exc!r}; use the "
-                "fields {epoch} and {step}, for example 'epoch={epoch}-step={step}'."
-            ) from None
-        if not example or "/" in example or os.sep in example or example.startswith("."):
-            raise MisconfigurationError(
-                f"Checkpoint(filename={filename!r}) must make a plain file name (no "
-                "directory separators, not starting with a dot)."
-            )
+        self.keep_last = _optional_count("keep_last", keep_last, _ALL)
+        self.keep_best = _optional_count("keep_best", keep_best, _ALL)
+        _check_filename(filename)
         self.filename = filename
         self.sharded = None if sharded is None else bool(sharded)
         self._background = background
         self.save_on_end = bool(save_on_end)
-        self._writer = ShardedCheckpointWriter()
         self._sharded_now = False
 
         # Checkpointed state (see state_dict).
-        self._recent: list[str] = []
-        self._best: list[tuple[float, str]] = []
-        self._last: str | None = None
+        self._kept = _Kept()
         self._last_saved: tuple[int, str] | None = None
         self._monitor_value: float | None = None
         self._monitor_fresh = False
@@ -207,9 +297,6 @@ class Checkpoint(Plugin):
         self._trainer: Trainer | None = None
         self._task_group: TaskGroup | None = None
         self._record_sub: Subscription | None = None
-        self._idle: anyio.Event | None = None
-        self._error: BaseException | None = None
-        self._unannounced: CheckpointSaved | None = None
         self._saw_validation = False
         self._preempted = False
         # Training batches completed in this stage, and how many when the last save was
@@ -219,6 +306,15 @@ class Checkpoint(Plugin):
 
     def __repr__(self) -> str:
         return f"Checkpoint(dirpath={str(self.dirpath)!r})"
+
+    @property
+    def dirpath(self) -> Path:
+        """The directory the checkpoints are written into."""
+        return self._files.dirpath
+
+    @dirpath.setter
+    def dirpath(self, dirpath: Path) -> None:
+        self._files.dirpath = dirpath
 
     @property
     def background(self) -> bool:
@@ -255,12 +351,14 @@ class Checkpoint(Plugin):
     @property
     def best_checkpoint_path(self) -> Path | None:
         """The checkpoint with the best monitored value so far, or None."""
-        return self.dirpath / self._best[0][1] if self._best else None
+        best = self._kept.best
+        return self.dirpath / best[0][1] if best else None
 
     @property
     def best_value(self) -> float | None:
         """The best monitored value so far, or None."""
-        return self._best[0][0] if self._best else None
+        best = self._kept.best
+        return best[0][0] if best else None
 
     @property
     def best_model_path(self) -> Path | None:
@@ -278,31 +376,14 @@ class Checkpoint(Plugin):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._sharded_now = trainer.strategy.sharded_state if self.sharded is None else self.sharded
-        if trainer.strategy.sharded_state and not self._sharded_now:
-            raise MisconfigurationError(
-                f"Checkpoint(sharded=False) under strategy {trainer.strategy.name!r}, which "
-                "shards the model's state over the ranks: its checkpoints are sharded "
-                "directories. Leave sharded unset (or True)."
-            )
-        self._error = None
-        self._idle = None
-        self._unannounced = None
+        self._sharded_now = _shards(trainer, self.sharded)
+        self._files.reset()
         self._saw_validation = False
         self._preempted = False
         self._batches = 0
         self._saved_after = None
-        if trainer.is_global_zero:
-            # Rank 0 alone writes, so it alone creates the directory and removes the
-            # temporaries that dead writers left in it; a temporary written on another
-            # host (a shared directory) is left alone, its writer's pid means nothing here.
-            try:
-                self.dirpath.mkdir(parents=True, exist_ok=True)
-            except OSError as exc:
-                raise CheckpointError(
-                    f"Checkpoint cannot create its directory {self.dirpath}: {exc}"
-                ) from exc
-            remove_stale_temporaries(self.dirpath)
+        if trainer.is_global_zero:  # rank 0 alone writes
+            self._files.prepare()
         if self.monitor is not None:
             self._record_sub = trainer.subscribe(
                 PutRecord,
@@ -315,8 +396,8 @@ class Checkpoint(Plugin):
         self._task_group = task_group
 
     async def stop(self, trainer: Trainer, stage: str) -> None:
-        await self._wait_idle()
-        self._unannounced = None  # the bus has stopped delivering
+        await self._files.wait_idle()
+        self._files.unannounced = None  # the bus has stopped delivering
 
     def teardown(self, trainer: Trainer, stage: str) -> None:
         if self._record_sub is not None:
@@ -338,9 +419,7 @@ class Checkpoint(Plugin):
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "recent": list(self._recent),
-            "best": [[value, name] for value, name in self._best],
-            "last": self._last,
+            **self._kept.state_dict(),
             "last_saved": list(self._last_saved) if self._last_saved is not None else None,
             "monitor": self.monitor,
             "mode": self.mode,
@@ -350,20 +429,12 @@ class Checkpoint(Plugin):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        saved_monitor = state_dict.get("monitor")
-        if saved_monitor != self.monitor or state_dict.get("mode") != self.mode:
-            # Best values of another metric (or order) mean nothing here: start afresh.
-            self._best = []
-            self._monitor_value = None
-            self._monitor_fresh = False
-        else:
-            self._best = [(float(v), str(n)) for v, n in state_dict.get("best", [])]
-            value = state_dict.get("monitor_value")
-            self._monitor_value = None if value is None else float(value)
-            self._monitor_fresh = bool(state_dict.get("monitor_fresh", False))
-        self._recent = [str(n) for n in state_dict.get("recent", [])]
-        last = state_dict.get("last")
-        self._last = None if last is None else str(last)
+        same = state_dict.get("monitor") == self.monitor and state_dict.get("mode") == self.mode
+        # Best values of another metric (or order) mean nothing here: start afresh.
+        self._kept.load_state_dict(state_dict, best=same)
+        value = state_dict.get("monitor_value") if same else None
+        self._monitor_value = None if value is None else float(value)
+        self._monitor_fresh = same and bool(state_dict.get("monitor_fresh", False))
         last_saved = state_dict.get("last_saved")
         self._last_saved = None if last_saved is None else (int(last_saved[0]), str(last_saved[1]))
         self._validated = bool(state_dict.get("validated", False))
@@ -395,7 +466,7 @@ class Checkpoint(Plugin):
             # With gradient accumulation several batches end at the same step: save once.
             and not (self._last_saved is not None and self._last_saved[0] == step)
         )
-        best = self._agreed(trainer, self._monitor_check()) if self._validated else None
+        best = _agreed(trainer, self._monitor_check()) if self._validated else None
         if periodic or best is not None:
             await self._save("batch", periodic=periodic, best=best)
 
@@ -418,7 +489,7 @@ class Checkpoint(Plugin):
             if self._validated or self._monitor_fresh:
                 best = self._monitor_check()
             if trainer.world_size > 1:
-                best = self._agreed(trainer, best)
+                best = _agreed(trainer, best)
         if periodic or best is not None:
             await self._save("epoch", periodic=periodic, best=best)
 
@@ -436,8 +507,8 @@ class Checkpoint(Plugin):
     async def _on_end(self, event: FitCompleted) -> None:
         await self._save_on_end()
         # The last background save is announced while the bus still delivers.
-        await self._wait_idle()
-        await self._announce()
+        await self._files.wait_idle()
+        await self._files.announce(self._trainer)
 
     async def _save_on_end(self) -> None:
         trainer = self._trainer
@@ -471,170 +542,44 @@ class Checkpoint(Plugin):
         value = self._monitor_value
         if value is None or not fresh or math.isnan(value):
             return None
-        if self.keep_best is None or len(self._best) < self.keep_best:
-            return value
-        worst = self._best[-1][0]
-        return value if self._better(value, worst) else None
-
-    def _agreed(self, trainer: Trainer, best: float | None) -> float | None:
-        """Under DDP, rank 0's decision on every rank: the ranks save together, since
-        saving gathers every rank's generators. Called at boundaries every rank reaches."""
-        if trainer.world_size == 1:
-            return best
-        agreed: float | None = trainer.strategy.broadcast_object(best)
-        return agreed
-
-    def _better(self, a: float, b: float) -> bool:
-        return a < b if self.mode == "min" else a > b
-
-    def _register(self, name: str, *, periodic: bool, best: float | None) -> list[str]:
-        """Record a save of ``name``; return the files no longer kept."""
-        before = set(self._recent) | {n for _, n in self._best}
-        if self._last is not None:
-            before.add(self._last)
-        if periodic:
-            self._recent = [n for n in self._recent if n != name] + [name]
-            if self.keep_last is not None:
-                self._recent = self._recent[-self.keep_last :]
-        if best is not None:
-            ranked = [(v, n) for v, n in self._best if n != name] + [(best, name)]
-            ranked.sort(key=lambda item: item[0], reverse=self.mode == "max")
-            self._best = ranked if self.keep_best is None else ranked[: self.keep_best]
-        self._last = name
-        kept = set(self._recent) | {n for _, n in self._best} | {name}
-        return sorted(before - kept)
-
-    async def _wait_idle(self) -> None:
-        idle = self._idle
-        if idle is not None:
-            await idle.wait()
-            self._idle = None
-        error, self._error = self._error, None
-        if error is not None:
-            raise CheckpointError(
-                f"a background checkpoint save into {self.dirpath} failed: "
-                f"{type(error).__name__}: {error}"
-            ) from error
-
-    async def _announce(self) -> None:
-        saved, self._unannounced = self._unannounced, None
-        if saved is not None and self._trainer is not None:
-            await self._trainer.publish(saved)
+        return value if self._kept.earns_place(value, self.keep_best, self.mode) else None
 
     async def _save(self, kind: str, *, periodic: bool, best: float | None) -> None:
         trainer = self._trainer
         assert trainer is not None
-        await self._wait_idle()
-        await self._announce()
-        name = self._free_name(
-            trainer, self.filename.format(epoch=trainer.current_epoch, step=trainer.global_step)
+        files = self._files
+        await files.wait_idle()
+        await files.announce(trainer)
+        step, epoch = trainer.global_step, trainer.current_epoch
+        stem = self.filename.format(epoch=epoch, step=step)
+        kept = self._kept
+        name = files.free_name(trainer, stem, kept.names())
+        evicted = kept.register(
+            name,
+            periodic=periodic,
+            best=best,
+            keep_last=self.keep_last,
+            keep_best=self.keep_best,
+            mode=self.mode,
         )
-        evicted = self._register(name, periodic=periodic, best=best)
-        self._last_saved = (trainer.global_step, kind)
+        self._last_saved = (step, kind)
         self._saved_after = self._batches
         saved = CheckpointSaved(
             path=str(self.dirpath / name),
-            step=trainer.global_step,
-            epoch=trainer.current_epoch,
-            best=best is not None and any(n == name for _, n in self._best),
+            step=step,
+            epoch=epoch,
+            best=best is not None and any(n == name for _, n in kept.best),
             removed=tuple(str(self.dirpath / old) for old in evicted if old != name),
         )
-        if self._sharded_now:
-            await self._save_sharded(name, evicted, saved)
-            return
-        # Every rank takes the state (under DDP that gathers every rank's generators);
-        # rank 0 alone writes it.
-        if self.background and self._task_group is not None:
-            state = trainer.state_dict(to_host=True)
-            if not trainer.is_global_zero:
-                return
-            self._idle = anyio.Event()
-            self._task_group.start_soon(
-                self._write_in_background, state, name, evicted, self._idle, saved
-            )
-        else:
-            # The step waits, but the event loop stays free for other tasks meanwhile.
-            state = trainer.state_dict()
-            if not trainer.is_global_zero:
-                return
-            await anyio.to_thread.run_sync(self._write, state, name, evicted)
-            await trainer.publish(saved)
-
-    def _free_name(self, trainer: Trainer, stem: str) -> str:
-        """``<stem>.ckpt``, or ``<stem>-v<N>.ckpt`` with the smallest N whose name is free:
-        a save never replaces a checkpoint (in ``dirpath``, or one this plugin recorded).
-        Rank 0 looks (the previous save is complete there); every rank takes its answer."""
-        name: str | None = None
-        if trainer.is_global_zero:
-            known = set(self._recent) | {n for _, n in self._best} | {self._last}
-            name = f"{stem}.ckpt"
-            version = 0
-            while name in known or os.path.lexists(self.dirpath / name):
-                version += 1
-                name = f"{stem}-v{version}.ckpt"
-        if trainer.world_size > 1:
-            name = trainer.strategy.broadcast_object(name)
-        assert name is not None
-        return name
-
-    async def _save_sharded(self, name: str, evicted: list[str], saved: CheckpointSaved) -> None:
-        """Every rank writes its shards; rank 0 completes the checkpoint once all have.
-        In the background the step waits only for the staging to host memory."""
-        trainer = self._trainer
-        assert trainer is not None
-        pending = self._writer.save(
-            trainer, self.dirpath / name, asynchronous=self.background, update_last=True
+        await files.save(
+            trainer,
+            name,
+            evicted,
+            saved,
+            background=self.background,
+            sharded=self._sharded_now,
+            task_group=self._task_group,
         )
-        if self.background and self._task_group is not None:
-            self._idle = anyio.Event()
-            self._task_group.start_soon(self._finish_sharded, pending, evicted, self._idle, saved)
-            return
-        await self._finish_sharded(pending, evicted, None, saved)
-        if self._error is not None:
-            await self._wait_idle()  # raises it
-        await self._announce()
-
-    async def _finish_sharded(
-        self,
-        pending: ShardedSave,
-        evicted: list[str],
-        done: anyio.Event | None,
-        saved: CheckpointSaved,
-    ) -> None:
-        try:
-            await anyio.to_thread.run_sync(pending.wait)
-            if pending.writer_rank:
-                for old in evicted:
-                    if old != pending.path.name:
-                        remove_checkpoint(self.dirpath / old)
-                self._unannounced = saved  # published from the run's own path (_announce)
-        except Exception as exc:  # raised at the next save, or when fit ends
-            self._error = exc
-        finally:
-            if done is not None:
-                done.set()
-
-    def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
-        write_checkpoint(state, self.dirpath / name, update_last=True)
-        for old in evicted:
-            if old != name:
-                remove_checkpoint(self.dirpath / old)
-
-    async def _write_in_background(
-        self,
-        state: dict[str, Any],
-        name: str,
-        evicted: list[str],
-        done: anyio.Event,
-        saved: CheckpointSaved,
-    ) -> None:
-        try:
-            await anyio.to_thread.run_sync(self._write, state, name, evicted)
-            self._unannounced = saved  # published from the run's own path (_announce)
-        except Exception as exc:  # raised at the next save, or when fit ends
-            self._error = exc
-        finally:
-            done.set()
 
 
 class _CallablePath(type(Path())):  # type: ignore[misc]

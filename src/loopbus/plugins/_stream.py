@@ -19,8 +19,7 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Literal
 
-import loopbus
-from loopbus import PutRecord, check_choice
+from loopbus import Delivery, Event, Plugin, PutRecord, check_choice, on
 from loopbus.events import EpochCompleted, Teardown
 from loopbus.stream import (
     MAX_CLIENT_FRAME,
@@ -35,6 +34,8 @@ from loopbus.stream import (
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
+    from loopbus import Trainer
+
 __all__ = ["ServerStarted", "StreamServer"]
 
 _OWNER = "StreamServer"
@@ -44,7 +45,7 @@ _SCOPES = {
 }
 
 
-class ServerStarted(loopbus.Event, frozen=True, kw_only=True):
+class ServerStarted(Event, frozen=True, kw_only=True):
     """Published by :class:`StreamServer` at the start of each stage, once it listens,
     before the stage's first loop event. ``address`` is where to connect (the first of
     ``addresses``; the same for every stage unless ``scope="stage"``)."""
@@ -60,7 +61,7 @@ def _shut_down(server: Server, reason: str) -> None:
     server.join(server.linger + 2.0)
 
 
-class StreamServer(loopbus.Plugin):
+class StreamServer(Plugin):
     """Serve the run's put records (destination ``"external"``) and lifecycle events to
     clients in other processes (``loopbus watch``, ``loopbus.connect``, a dashboard).
 
@@ -87,7 +88,7 @@ class StreamServer(loopbus.Plugin):
     """
 
     #: Inline, for the external destination, on rank 0 only in a distributed run.
-    delivery = loopbus.Delivery(destination="external", mode="inline", ranks="zero")
+    delivery = Delivery(destination="external", mode="inline", ranks="zero")
 
     def __init__(
         self,
@@ -222,7 +223,7 @@ class StreamServer(loopbus.Plugin):
         return repr(self._server)
 
     # ------------------------------------------------------------ lifecycle
-    async def start(self, trainer: loopbus.Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
         server = self._server
         opened = not server.serving
         if opened:
@@ -251,7 +252,7 @@ class StreamServer(loopbus.Plugin):
             )
         await trainer.publish(ServerStarted(address=address, addresses=server.addresses, stage=stage))
 
-    async def stop(self, trainer: loopbus.Trainer, stage: str) -> None:
+    async def stop(self, trainer: Trainer, stage: str) -> None:
         if self.scope == "stage":
             await self._server.aclose(f"the {stage} stage ended")
 
@@ -266,15 +267,15 @@ class StreamServer(loopbus.Plugin):
             self._server.close()
 
     # ------------------------------------------------------------ handlers (inline)
-    @loopbus.on(PutRecord)
+    @on(PutRecord)
     def on_record(self, record: PutRecord) -> None:
         self._server.publish_record(record)
 
-    @loopbus.on(EpochCompleted)
+    @on(EpochCompleted)
     def on_epoch_completed(self, event: EpochCompleted) -> None:
         self._server.publish_event(EpochEnded(epoch=event.epoch, step=event.step, time=time.time()))
 
-    @loopbus.on(Teardown)
+    @on(Teardown)
     def on_teardown(self, event: Teardown) -> None:
         self._server.publish_event(
             StageEnded(

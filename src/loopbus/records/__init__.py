@@ -6,9 +6,9 @@ Imports ``loopbus.events``, ``loopbus.data`` (deferred device values), ``loopbus
 
 from __future__ import annotations
 
-from ._records import Publication as Publication
+from ._destinations import register_destination as register_destination
+from ._recorder import Publication as Publication
 from ._records import PutMixin as PutMixin
-from ._records import register_destination as register_destination
 
 __all__ = [
     "Publication",

@@ -30,7 +30,7 @@ from loopbus.data._sources import Sources
 from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
-from loopbus.records._records import Recorder
+from loopbus.records._recorder import Recorder
 from loopbus.state._runstate import RunState
 from loopbus.state._stateful import Stateful
 from loopbus.step._module import Module
@@ -163,11 +163,7 @@ def build_host(
     """Everything the loops of ``stage`` run with, chosen once: where steps run (inline,
     or a worker thread under ``executor="thread"``), the batch sources, the step
     boundary, and for ``fit`` the training step (its forward through the strategy)."""
-    if options.executor == "thread":
-        worker: anyio.CapacityLimiter | None = anyio.CapacityLimiter(1)
-        emit: Callable[[Any, Any], Any] = functools.partial(_emit_from_worker, bus.deliver_sync)
-    else:
-        worker, emit = None, bus.deliver_sync
+    worker, emit = _step_runner(options, bus)
     boundary = StepBoundary(recorder, options.yield_interval)
     train_step = None
     if stage == "fit":
@@ -191,19 +187,6 @@ def build_host(
             compile=options.compile,
             compile_optimizer=options.compile_optimizer,
         )
-    # One (compiled) function per evaluation stage, kept for the stage's passes.
-    eval_fns: dict[str, Callable[[Any, Any], Any]] = {}
-
-    def eval_step(name: str) -> EvalStep:
-        fn = eval_fns.get(name)
-        if fn is None:
-            fn = eval_fns[name] = compiled(
-                _evaluation_function(module, name), options.compile, recorder
-            )
-        return build_eval_step(
-            fn, precision=precision, module=module, boundary=boundary, worker=worker
-        )
-
     return StageHost(
         state=state,
         options=options,
@@ -212,8 +195,44 @@ def build_host(
         collective=strategy,
         stop_notice=stop_notice,
         train_step=train_step,
-        eval_step=eval_step,
+        eval_step=_eval_steps(module, options, recorder, precision, boundary, worker),
     )
+
+
+def _step_runner(
+    options: TrainerOptions, bus: EventBus
+) -> tuple[anyio.CapacityLimiter | None, Callable[[Any, Any], Any]]:
+    """Where steps run and how an in-step event is delivered: inline on the event loop,
+    or (``executor="thread"``) in one worker thread that hands events back to the loop."""
+    if options.executor == "thread":
+        emit = functools.partial(_emit_from_worker, bus.deliver_sync)
+        return anyio.CapacityLimiter(1), emit
+    return None, bus.deliver_sync
+
+
+def _eval_steps(
+    module: Module,
+    options: TrainerOptions,
+    recorder: Recorder,
+    precision: Precision,
+    boundary: StepBoundary,
+    worker: anyio.CapacityLimiter | None,
+) -> Callable[[str], EvalStep]:
+    """The evaluation step of each evaluation stage, by name: one (compiled) function per
+    stage, made at its first pass and kept for the stage's later passes."""
+    functions: dict[str, Callable[[Any, Any], Any]] = {}
+
+    def eval_step(name: str) -> EvalStep:
+        fn = functions.get(name)
+        if fn is None:
+            fn = functions[name] = compiled(
+                _evaluation_function(module, name), options.compile, recorder
+            )
+        return build_eval_step(
+            fn, precision=precision, module=module, boundary=boundary, worker=worker
+        )
+
+    return eval_step
 
 
 def _plugin_parts(plugins: list[Plugin], taken: set[str]) -> dict[str, Plugin]:

@@ -7,24 +7,25 @@ from __future__ import annotations
 import math
 import os
 import warnings
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator, Mapping
+from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup
 
-from loopbus.checkpoint._parts import CheckpointMismatch, resolve_resume_path
+from loopbus.checkpoint._load import read_for_resume
+from loopbus.checkpoint._locate import resolve_resume_path
+from loopbus.checkpoint._parts import CheckpointMismatch
 from loopbus.checkpoint._rng import RngSnapshot
-from loopbus.checkpoint._sharded import read_for_resume
 from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import SanityCheckLoop
-from loopbus.records._records import Recorder
+from loopbus.records._recorder import Recorder
 from loopbus.state._runstate import RunState
 from loopbus.step._module import Module
 
-from ..events import EventBus, ExceptionRaised, Teardown
+from ..events import EventBus, ExceptionRaised, Subscription, Teardown
 from ._options import TrainerOptions
 from ._plugin import Plugin
 from ._preemption import Preemption
@@ -36,7 +37,42 @@ __all__ = [
     "resume_from",
     "running_stage",
     "sanity_check",
+    "subscribed",
 ]
+
+
+@contextmanager
+def subscribed(
+    trainer: Any,
+    stage: str,
+    plugins: Iterable[Plugin],
+    module: Module,
+    *,
+    bus: EventBus,
+    recorder: Recorder,
+) -> Iterator[None]:
+    """The stage's subscribers for its duration: each plugin bound to the recorder, set
+    up (``setup(trainer, stage)``) and subscribed in order, then the module's handlers;
+    at the end every subscription is cancelled and the plugins that were set up are torn
+    down in reverse order (those set up before a failing ``setup`` too)."""
+    subscriptions: list[Subscription] = []
+    set_up: list[Plugin] = []
+    try:
+        for plugin in plugins:
+            plugin.bind_recorder(recorder, type(plugin).__name__)
+            plugin.setup(trainer, stage)
+            set_up.append(plugin)
+            subscriptions += bus.subscribe_methods(
+                plugin, owner=type(plugin).__name__, **plugin.subscription_defaults()
+            )
+        subscriptions += bus.subscribe_methods(module, owner=type(module).__name__)
+        yield
+    finally:
+        for sub in subscriptions:
+            sub.unsubscribe()
+        for plugin in reversed(set_up):
+            plugin.teardown(trainer, stage)
+            plugin.bind_recorder(None)
 
 
 def collapse(group: BaseExceptionGroup[Any]) -> BaseException | None:

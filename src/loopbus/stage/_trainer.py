@@ -10,27 +10,20 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from pathlib import Path
 from typing import Any, Literal
 
 import anyio
 import anyio.to_thread
 import torch
 
-from loopbus.checkpoint._parts import (
-    CheckpointMismatch,
-    collect_state,
-    load_state,
-    load_weights,
-    resolve_weights_path,
-    write_checkpoint,
-)
-from loopbus.checkpoint._sharded import no_full_state, save_sharded, save_sharded_async
-from loopbus.distributed._strategy import Strategy, StrategyName, resolve_strategy
+from loopbus.checkpoint._load import load_weights
+from loopbus.checkpoint._locate import resolve_weights_path
+from loopbus.distributed._resolve import resolve_strategy
+from loopbus.distributed._strategy import Strategy, StrategyName
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
-from loopbus.records._records import Publication, Recorder
-from loopbus.state._runstate import ResumePlan, RunState
+from loopbus.records._recorder import Publication, Recorder
+from loopbus.state._runstate import RunState
 from loopbus.state._scope import LeakCheck
 from loopbus.state._stateful import Stateful
 from loopbus.step._module import Module
@@ -38,18 +31,18 @@ from loopbus.step._optim import LRSchedulers, SchedulerConfig, parse_optimizers
 from loopbus.step._precision import Precision, resolve_precision
 
 from .._exceptions import MisconfigurationError
-from ..events import Event, EventBus, PutRecord, Subscription
+from ..events import Event, EventBus, Subscription
 from ._assembly import (
     StageHost,
     active_plugins,
     build_host,
-    build_registry,
-    check_registration,
 )
-from ._lifecycle import resume_from, running_stage, sanity_check
+from ._lifecycle import resume_from, running_stage, sanity_check, subscribed
 from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._preemption import Preemption
+from ._saving import CheckpointMethods
+from ._views import RunViews
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
 
@@ -79,7 +72,7 @@ def _check_data(data: Any, name: str) -> None:
         )
 
 
-class Trainer(OptionAttributes):
+class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     """Runs a :class:`Module` through ``fit``, ``validate``, ``test`` and ``predict``.
 
     Every stage is a coroutine: ``await trainer.fit(module, train_data, val_data)``, or
@@ -138,11 +131,9 @@ class Trainer(OptionAttributes):
             raise unknown_options(unknown, known)
         given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
         #: The validated options (read them as ``trainer.max_epochs`` and so on).
-        self.options = TrainerOptions.parse(**given)
+        self.options = options = TrainerOptions.parse(**given)
         self.precision = resolve_precision(precision)
-        options = self.options
-        #: How the run is spread over processes (one, DDP, FSDP); owns the DDP wrapper or
-        #: the sharded module.
+        #: How the run is spread over processes (one, DDP, FSDP): DDP's wrapper, FSDP's shards.
         self.strategy: Strategy = resolve_strategy(
             options.strategy, options.process_group_timeout, options.stop_check_interval
         )
@@ -157,12 +148,20 @@ class Trainer(OptionAttributes):
         self.recorder = Recorder(self.state, self.bus, options.put_lag)
         self.bus.attach_records(self.recorder)
         self._preemption = Preemption(self.state, self.strategy, self.recorder.publish, options)
+        self._init_loops(options.leak_check)
+        self._init_run_parts()
+
+    def _init_loops(self, leak_check: LeakCheck) -> None:
+        """The root loop of each stage, attached to this trainer's bus."""
         self.fit_loop = FitLoop()
         self.validate_loop = EvaluationLoop(stage="validate")
         self.test_loop = EvaluationLoop(stage="test")
         self.predict_loop = PredictionLoop()
         for loop in self.loops.values():
-            loop.attach(bus=self.bus, trainer=self, leak_check=options.leak_check)
+            loop.attach(bus=self.bus, trainer=self, leak_check=leak_check)
+
+    def _init_run_parts(self) -> None:
+        """What a stage sets up: the module and its optimizers, the registry of parts."""
         self.module: Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self._schedulers = LRSchedulers([], self.state, self.recorder)
@@ -191,74 +190,6 @@ class Trainer(OptionAttributes):
     def lr_scheduler_configs(self) -> list[SchedulerConfig]:
         """The LR schedulers of the last ``configure_optimizers``, with their intervals."""
         return self._schedulers.configs
-
-    @property
-    def global_step(self) -> int:
-        """Optimizer steps completed (read-only; ``trainer.state.step``)."""
-        return self.state.step
-
-    @property
-    def current_epoch(self) -> int:
-        """The current (or last) epoch, 0-based (read-only; ``trainer.state.epoch``)."""
-        return self.state.epoch
-
-    @property
-    def stage(self) -> str | None:
-        """The running stage ("fit", "validate", "test", "predict"), or None."""
-        return self.state.stage
-
-    @property
-    def world_size(self) -> int:
-        """The number of processes of the run (1 unless launched for DDP)."""
-        return self.strategy.world_size
-
-    @property
-    def global_rank(self) -> int:
-        """This process's rank among all processes of the run (0 in a single process)."""
-        return self.strategy.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        """This process's rank on its machine (0 in a single process)."""
-        return self.strategy.local_rank
-
-    @property
-    def is_global_zero(self) -> bool:
-        """Whether this is rank 0 (always, in a single process): the process that
-        writes logs and checkpoints."""
-        return self.strategy.is_global_zero
-
-    @property
-    def sanity_checking(self) -> bool:
-        """Whether ``fit`` is running its sanity check (see ``num_sanity_val_steps``)."""
-        return self.state.sanity_checking
-
-    @property
-    def should_stop(self) -> bool:
-        """Whether the running stage was asked to stop (see :meth:`request_stop`)."""
-        return self.state.stop_requested
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the running (or last) stage was asked to stop, if it was."""
-        return self.state.stop_reason
-
-    @property
-    def latest(self) -> dict[str, PutRecord]:
-        """The last record of each name put so far, in any stage of this trainer.
-
-        A stage keeps the records of earlier ones until it puts a record of the same
-        name: after ``fit`` then ``test``, both stages' names are here (``test``'s
-        value wherever both put one). Records are here once flushed: at every step
-        boundary, and between two handlers of one event when the first put something
-        (so a handler sees what an earlier handler of the same event put)."""
-        return self.recorder.latest_records()
-
-    @property
-    def stage_latest(self) -> dict[str, PutRecord]:
-        """The last record of each name put during the running (or last) stage only
-        (what ``validate`` and ``test`` return, and the results table shows)."""
-        return self.recorder.stage_records()
 
     @property
     def automatic_optimization(self) -> bool:
@@ -413,40 +344,26 @@ class Trainer(OptionAttributes):
         self, stage: str, module: Module, *, train_data: Any = None
     ) -> AsyncIterator[None]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
-        subscriptions: list[Subscription] = []
-        set_up: list[Plugin] = []
         try:
             if stage == "fit":
                 self._train_data = train_data
             active = active_plugins(self.plugins, self.options, self.strategy)
             self._prepare(stage, module)
-            for plugin in active:
-                plugin.bind_recorder(self.recorder, type(plugin).__name__)
-                plugin.setup(self, stage)
-                set_up.append(plugin)
-                subscriptions += self.bus.subscribe_methods(
-                    plugin, owner=type(plugin).__name__, **plugin.subscription_defaults()
-                )
-            subscriptions += self.bus.subscribe_methods(module, owner=type(module).__name__)
-            async with running_stage(
-                stage,
-                bus=self.bus,
-                state=self.state,
-                recorder=self.recorder,
-                plugins=active,
-                start=lambda plugin, tg: plugin.start(self, stage, tg),
-                stop=lambda plugin: plugin.stop(self, stage),
-                loops=self.loops,
-                drain_timeout=self.options.drain_timeout,
-                preemption=self._preemption,
-            ):
-                yield
+            with subscribed(self, stage, active, module, bus=self.bus, recorder=self.recorder):
+                async with running_stage(
+                    stage,
+                    bus=self.bus,
+                    state=self.state,
+                    recorder=self.recorder,
+                    plugins=active,
+                    start=lambda plugin, tg: plugin.start(self, stage, tg),
+                    stop=lambda plugin: plugin.stop(self, stage),
+                    loops=self.loops,
+                    drain_timeout=self.options.drain_timeout,
+                    preemption=self._preemption,
+                ):
+                    yield
         finally:
-            for sub in subscriptions:
-                sub.unsubscribe()
-            for plugin in reversed(set_up):
-                plugin.teardown(self, stage)
-                plugin.bind_recorder(None)
             module.bind_recorder(None)
             module.bind_trainer(None)
             self._parts = None
@@ -493,92 +410,6 @@ class Trainer(OptionAttributes):
             self._schedulers = LRSchedulers(configs, self.state, self.recorder)
             self._configured_for = module
         self._automatic = bool(module.automatic_optimization)
-
-    # ------------------------------------------------------------ checkpoints
-    def register_stateful(self, name: str, obj: Stateful) -> None:
-        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: a
-        data module, an EMA copy of the weights, a metric) with every checkpoint of this
-        trainer, under the key ``"user/<name>"``. Register before the stage whose
-        checkpoints should hold it starts; a resumed run must register the same names."""
-        check_registration(self._registered, name, obj, self.state.stage)
-        self._registered[name] = obj
-
-    def stateful_parts(self) -> dict[str, Stateful]:
-        """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
-        the run state, the generators, the module, its hyperparameters, each optimizer and
-        scheduler, the precision, the loop tree, every stateful plugin, the training loader
-        when it is stateful, gradients mid-accumulation, the latest records and every
-        registered object. Built when a stage starts; a new dict each call."""
-        if self._parts is not None:
-            return dict(self._parts)
-        return self._build_parts()
-
-    def _build_parts(self) -> dict[str, Any]:
-        return build_registry(
-            state=self.state,
-            strategy=self.strategy,
-            module=self.module,
-            optimizers=self.optimizers,
-            schedulers=self._schedulers,
-            precision=self.precision,
-            loops=self.loops,
-            epoch_loop=self.fit_loop.epoch_loop,
-            plugins=self.plugins,
-            train_data=self._train_data,
-            recorder=self.recorder,
-            registered=self._registered,
-        )
-
-    def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
-        """The run's state as a checkpoint dict of plain tensors and Python primitives,
-        one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
-        copies in host memory (safe to write while training goes on); otherwise the live
-        tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
-        if self.strategy.sharded_state:
-            raise no_full_state(self.strategy.name)
-        return collect_state(self, self.stateful_parts(), to_host=to_host)
-
-    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
-        """Load a checkpoint dict into this run (module and optimizers must be set up:
-        resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
-        missing, unexpected or incompatible raises :class:`CheckpointError`; without,
-        what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
-        return self._load(*load_state(self.stateful_parts(), state, strict=strict))
-
-    def _load(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
-        self.state.plan_resume(plan)
-        self._schedulers.resumed_at(plan.step)
-        return mismatch
-
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
-        """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
-        completeness marker) and return the path. Blocks until the file is durable.
-
-        Under DDP every rank must call it (the state holds every rank's generators):
-        rank 0 writes, and all ranks return once the file is there. Under FSDP ``path``
-        is a sharded checkpoint directory, every rank writing its shards."""
-        if self.strategy.sharded_state:
-            return save_sharded(self, path)
-        state = self.state_dict()
-        target = Path(os.fspath(path))
-        if self.strategy.is_global_zero:
-            target = write_checkpoint(state, path)
-        self.strategy.barrier()
-        return target
-
-    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
-        """Copy the run's state to host memory now, write it in a worker thread, and
-        return once it is durable; the event loop stays free meanwhile. Under DDP, as
-        :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
-        every rank its shards, staged first, then written in the background)."""
-        if self.strategy.sharded_state:
-            return await save_sharded_async(self, path)
-        state = self.state_dict(to_host=True)
-        target = Path(os.fspath(path))
-        if self.strategy.is_global_zero:
-            target = await anyio.to_thread.run_sync(write_checkpoint, state, path)
-        self.strategy.barrier()
-        return target
 
 
 # Trainer.__init__'s arguments that are not options.

@@ -158,7 +158,8 @@ class Module(PutMixin, torch.nn.Module):
             model = Net.load_from_checkpoint("checkpoints/last.ckpt")
             model = Net.load_from_checkpoint(path, lr=0.01)  # one argument changed
         """
-        from loopbus.checkpoint._parts import ModulePart, load_checkpoint
+        from loopbus.checkpoint._load import load_checkpoint
+        from loopbus.checkpoint._parts import ModulePart
 
         state = load_checkpoint(path)
         saved = state.get("hparams")

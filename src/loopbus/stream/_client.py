@@ -324,61 +324,73 @@ class Stream:
             except Exception as exc:  # untrusted input: any decoding failure
                 self._fail(f"{self.address} sent an invalid frame: {exc}", exc)
                 return
-            kind = type(message)
-            if isinstance(message, Batch):
-                if message.seq != self.next_seq:
-                    self._fail(
-                        f"{self.address} sent items from sequence number {message.seq}, "
-                        f"expected {self.next_seq}: the stream is corrupt.",
-                        None,
-                    )
-                    return
-                items = message.items
-                self._items.extend(
-                    [
-                        PutRecord(
-                            name=x.name,
-                            value=x.value,
-                            step=x.step,
-                            epoch=x.epoch,
-                            time=x.time,
-                            source=x.source,
-                            destinations=_DESTINATIONS,
-                        )
-                        if isinstance(x, Record)
-                        else plain(x)
-                        for x in items
-                    ]
+            if not self._take(message):
+                return
+
+    def _take(self, message: Any) -> bool:
+        """Handle one message from the server; False when the stream stops here (it
+        ended, or the message was wrong)."""
+        if isinstance(message, Batch):
+            return self._take_batch(message)
+        kind = type(message)
+        if kind is Gap:
+            if message.seq != self.next_seq or message.count < 1:
+                self._fail(
+                    f"{self.address} sent a gap at {message.seq} (count {message.count}), "
+                    f"expected one at {self.next_seq}: the stream is corrupt.",
+                    None,
                 )
-                self.next_seq += len(items)
-            elif kind is Gap:
-                if message.seq != self.next_seq or message.count < 1:
-                    self._fail(
-                        f"{self.address} sent a gap at {message.seq} (count {message.count}), "
-                        f"expected one at {self.next_seq}: the stream is corrupt.",
-                        None,
-                    )
-                    return
-                self.next_seq += message.count
-                self.gaps += message.count
-                self._items.append(message)
-            elif kind is Subscribed:
-                self.subscribed = message
-            elif kind is Bye:
-                self.bye = message
-                if message.code != "end":
-                    self._fail(
-                        f"{self.address} closed the stream ({message.code}): {message.reason}",
-                        None,
-                    )
-                    return
-                self._ended = True
-                return
-            elif kind is Welcome and self.welcome is None:
-                self.welcome = message
-            else:
-                self._fail(f"{self.address} sent an unexpected {kind.__name__}.", None)
-                return
+                return False
+            self.next_seq += message.count
+            self.gaps += message.count
+            self._items.append(message)
+        elif kind is Subscribed:
+            self.subscribed = message
+        elif kind is Bye:
+            self.bye = message
+            if message.code != "end":
+                self._fail(
+                    f"{self.address} closed the stream ({message.code}): {message.reason}", None
+                )
+                return False
+            self._ended = True
+            return False
+        elif kind is Welcome and self.welcome is None:
+            self.welcome = message
+        else:
+            self._fail(f"{self.address} sent an unexpected {kind.__name__}.", None)
+            return False
+        return True
+
+    def _take_batch(self, message: Batch) -> bool:
+        """Queue a batch's records and events, which must start at the next sequence
+        number."""
+        if message.seq != self.next_seq:
+            self._fail(
+                f"{self.address} sent items from sequence number {message.seq}, "
+                f"expected {self.next_seq}: the stream is corrupt.",
+                None,
+            )
+            return False
+        items = message.items
+        self._items.extend(
+            [
+                PutRecord(
+                    name=x.name,
+                    value=x.value,
+                    step=x.step,
+                    epoch=x.epoch,
+                    time=x.time,
+                    source=x.source,
+                    destinations=_DESTINATIONS,
+                )
+                if isinstance(x, Record)
+                else plain(x)
+                for x in items
+            ]
+        )
+        self.next_seq += len(items)
+        return True
 
     def _fail(self, message: str, cause: BaseException | None) -> None:
         error = StreamError(message)

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from loopbus import PutRecord
 
-from ._loggers import Logger
+from ._base import Logger
 
 __all__ = ["TensorBoardLogger"]
 

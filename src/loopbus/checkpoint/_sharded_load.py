@@ -1,37 +1,16 @@
-"""Sharded checkpoints through ``torch.distributed.checkpoint`` (DCP).
+"""Loading sharded checkpoints (``_sharded_save.py`` writes them): checked against their
+completeness marker, read safely, and either loaded into a run or consolidated.
 
-A sharded checkpoint is a directory. Every rank writes its own shards of the module's
-weights, the optimizers' state and gradients held mid-accumulation (``dcp.save``, or
-``dcp.async_save``: the step waits only while the state is staged to host memory, the
-files are written by a background thread); rank 0 adds everything else the registry
-holds (loop progress, every rank's generators, the loader's position, schedulers,
-plugins, hyperparameters, records) as one plain file, ``loopbus_state.pt``, read with
-``torch.load(..., weights_only=True)``::
-
-    epoch=0-step=10.ckpt/          the checkpoint's name, as for a file checkpoint
-      .metadata                    DCP: which shard holds what
-      __0_0.distcp, __1_0.distcp   DCP: each rank's shards
-      loopbus_state.pt             the header and the parts that are not sharded
-      loopbus.complete             the completeness marker (JSON: every file's size)
-
-It is written under a temporary name (``.<name>.tmp-<pid>-<random>@<host>``, rank 0's
-process); once DCP reports the save finished on every rank (its closing collective has
-every rank's write results), rank 0 writes the marker into it and only then renames it
-to its name. A checkpoint is therefore complete or absent: ``ckpt_path="last"`` and the
-scan for the newest see only complete ones, and a temporary whose writer died is removed
-by the next run's ``Checkpoint`` plugin.
-
-Loading for a resume (:func:`load_sharded`) lets DCP read each rank's part of every
-tensor, whatever the world size or the sharding at save time; :func:`consolidate` reads
-all shards in one process (no process group) into one full checkpoint dict, the same
-as a file checkpoint's.
+Loading for a resume (:func:`load_sharded`) lets ``torch.distributed.checkpoint`` (DCP)
+read each rank's part of every tensor, whatever the world size or the sharding at save
+time; :func:`consolidate` reads all shards in one process (no process group) into one
+full checkpoint dict, the same as a file checkpoint's.
 
 Non-tensor values DCP saves inside its shard files (the optimizers' parameter groups)
 are read with ``torch.load(..., weights_only=True)`` too, and the shard index
 (``.metadata``, a pickle that DCP itself reads with ``pickle.load``) by an unpickler that
 finds only the classes an index is made of: nothing else is unpickled. The completeness
-marker and what the state file holds are bounded as for a file checkpoint
-(``_checkpoint_io.py``).
+marker and what the state file holds are bounded as for a file checkpoint.
 """
 
 from __future__ import annotations
@@ -40,17 +19,13 @@ import contextlib
 import io
 import os
 import pickle
-import shutil
 import time
 from collections.abc import Mapping
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import anyio.to_thread
 import msgspec
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint.metadata as dcp_metadata
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.api import CheckpointException
@@ -58,79 +33,40 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
 )
-from torch.distributed.checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
-    get_state_dict,
     set_model_state_dict,
     set_state_dict,
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
-from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
-from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from loopbus.state._runstate import ResumePlan
+from loopbus.step._params import own_class
 
-from .._durable import fsync_dir
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
-from ._files import (
-    LAST_POINTER,
+from ._diagnose import _refusal, check_loaded
+from ._format import (
     SHARDED_MARKER,
     SHARDED_STATE,
     Marker,
-    _pointer_state,
-    _refusal,
-    _temp_path,
-    _write_durably,
-    _write_json,
     check_header,
-    check_loaded,
     describe_os_error,
-    find_os_error,
-    is_sharded_checkpoint,
-    load_checkpoint,
     read_json,
-    save_plain,
-    to_plain,
-    write_checkpoint,
 )
-from ._parts import (
-    CheckpointMismatch,
-    _check,
-    collect_state,
-    has_sharded_parameters,
-    load_state,
-    own_class,
-    qualname,
-)
-
-if TYPE_CHECKING:
-    from loopbus.stage._trainer import Trainer
+from ._parts import CheckpointMismatch, _check, load_state, qualname
+from ._sharded_save import LAYOUT, _distributed, _tensor_state, is_tensor_part
+from ._write import write_checkpoint
 
 __all__ = [
-    "ShardedCheckpointWriter",
-    "ShardedSave",
     "consolidate",
     "consolidate_checkpoint",
     "load_sharded",
-    "no_full_state",
-    "save_sharded",
-    "save_sharded_async",
     "verify_sharded",
 ]
-
-#: What a sharded checkpoint's marker says it is.
-LAYOUT = "sharded"
-
-
-def is_tensor_part(key: str) -> bool:
-    """Whether a registry part is written through DCP (sharded) rather than into the
-    plain state file."""
-    return key in ("module", "grads") or key.startswith("optimizers/")
 
 
 # ---------------------------------------------------------------- safe reading
@@ -256,9 +192,6 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-# ---------------------------------------------------------------- saving
-
-
 def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
     """A DCP failure as a :class:`CheckpointError`: one of ours that DCP wrapped (it
     gathers every rank's exception) as it is, anything else naming the checkpoint."""
@@ -269,292 +202,6 @@ def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
     if isinstance(exc, CheckpointError):
         return exc
     return CheckpointError(f"cannot read the shards of {path}: {type(exc).__name__}: {exc}")
-
-
-def _shards_failed(target: Path, exc: BaseException) -> CheckpointError:
-    """A failed write of a sharded checkpoint's shards (``dcp.save``, ``dcp.async_save``)
-    as a :class:`CheckpointError` naming the checkpoint and the cause: a file system's
-    error (a full disk) as what it says, not as the ``RuntimeError`` torch makes of it
-    nor DCP's report of every rank's traceback."""
-    error = find_os_error(exc)
-    if error is not None:
-        cause = describe_os_error(error)
-    else:
-        inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
-        shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
-        cause = f"{type(shown).__name__}: {shown}"
-    return CheckpointError(
-        f"could not write the shards of the sharded checkpoint {target}: {cause}. It was not "
-        f"completed, so nothing was replaced: the checkpoints in {target.parent} (one of that "
-        f"name included) are unchanged, its temporary directory is removed, and "
-        f"{_pointer_state(target.parent)}."
-    )
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimizer]) -> Any:
-    """What DCP writes: the module's and the optimizers' state dicts as
-    ``torch.distributed.checkpoint.state_dict`` gives them (keyed by parameter name;
-    local shards of DTensors under FSDP), and the gradients held mid-accumulation."""
-    if optimizers:
-        model, optim = get_state_dict(module, optimizers)
-    else:
-        model, optim = get_model_state_dict(module), {}
-    grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
-    return {"module": model, "optim": optim, "grads": grads}
-
-
-class ShardedSave:
-    """One sharded save: written (``dcp.save``) or being written (``dcp.async_save``).
-
-    :meth:`wait` waits until this rank's shards are written; on rank 0 it then makes the
-    checkpoint complete (marker, rename, ``last.json``). Call it on every rank before the
-    next save (the plugin does)."""
-
-    def __init__(
-        self,
-        target: Path,
-        temp: Path,
-        future: Future[Any] | None,
-        *,
-        writer_rank: bool,
-        info: dict[str, Any],
-        update_last: bool,
-        plain: dict[str, Any] | None = None,
-    ) -> None:
-        self.path = target
-        self.plain = plain
-        self.temp = temp
-        self.future = future
-        self.writer_rank = writer_rank
-        self.info = info
-        self.update_last = update_last
-        self._finished = False
-
-    def done(self) -> bool:
-        """Whether this rank's shards are written (it does not wait)."""
-        return self.future is None or self.future.done()
-
-    def wait(self) -> Path:
-        """Wait for this rank's shards; on rank 0 then complete the checkpoint. Returns
-        its path. Raises :class:`CheckpointError` if the write failed."""
-        if self._finished:
-            return self.path
-        if self.future is not None:
-            try:
-                self.future.result()
-            except (Exception, CheckpointException) as exc:
-                if self.writer_rank:
-                    shutil.rmtree(self.temp, ignore_errors=True)
-                raise _shards_failed(self.path, exc) from exc
-        if self.writer_rank:
-            self._complete()
-        self._finished = True
-        return self.path
-
-    def _complete(self) -> None:
-        temp, target = self.temp, self.path
-        written = temp / SHARDED_STATE
-        try:
-            if self.plain is not None:  # host copies, taken at the save: written off the step
-                temp.mkdir(parents=True, exist_ok=True)
-                plain, self.plain = self.plain, None
-                _write_durably(written, lambda f: save_plain(plain, f))
-            files = {
-                entry.name: entry.stat().st_size
-                for entry in sorted(temp.iterdir())
-                if entry.is_file() and entry.name != SHARDED_MARKER
-            }
-            info = dict(self.info, files=files, checkpoint=target.name)
-            written = temp / SHARDED_MARKER
-            _write_json(written, info)
-        except OSError as exc:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not complete the sharded checkpoint {target}: writing {written.name} "
-                f"failed: {describe_os_error(exc)}. It was never published: its temporary "
-                f"directory is removed, and the checkpoints in {target.parent} (one of that "
-                f"name included) are unchanged; {_pointer_state(target.parent)}."
-            ) from exc
-        self._publish(temp, target)
-        if self.update_last:
-            pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
-            pointer["checkpoint"] = target.name
-            try:
-                _write_json(target.parent / LAST_POINTER, pointer)
-            except OSError as exc:
-                raise CheckpointError(
-                    f"the sharded checkpoint {target} is complete, but the pointer "
-                    f"{target.parent / LAST_POINTER} could not be moved to it: "
-                    f"{describe_os_error(exc)}. The checkpoint loads by its path; "
-                    f"{_pointer_state(target.parent)}."
-                ) from exc
-
-    @staticmethod
-    def _publish(temp: Path, target: Path) -> None:
-        """Rename the complete directory ``temp`` to ``target``. A directory cannot
-        replace another atomically: one of that name is moved aside under a temporary
-        name first (cleaned as stale if this process dies meanwhile), and back if the
-        rename fails."""
-        aside = None
-        try:
-            if target.exists():
-                aside = _temp_path(target)
-                os.replace(target, aside)
-            os.replace(temp, target)
-        except OSError as exc:
-            if aside is not None:
-                with contextlib.suppress(OSError):
-                    os.replace(aside, target)
-            shutil.rmtree(temp, ignore_errors=True)
-            kept = (
-                f"the previous checkpoint of that name is still at {aside}: rename it back"
-                if aside is not None and aside.exists()
-                else f"the checkpoints in {target.parent} are unchanged"
-            )
-            raise CheckpointError(
-                f"could not rename the complete sharded checkpoint {temp} to {target}: "
-                f"{describe_os_error(exc)}. It is removed; {kept}; "
-                f"{_pointer_state(target.parent)}."
-            ) from exc
-        fsync_dir(target.parent)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
-
-
-def _write_shards(tensors: Any, temp: Path, group: Any, asynchronous: bool) -> Future[Any] | None:
-    """Every rank writes its shards into ``temp``: ``dcp.async_save`` (returns once the
-    state is staged) or ``dcp.save``. In one process (no process group) DCP's entry
-    points only warn that there is none; its writer is called directly, in a thread of
-    its own after a host copy when asynchronous."""
-    if group is not None:
-        if asynchronous:
-            return dcp_async_save(tensors, checkpoint_id=temp, process_group=group)  # type: ignore[return-value]
-        dcp_save(tensors, checkpoint_id=temp, process_group=group)
-        return None
-
-    def write(state: Any) -> None:
-        _save_state_dict(state, storage_writer=FileSystemWriter(temp), no_dist=True)
-
-    if not asynchronous:
-        write(tensors)
-        return None
-    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="loopbus-dcp")
-    future = pool.submit(write, to_plain(tensors, copy=True, where="the sharded state"))
-    pool.shutdown(wait=False)
-    return future
-
-
-class ShardedCheckpointWriter:
-    """Writes sharded checkpoints of a trainer's run (see the module docstring).
-
-    Under a process group its collectives run on a gloo group of their own, made at the
-    first save (every rank saves together), so that an asynchronous save's background
-    thread never interleaves with the step's collectives."""
-
-    def __init__(self) -> None:
-        self._group: Any = None
-
-    def _process_group(self) -> Any:
-        if not _distributed():
-            return None
-        if self._group is None:
-            self._group = dist.new_group(backend="gloo")
-        return self._group
-
-    def save(
-        self,
-        trainer: Trainer,
-        path: str | os.PathLike[str],
-        *,
-        asynchronous: bool = False,
-        update_last: bool = False,
-    ) -> ShardedSave:
-        """Start a sharded save of ``trainer``'s run to the directory ``path``; every rank
-        calls it at the same boundary. With ``asynchronous`` it returns once the state is
-        staged to host memory (``dcp.async_save``); otherwise once this rank's shards are
-        written. Either way the checkpoint is complete only after :meth:`ShardedSave.wait`
-        (on rank 0)."""
-        strategy = trainer.strategy
-        target = Path(os.fspath(path))
-        zero = strategy.is_global_zero
-        temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
-        parts = trainer.stateful_parts()
-        module = trainer.module
-        if module is None:
-            raise CheckpointError("there is no module to save yet: fit has not started.")
-        optimizers = list(trainer.optimizers)
-        plain = {k: p for k, p in parts.items() if not is_tensor_part(k)}
-        state = collect_state(trainer, plain, to_host=True)  # gathers every rank's generators
-        header = state["loopbus"]
-        header["parts"] = list(parts)
-        header["layout"] = LAYOUT
-        grads = [n for n, p in module.named_parameters() if p.grad is not None]
-        header["sharded"] = {
-            "world_size": strategy.world_size,
-            "strategy": strategy.name,
-            "optimizers": [
-                {"class": qualname(type(o)), "groups": len(o.param_groups)} for o in optimizers
-            ],
-            "grads": grads,
-        }
-        tensors = _tensor_state(module, optimizers)
-        try:
-            future = _write_shards(tensors, temp, self._process_group(), asynchronous)
-        except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
-            if zero:
-                shutil.rmtree(temp, ignore_errors=True)
-            raise _shards_failed(target, exc) from exc
-        info = {
-            "format": header["format"],
-            "format_version": header["format_version"],
-            "layout": LAYOUT,
-            "global_step": header["global_step"],
-            "epoch": header["epoch"],
-            "created": header["created"],
-            "world_size": strategy.world_size,
-            "strategy": strategy.name,
-        }
-        return ShardedSave(
-            target,
-            temp,
-            future,
-            writer_rank=zero,
-            info=info,
-            update_last=update_last,
-            plain=state if zero else None,
-        )
-
-
-def no_full_state(strategy: str) -> CheckpointError:
-    """Why ``Trainer.state_dict()`` has no answer under a strategy that shards the module."""
-    return CheckpointError(
-        f"trainer.state_dict() under strategy={strategy!r}: every rank holds only its "
-        "shards of the module and optimizer state. Use trainer.save_checkpoint(path) (a "
-        "sharded checkpoint, every rank writing its shards) and "
-        "loopbus.consolidate_checkpoint(path, out) for one full file."
-    )
-
-
-def save_sharded(trainer: Trainer, path: str | os.PathLike[str]) -> Path:
-    """``Trainer.save_checkpoint`` under a strategy that shards the module's state: a
-    sharded checkpoint directory at ``path``, every rank writing its shards; returns on
-    every rank once the checkpoint is complete."""
-    target = ShardedCheckpointWriter().save(trainer, path).wait()
-    trainer.strategy.barrier()
-    return target
-
-
-async def save_sharded_async(trainer: Trainer, path: str | os.PathLike[str]) -> Path:
-    """:func:`save_sharded`, the state staged to host memory first and the shards
-    written in the background (``dcp.async_save``); the event loop stays free."""
-    pending = ShardedCheckpointWriter().save(trainer, path, asynchronous=True)
-    target = await anyio.to_thread.run_sync(pending.wait)
-    trainer.strategy.barrier()
-    return target
 
 
 # ---------------------------------------------------------------- checking
@@ -817,27 +464,6 @@ def _load_tensors(
         set_model_state_dict(module, targets["module"])
     for name, grad in targets.get("grads", {}).items():
         params[name].grad = grad
-
-
-async def read_for_resume(
-    parts: Mapping[str, Any], path: str | os.PathLike[str], world_size: int, strict: bool
-) -> tuple[CheckpointMismatch, ResumePlan]:
-    """Load the checkpoint ``fit(ckpt_path=...)`` resumes from into a registry's parts: a
-    sharded one on every rank (:func:`load_sharded`), a file read in a worker thread."""
-    if is_sharded_checkpoint(path):
-        return load_sharded(parts, path, world_size=world_size, strict=strict)
-    module = parts["module"].module if "module" in parts else None
-    if module is not None and has_sharded_parameters(module.parameters()):
-        raise CheckpointError(
-            f"{path} is a checkpoint file (full tensors) and this run shards the module "
-            "(FSDP): its optimizer state is keyed by position over full parameters, which "
-            "cannot be resumed onto shards. Resume it under strategy='ddp' or in one "
-            "process, or load only its weights (validate/test/predict with ckpt_path=..., "
-            "or Module.load_from_checkpoint before fit); checkpoints taken under FSDP are "
-            "sharded directories and resume at any world size."
-        )
-    state = await anyio.to_thread.run_sync(load_checkpoint, path)
-    return load_state(parts, state, strict=strict, source=str(path))
 
 
 # ---------------------------------------------------------------- consolidation

@@ -13,8 +13,8 @@ import anyio.to_thread
 from loopbus import MisconfigurationError, PutRecord, on
 from loopbus.events import FitStarted, Teardown
 
-from ._checkpoint import CheckpointSaved
-from ._loggers import Logger
+from .._checkpoint import CheckpointSaved
+from ._base import Logger
 from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:

@@ -14,8 +14,8 @@ import anyio.to_thread
 from loopbus import MisconfigurationError, PutRecord, check_choice, on
 from loopbus.events import FitStarted, Teardown
 
-from ._checkpoint import CheckpointSaved
-from ._loggers import Logger
+from .._checkpoint import CheckpointSaved
+from ._base import Logger
 from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:
@@ -46,6 +46,45 @@ def _value(value: Any) -> Any:
         return value
     number = as_number(value)
     return str(value) if number is None else number
+
+
+def _check_options(
+    names: Mapping[str, str | None],
+    *,
+    dir: str | os.PathLike[str] | None,
+    mode: str | None,
+    tags: Sequence[str] | None,
+    init_kwargs: Mapping[str, Any] | None,
+) -> None:
+    """Refuse what ``wandb.init`` would misread, before any run starts: ``names`` are the
+    options that take a non-empty string (``project``, ``name``, ``id``, ``group``)."""
+    for option, value in names.items():
+        if value is not None and (not isinstance(value, str) or not value):
+            raise MisconfigurationError(
+                f"WandbLogger({option}=...) must be a non-empty string or None, got {value!r}."
+            )
+    if dir is not None and not isinstance(dir, (str, os.PathLike)):
+        raise MisconfigurationError(
+            f"WandbLogger(dir=...) must be a directory path or None, got {dir!r}."
+        )
+    if mode is not None:
+        check_choice("mode", mode, _MODES, owner="WandbLogger")
+    if tags is not None and (isinstance(tags, str) or not all(isinstance(t, str) for t in tags)):
+        raise MisconfigurationError(
+            f"WandbLogger(tags=...) must be a list of strings, got {tags!r}."
+        )
+    if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
+        raise MisconfigurationError(
+            f"WandbLogger(init_kwargs=...) must be a mapping of wandb.init arguments, "
+            f"got {init_kwargs!r}."
+        )
+    reserved = {"id", "resume", "reinit", "config"} & set(init_kwargs or {})
+    if reserved:
+        raise MisconfigurationError(
+            f"WandbLogger(init_kwargs=...) cannot set {sorted(reserved)}: the logger "
+            "sets them (pass id=... to WandbLogger; the config holds the module's "
+            "hparams and the trainer's options)."
+        )
 
 
 class WandbLogger(TrackedRun, Logger):
@@ -107,35 +146,13 @@ class WandbLogger(TrackedRun, Logger):
                 "Install it with: pip install 'loopbus[wandb]'"
             )
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        for option, value in (("project", project), ("name", name), ("id", id), ("group", group)):
-            if value is not None and (not isinstance(value, str) or not value):
-                raise MisconfigurationError(
-                    f"WandbLogger({option}=...) must be a non-empty string or None, got {value!r}."
-                )
-        if dir is not None and not isinstance(dir, (str, os.PathLike)):
-            raise MisconfigurationError(
-                f"WandbLogger(dir=...) must be a directory path or None, got {dir!r}."
-            )
-        if mode is not None:
-            check_choice("mode", mode, _MODES, owner="WandbLogger")
-        if tags is not None and (
-            isinstance(tags, str) or not all(isinstance(t, str) for t in tags)
-        ):
-            raise MisconfigurationError(
-                f"WandbLogger(tags=...) must be a list of strings, got {tags!r}."
-            )
-        if init_kwargs is not None and not isinstance(init_kwargs, Mapping):
-            raise MisconfigurationError(
-                f"WandbLogger(init_kwargs=...) must be a mapping of wandb.init arguments, "
-                f"got {init_kwargs!r}."
-            )
-        reserved = {"id", "resume", "reinit", "config"} & set(init_kwargs or {})
-        if reserved:
-            raise MisconfigurationError(
-                f"WandbLogger(init_kwargs=...) cannot set {sorted(reserved)}: the logger "
-                "sets them (pass id=... to WandbLogger; the config holds the module's "
-                "hparams and the trainer's options)."
-            )
+        _check_options(
+            {"project": project, "name": name, "id": id, "group": group},
+            dir=dir,
+            mode=mode,
+            tags=tags,
+            init_kwargs=init_kwargs,
+        )
         self.project = project
         self.name = name
         self.dir = None if dir is None else Path(os.fspath(dir))

@@ -1,0 +1,87 @@
+"""Removing checkpoints: one checkpoint with its completeness marker (what the
+Checkpoint plugin evicts), and the temporaries that writers which no longer run left in
+a directory (a process killed while it wrote).
+
+Removal never leaves a marker without its file, and never follows a symbolic link to
+what it points to. A temporary is judged by the writer its name records
+(``.<name>.tmp-<pid>-<random>@<host>``): only one written on this host, by a process that
+no longer runs or by this one, is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from pathlib import Path
+
+from ._format import _TMP_TAG, PathLike, _host_tag, _temp_writer, marker_path
+
+__all__ = ["remove_checkpoint", "remove_stale_temporaries"]
+
+
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint and its completeness marker (the marker first, so that a crash
+    in between never leaves a marker without its file): a file, or a sharded checkpoint's
+    whole directory. Missing files are ignored.
+
+    A symbolic link is removed as a link: what it points to (a checkpoint of another run,
+    say) is never touched. The marker inside a linked directory belongs to that
+    checkpoint, which may be the one its own directory's ``last.json`` names."""
+    target = Path(os.fspath(path))
+    if target.is_symlink() and target.is_dir():
+        target.unlink(missing_ok=True)
+        return
+    marker_path(target).unlink(missing_ok=True)
+    if target.is_dir() and not target.is_symlink():
+        shutil.rmtree(target, ignore_errors=True)
+    else:
+        target.unlink(missing_ok=True)
+
+
+def remove_stale_temporaries(directory: PathLike) -> list[Path]:
+    """Delete temporary files that writers which no longer run left in ``directory``.
+
+    A temporary's name holds its writer's process id and host name
+    (``.<name>.tmp-<pid>-<random>@<host>``). It is removed when it was written on this
+    host by a process that no longer runs (or by this process). A temporary written on
+    another host (a directory shared between machines) is never removed: a process id
+    says nothing about another machine's processes; delete such files by hand once no
+    run writes there. A name without a host (written by an earlier loopbus) is taken to
+    come from this host."""
+    removed: list[Path] = []
+    d = Path(directory)
+    if not d.is_dir():
+        return removed
+    here = _host_tag()
+    for entry in d.iterdir():
+        name = entry.name
+        if not name.startswith(".") or _TMP_TAG not in name:
+            continue
+        writer = _temp_writer(name)
+        if writer is None:
+            continue
+        pid, host = writer
+        if host is not None and host != here:
+            continue  # another machine's writer: its pid means nothing here
+        if pid != os.getpid() and _alive(pid):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's
+                shutil.rmtree(entry)
+            else:
+                entry.unlink()
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (a permission error means that
+    one does, owned by another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True

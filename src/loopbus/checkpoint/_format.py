@@ -1,0 +1,269 @@
+"""The on-disk format of a checkpoint: the names of its files, its completeness markers
+and ``last.json`` pointers, and the header every checkpoint dict starts with.
+
+A checkpoint file ``<file>`` has its completeness marker ``<file>.complete`` beside it
+(JSON: size, CRC-32, step); a sharded checkpoint is a directory whose marker,
+``loopbus.complete`` (JSON: the size of every file in it), is inside it. A directory's
+``last.json`` names the last checkpoint written into it. What is being written has a
+temporary name, ``.<name>.tmp-<pid>-<random>@<host>``, that says which process of which
+host writes it.
+
+Markers and pointers are read as untrusted input: at most 1 MiB, nesting measured before
+they are decoded, and decoded only into the typed :class:`Marker` and :class:`Pointer`
+(keys they do not name are ignored, so files of earlier versions still load); one that is
+too large, too deep or of the wrong shape is damaged, like one that is not JSON.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import re
+import secrets
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+
+from .._exceptions import CheckpointError
+from .._untrusted import check_json_nesting, read_small
+from .._version import __version__
+
+__all__ = [
+    "FORMAT",
+    "FORMAT_VERSION",
+    "LAST_POINTER",
+    "MARKER_SUFFIX",
+    "SHARDED_MARKER",
+    "SHARDED_STATE",
+    "Marker",
+    "PathLike",
+    "Pointer",
+    "check_header",
+    "checkpoint_info",
+    "describe_os_error",
+    "is_sharded_checkpoint",
+    "marker_path",
+    "pointer_to",
+    "read_json",
+]
+
+FORMAT = "loopbus.checkpoint"
+#: The checkpoint format this loopbus writes and the newest one it reads.
+FORMAT_VERSION = 2
+#: The name of the pointer file that names the last checkpoint written into a directory.
+LAST_POINTER = "last.json"
+MARKER_SUFFIX = ".complete"
+#: The completeness marker inside a sharded checkpoint's directory, written last.
+SHARDED_MARKER = "loopbus.complete"
+#: The file of a sharded checkpoint that holds everything but the sharded tensors.
+SHARDED_STATE = "loopbus_state.pt"
+#: Marks a temporary's name (``.<name>.tmp-<pid>-<random>@<host>``).
+_TMP_TAG = ".tmp-"
+#: Separates a temporary file's writer (``<pid>-<random>``) from its host's name.
+_HOST_SEP = "@"
+#: The longest host tag in a temporary file's name.
+_HOST_TAG_MAX = 32
+
+PathLike = str | os.PathLike[str]
+
+
+# ---------------------------------------------------------------- names
+
+
+def marker_path(path: PathLike) -> Path:
+    """The completeness marker of the checkpoint at ``path``: ``<file>.complete`` beside
+    a file, ``<directory>/loopbus.complete`` inside a sharded checkpoint's directory."""
+    p = Path(path)
+    if p.is_dir():
+        return p / SHARDED_MARKER
+    return p.with_name(p.name + MARKER_SUFFIX)
+
+
+def is_sharded_checkpoint(path: PathLike) -> bool:
+    """Whether ``path`` is a sharded checkpoint's directory: it holds a completeness
+    marker, the torch.distributed.checkpoint metadata or loopbus's state file."""
+    p = Path(os.fspath(path))
+    return p.is_dir() and any(
+        (p / name).is_file() for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE)
+    )
+
+
+def _temp_path(target: Path) -> Path:
+    """``.<name>.tmp-<pid>-<random>@<host>``: the writer's process id and host name, so
+    that :func:`remove_stale_temporaries` judges whether the writer still runs only on
+    the host where that process id means something."""
+    return target.with_name(
+        f".{target.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}{_HOST_SEP}{_host_tag()}"
+    )
+
+
+def _host_tag() -> str:
+    """This host's name as it goes into a temporary file's name: characters other than
+    letters, digits and ``-`` become ``_``, and a long name is cut, with a hash of the
+    whole name kept, so that the tag stays short and still tells hosts apart."""
+    host = socket.gethostname() or "localhost"
+    tag = re.sub(r"[^A-Za-z0-9-]", "_", host)
+    if len(tag) > _HOST_TAG_MAX:
+        digest = hashlib.sha1(host.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        tag = f"{tag[: _HOST_TAG_MAX - 9]}~{digest}"
+    return tag
+
+
+def _temp_writer(name: str) -> tuple[int, str | None] | None:
+    """The writer's process id and host tag from a temporary file's name (host None for
+    a name without one), or None if ``name`` is not a checkpoint temporary."""
+    tail = name.rsplit(_TMP_TAG, 1)[1]
+    host: str | None = None
+    if _HOST_SEP in tail:
+        tail, host = tail.rsplit(_HOST_SEP, 1)
+    pid_text = tail.split("-", 1)[0]
+    if not pid_text.isdigit():
+        return None
+    return int(pid_text), host
+
+
+# ---------------------------------------------------------------- markers and pointers
+
+
+class Marker(msgspec.Struct, frozen=True, kw_only=True):
+    """A completeness marker as it is read: a checkpoint file's (``size``, ``crc32``) or
+    a sharded checkpoint's (``layout``, ``files``: each file's size). Every key is
+    optional and keys it does not name are ignored, so markers of earlier and later
+    versions load; what a reader needs is checked where it is used."""
+
+    format: str | None = None
+    format_version: int | None = None
+    layout: str | None = None
+    file: str | None = None
+    checkpoint: str | None = None
+    size: int | None = None
+    crc32: int | None = None
+    files: dict[str, int] | None = None
+    global_step: int | None = None
+    epoch: int | None = None
+    created: float | None = None
+    world_size: int | None = None
+    strategy: str | None = None
+
+
+class Pointer(msgspec.Struct, frozen=True, kw_only=True):
+    """A directory's ``last.json`` as it is read: the name of its last checkpoint (and
+    that checkpoint's step, epoch and time of creation, which readers do not need)."""
+
+    checkpoint: str
+    global_step: int | None = None
+    epoch: int | None = None
+    created: float | None = None
+
+
+_Schema = TypeVar("_Schema", Marker, Pointer)
+
+
+def read_json(path: Path, schema: type[_Schema]) -> _Schema:
+    """The small JSON file ``path`` (a marker, a pointer) decoded into ``schema``: read
+    whole only if it is a regular file of at most 1 MiB, decoded only if it nests at most
+    64 levels. Raises ``OSError`` (``FileNotFoundError`` when it is absent) or a
+    ``ValueError`` whose message is a clause (``"it ..."``) saying what is wrong."""
+    data = check_json_nesting(read_small(path))
+    try:
+        return msgspec.json.decode(data, type=schema)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"it is JSON but not of the expected shape ({exc})") from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"it is not valid JSON ({exc})") from None
+
+
+def pointer_to(target: Path, info: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``last.json`` that names the checkpoint ``target``, with the step, epoch and
+    time of creation its completeness marker ``info`` records."""
+    pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
+    pointer["checkpoint"] = target.name
+    return pointer
+
+
+_FULL = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)}
+
+
+def describe_os_error(exc: OSError) -> str:
+    """What an ``OSError`` says, for a message: its cause (``No space left on device``),
+    the file it names, and what to do about a full file system."""
+    text = exc.strerror or str(exc)
+    if exc.filename is not None:
+        text += f" ({exc.filename})"
+    if exc.errno in _FULL:
+        text += "; free space on that file system or write somewhere else, then save again"
+    return text
+
+
+def _why(exc: OSError | ValueError) -> str:
+    """What :func:`read_json`'s error says, as a clause."""
+    if isinstance(exc, OSError):
+        return f"it cannot be read ({describe_os_error(exc)})"
+    return str(exc)
+
+
+def checkpoint_info(path: PathLike) -> dict[str, Any] | None:
+    """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
+    time of creation; for a sharded checkpoint every file's size), or None if it has
+    none. Keys that the marker leaves out (or sets to null) are left out."""
+    info = _read_marker(marker_path(path))
+    if info is None:
+        return None
+    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
+
+
+def _read_marker(marker: Path) -> Marker | None:
+    """The completeness marker at ``marker``, None if there is none; raises
+    :class:`CheckpointError` naming it and what is wrong with it."""
+    try:
+        return read_json(marker, Marker)
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise CheckpointError(
+            f"cannot read the completeness marker {marker}: {describe_os_error(exc)}"
+        ) from exc
+    except ValueError as exc:
+        raise CheckpointError(
+            f"the completeness marker {marker} is damaged: {exc}. Delete it to load the "
+            "checkpoint without the integrity check, or load another checkpoint."
+        ) from exc
+
+
+# ---------------------------------------------------------------- the header
+
+
+def check_header(state: Any, source: str) -> dict[str, Any]:
+    """The header of the checkpoint dict ``state`` (``source`` names it in messages).
+    Raises :class:`CheckpointError` if it has none or is of another format version."""
+    header = state.get("loopbus") if isinstance(state, dict) else None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        keys = sorted(map(str, state))[:8] if isinstance(state, dict) else type(state).__name__
+        raise CheckpointError(
+            f"{source} is not a loopbus checkpoint (it has no 'loopbus' header; top-level "
+            f"keys: {keys}). Checkpoints come from Trainer.state_dict(), "
+            "Trainer.save_checkpoint() or the Checkpoint plugin; to load bare module "
+            "weights use module.load_state_dict(torch.load(path, weights_only=True))."
+        )
+    version = header.get("format_version")
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{source} has an invalid format_version {version!r}.")
+    if version < FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source} uses checkpoint format {version}, from an earlier loopbus "
+            f"({header.get('version')!r}); this loopbus reads format {FORMAT_VERSION} only "
+            "(format 2 composes a checkpoint from the trainer's registry of Stateful parts). "
+            "Its module weights can still be read with "
+            "torch.load(path, weights_only=True)['module']."
+        )
+    if version > FORMAT_VERSION:
+        raise CheckpointError(
+            f"{source} was written by a newer loopbus ({header.get('version')!r}, checkpoint "
+            f"format {version}); this loopbus ({__version__}) reads formats up to "
+            f"{FORMAT_VERSION}. Upgrade loopbus to load it."
+        )
+    return header

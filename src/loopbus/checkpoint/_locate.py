@@ -1,0 +1,408 @@
+"""Finding checkpoints: the last one written into a directory, the checkpoint a path
+means, and the one ``ckpt_path="last"`` or ``"best"`` means among the trainer's plugins.
+
+A directory means the checkpoint its ``last.json`` names or, without one or when that one
+(or the pointer itself) is missing or damaged, the newest complete one
+(:func:`latest_checkpoint`: the marker there, every file of the size it records); the
+checkpoints passed over are named, with what is wrong with each, in a ``UserWarning``.
+Checkpoint files and sharded checkpoints' directories are treated alike.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from .._exceptions import CheckpointError, MisconfigurationError
+from ._format import (
+    LAST_POINTER,
+    MARKER_SUFFIX,
+    SHARDED_MARKER,
+    Marker,
+    PathLike,
+    Pointer,
+    _why,
+    checkpoint_info,
+    describe_os_error,
+    is_sharded_checkpoint,
+    marker_path,
+    read_json,
+)
+
+__all__ = [
+    "latest_checkpoint",
+    "newest",
+    "resolve_best",
+    "resolve_checkpoint",
+    "resolve_last",
+    "resolve_resume_path",
+    "resolve_weights_path",
+]
+
+
+# ---------------------------------------------------------------- in a directory
+
+
+def newest(candidates: Iterable[Path]) -> Path | None:
+    """The newest of ``candidates``: the highest step its completeness marker records,
+    then the latest time of creation (without a marker, the time it was last modified).
+    None if there are none."""
+    best: tuple[Any, ...] | None = None
+    chosen: Path | None = None
+    for path in candidates:
+        try:
+            info = checkpoint_info(path) or {}
+        except CheckpointError:
+            info = {}
+        step = info.get("global_step")
+        created = info.get("created")
+        if not isinstance(created, (int, float)):
+            try:
+                created = path.stat().st_mtime
+            except OSError:
+                created = 0.0
+        key = (step if isinstance(step, int) else -1, created)
+        if best is None or key > best:
+            best, chosen = key, path
+    return chosen
+
+
+def latest_checkpoint(directory: PathLike) -> Path | None:
+    """The last checkpoint written into ``directory``: the one its ``last.json`` pointer
+    names or, without a pointer (or when the one it names is missing or damaged), the
+    newest complete one: with its completeness marker, and every file of the size the
+    marker records. A checkpoint passed over this way is named, with what is wrong with
+    it, in a ``UserWarning``. None when the directory holds no complete checkpoint."""
+    d = Path(os.fspath(directory))
+    found, skipped = _latest(d)
+    if skipped:
+        warnings.warn(_skipped_message(d, found, skipped), UserWarning, stacklevel=2)
+    return found
+
+
+#: The names a checkpoint file is taken to have, marker or not.
+_CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
+
+
+def _latest(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The last checkpoint in ``d`` and the checkpoints passed over for it, each with
+    what is wrong with it (see :func:`latest_checkpoint`)."""
+    pointer = d / LAST_POINTER
+    named: Path | None = None
+    skipped: list[tuple[Path, str]] = []
+    if pointer.exists():
+        try:
+            named = _follow_pointer(pointer)
+        except (OSError, ValueError) as exc:  # damaged: the newest complete one is taken
+            skipped.append((pointer, f"this pointer is ignored: {_why(exc)}"))
+        else:
+            # A file without a marker that the pointer names is taken (checked
+            # structurally when it loads); a sharded checkpoint that replaces one of the
+            # same name moves it aside for a moment (a directory cannot be replaced
+            # atomically).
+            why = _incomplete(named, unmarked_file=True)
+            if why is None:
+                return named, []
+            skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
+    elif not d.is_dir():
+        return None, []
+    found, others = _newest_complete(d)
+    if found is None and named is not None:
+        return named, []  # nothing to fall back to: loading it says what is wrong
+    return found, skipped + [(p, why) for p, why in others if p != named]
+
+
+def _newest_complete(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
+    """The newest complete checkpoint in ``d`` (files and sharded directories), and the
+    incomplete ones, each with what is wrong with it."""
+    complete: list[Path] = []
+    skipped: list[tuple[Path, str]] = []
+    for entry in sorted(d.iterdir()):
+        name = entry.name
+        if name.startswith(".") or name == LAST_POINTER:
+            continue
+        if name.endswith(MARKER_SUFFIX):
+            file = entry.with_name(name[: -len(MARKER_SUFFIX)])
+            if not file.exists() and not file.is_symlink():
+                skipped.append((file, f"only its completeness marker {name} is left"))
+            continue
+        if entry.is_dir():
+            if not is_sharded_checkpoint(entry):
+                continue
+        elif entry.suffix not in _CHECKPOINT_SUFFIXES and not marker_path(entry).exists():
+            continue
+        why = _incomplete(entry)
+        if why is None:
+            complete.append(entry)
+        else:
+            skipped.append((entry, why))
+    return newest(complete), skipped
+
+
+def _incomplete(path: Path, *, unmarked_file: bool = False) -> str | None:
+    """What keeps the checkpoint at ``path`` from being complete, or None: it is missing,
+    it has no completeness marker (a file without one passes with ``unmarked_file``), or
+    a file of it has another size than its marker records. Sizes only: a file's CRC-32
+    is checked when it loads."""
+    try:
+        if path.is_dir():
+            return _sharded_incomplete(path)
+        if not path.is_file():
+            return "it does not exist"
+        try:
+            info = read_json(marker_path(path), Marker)
+        except FileNotFoundError:
+            if unmarked_file:
+                return None
+            return (
+                f"it has no completeness marker {marker_path(path).name} (its save did not "
+                "finish, or the marker was deleted)"
+            )
+        except (OSError, ValueError) as exc:
+            return f"its completeness marker {marker_path(path).name} is damaged: {_why(exc)}"
+        size, expected = path.stat().st_size, info.size
+    except OSError as exc:
+        return f"it cannot be read ({describe_os_error(exc)})"
+    if size != expected:
+        return (
+            f"it has {size} bytes where its completeness marker records {expected} (it is "
+            "truncated or was modified)"
+        )
+    return None
+
+
+def _sharded_incomplete(path: Path) -> str | None:
+    """:func:`_incomplete` for a sharded checkpoint's directory: the marker is there and
+    every file it lists has the size it records."""
+    marker = path / SHARDED_MARKER
+    try:
+        files = read_json(marker, Marker).files
+    except FileNotFoundError:
+        return (
+            f"it has no completeness marker {SHARDED_MARKER} (its save did not finish, or "
+            "the marker was deleted)"
+        )
+    except (OSError, ValueError) as exc:
+        return f"its completeness marker {SHARDED_MARKER} is damaged: {_why(exc)}"
+    if not files:
+        return f"its completeness marker {SHARDED_MARKER} lists no files"
+    for name, size in files.items():
+        file = path / str(name)
+        try:
+            actual = file.stat().st_size
+        except FileNotFoundError:
+            return f"its file {name} is missing"
+        except OSError as exc:
+            return f"its file {name} cannot be read ({describe_os_error(exc)})"
+        if actual != size:
+            return (
+                f"its file {name} has {actual} bytes where its completeness marker records "
+                f"{size} (it is truncated or was modified)"
+            )
+    return None
+
+
+def _skipped_message(d: Path, found: Path | None, skipped: list[tuple[Path, str]]) -> str:
+    shown = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+    if len(skipped) > 5:
+        shown += f"; and {len(skipped) - 5} more"
+    if found is None:
+        then = "no complete checkpoint is left there"
+    else:
+        then = f"the newest complete checkpoint there, {found.name}, is taken instead"
+    return f"skipped checkpoints in {d} that are not complete ({shown}); {then}."
+
+
+def _follow_pointer(pointer: Path) -> Path:
+    """The checkpoint the ``last.json`` at ``pointer`` names. Raises what
+    :func:`read_json` raises, and ``ValueError`` for a name that is not a file name in
+    the pointer's directory."""
+    try:
+        name = read_json(pointer, Pointer).checkpoint
+    except ValueError as exc:
+        raise ValueError(
+            f'{exc}; it should be JSON like {{"checkpoint": "epoch=0-step=100.ckpt"}}'
+        ) from None
+    separators = [s for s in (os.sep, os.altsep) if s]
+    if not name or name in (".", "..") or any(s in name for s in separators):
+        raise ValueError(f"it names {name!r}, which is not a file name in its directory")
+    return pointer.parent / name
+
+
+def resolve_checkpoint(path: PathLike) -> Path:
+    """The checkpoint file ``path`` means: a file, a directory (its last checkpoint) or a
+    ``last.json`` pointer."""
+    p = Path(os.fspath(path))
+    if p.is_dir() and is_sharded_checkpoint(p):
+        return p
+    if p.is_dir() or (p.name == LAST_POINTER and p.is_file()):
+        directory = p if p.is_dir() else p.parent
+        found, skipped = _latest(directory)
+        if found is None:
+            # Files without a marker are named by the advice; the rest is listed here.
+            damaged = [
+                f"{q.name}: {why}"
+                for q, why in skipped
+                if q.is_dir()
+                or not q.exists()
+                or marker_path(q).exists()
+                or q == directory / LAST_POINTER
+            ]
+            listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
+            raise CheckpointError(
+                f"no checkpoint in the directory {directory}: it is a directory without "
+                f"checkpoints (it has no {LAST_POINTER} pointer and no complete checkpoint "
+                f"file, one with its {MARKER_SUFFIX} marker).{listed} {_unmarked_files(directory)}"
+            )
+        if skipped:
+            warnings.warn(_skipped_message(directory, found, skipped), UserWarning, stacklevel=3)
+        p = found
+    if not p.exists():
+        nearby = ""
+        if p.parent.is_dir():
+            names = sorted(x.name for x in p.parent.glob("*.ckpt"))[:10]
+            if names:
+                nearby = f" Checkpoints in {p.parent}: {', '.join(names)}."
+        raise CheckpointError(f"no checkpoint at {p}: the file does not exist.{nearby}")
+    return p
+
+
+def _unmarked_files(directory: Path) -> str:
+    """The advice for a directory without checkpoints: the checkpoint-like files in it
+    that have no marker, if any."""
+    try:
+        names = sorted(
+            x.name
+            for x in directory.iterdir()
+            if x.suffix in (".ckpt", ".pt", ".pth") and not marker_path(x).exists()
+        )
+    except OSError:
+        names = []
+    if not names:
+        return "Pass the path of a checkpoint file."
+    shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
+    return f"It holds {shown} without completeness markers; pass one of them explicitly."
+
+
+# ---------------------------------------------------------------- named by ckpt_path
+
+
+def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
+    """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
+    through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
+    that name is called); None (with a warning unless ``warn`` is false) if none has
+    written one."""
+    providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
+    if not providers:
+        raise MisconfigurationError(
+            "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "
+            "as loopbus.plugins.Checkpoint(dirpath), among the trainer's plugins; add one or "
+            "pass the path of a checkpoint (or of its directory)."
+        )
+    found = []
+    for plugin in providers:
+        path = plugin.last_checkpoint_path
+        if not isinstance(path, (str, os.PathLike)) and callable(path):
+            path = path()
+        if path is not None:
+            found.append(Path(os.fspath(path)))
+    if not found:
+        if not warn:
+            return None
+        where = ", ".join(str(getattr(p, "dirpath", None) or type(p).__name__) for p in providers)
+        warnings.warn(
+            f"ckpt_path='last' but no checkpoint has been written yet (looked in {where}); "
+            "training starts from the beginning.",
+            UserWarning,
+            stacklevel=4,
+        )
+        return None
+    return newest(found) if len(found) > 1 else found[0]
+
+
+def resolve_best(plugins: Iterable[Any]) -> Path:
+    """The checkpoint ``ckpt_path="best"`` means: the ``best_model_path`` of the plugin
+    that saves checkpoints on a monitored value (``Checkpoint(dirpath, monitor=...)``).
+    Raises :class:`MisconfigurationError` when there is no such plugin, when several
+    could answer, or when it has saved no best checkpoint yet."""
+    savers = [p for p in plugins if hasattr(p, "best_model_path") and hasattr(p, "monitor")]
+    monitored = [p for p in savers if p.monitor is not None]
+    if not monitored:
+        extra = (
+            f" (the trainer's {', '.join(repr(p) for p in savers)} monitor nothing, so "
+            "they rank no checkpoint as best)"
+            if savers
+            else ""
+        )
+        raise MisconfigurationError(
+            "ckpt_path='best' needs a Checkpoint plugin that monitors a record, such as "
+            "loopbus.plugins.Checkpoint(dirpath, monitor='val/loss'), among the trainer's "
+            f"plugins{extra}; add one and fit first, or pass ckpt_path='last' or the path "
+            "of a checkpoint."
+        )
+    found = [(p, p.best_model_path) for p in monitored if p.best_model_path is not None]
+    if not found:
+        names = ", ".join(f"{p!r} (monitor {p.monitor!r})" for p in monitored)
+        raise MisconfigurationError(
+            f"ckpt_path='best' but {names} has saved no best checkpoint yet: it ranks the "
+            "checkpoints that fit saves on this trainer after a validation that put the "
+            "monitored record (a new Trainer knows nothing of an earlier one's best). Fit "
+            "with validation data first, or pass the path of a checkpoint."
+        )
+    if len(found) > 1:
+        listing = "; ".join(f"{p!r} (monitor {p.monitor!r}): {path}" for p, path in found)
+        raise MisconfigurationError(
+            f"ckpt_path='best' is ambiguous: several Checkpoint plugins have a best "
+            f"checkpoint ({listing}). Pass the one you mean, as "
+            "ckpt_path=plugin.best_model_path."
+        )
+    return Path(os.fspath(found[0][1]))
+
+
+def resolve_weights_path(
+    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
+) -> str | os.PathLike[str]:
+    """The checkpoint ``ckpt_path`` names for loading weights: ``"best"`` (the best of
+    the plugin that monitors a record), ``"last"`` (the newest; an error if none was
+    written) or a path as it is. The names are resolved once, on rank 0, and broadcast
+    (``strategy.broadcast_object``), so every rank raises the same error or loads the
+    same file."""
+    if ckpt_path not in ("best", "last"):
+        return ckpt_path
+    found: Path | None = None
+    problem: str | None = None
+    if strategy.is_global_zero:
+        try:
+            if ckpt_path == "best":
+                found = resolve_best(plugins)
+            else:
+                found = resolve_last(plugins, warn=False)
+                if found is None:
+                    problem = (
+                        "ckpt_path='last' but no checkpoint has been written yet, so "
+                        "there are no weights to load; fit first, or pass the path "
+                        "of a checkpoint."
+                    )
+        except MisconfigurationError as exc:
+            problem = str(exc)
+    found, problem = strategy.broadcast_object((found, problem))
+    if problem is not None:
+        raise MisconfigurationError(problem)
+    assert found is not None
+    return found
+
+
+def resolve_resume_path(
+    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
+) -> str | os.PathLike[str] | None:
+    """The checkpoint ``fit(ckpt_path=...)`` resumes from: ``"last"`` is the newest of
+    the plugins that write them (None, with a warning, when there is none yet), resolved
+    once on rank 0 and broadcast so that every rank loads the same file; anything else
+    as it is."""
+    if ckpt_path != "last":
+        return ckpt_path
+    found = resolve_last(plugins) if strategy.is_global_zero else None
+    return strategy.broadcast_object(found)  # type: ignore[no-any-return]

@@ -1,0 +1,146 @@
+"""The trainer's checkpoint methods: the registry of stateful parts a checkpoint is
+composed from, the run's state as a dict and back, and saving it to a file or a sharded
+directory (on the ranks that must write, with every rank returning once it is durable).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import anyio.to_thread
+
+from loopbus.checkpoint._parts import CheckpointMismatch, collect_state, load_state
+from loopbus.checkpoint._sharded_save import no_full_state, save_sharded, save_sharded_async
+from loopbus.checkpoint._write import write_checkpoint
+from loopbus.state._runstate import ResumePlan
+from loopbus.state._stateful import Stateful
+
+from ._assembly import build_registry, check_registration
+
+if TYPE_CHECKING:
+    import torch
+
+    from loopbus.distributed._strategy import Strategy
+    from loopbus.loop._loop import Loop
+    from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
+    from loopbus.records._recorder import Recorder
+    from loopbus.state._runstate import RunState
+    from loopbus.step._module import Module
+    from loopbus.step._optim import LRSchedulers
+    from loopbus.step._precision import Precision
+
+    from ._plugin import Plugin
+
+__all__ = ["CheckpointMethods"]
+
+
+class CheckpointMethods:
+    """The trainer's checkpoint methods (a base of :class:`Trainer`, which sets the
+    attributes declared here)."""
+
+    state: RunState
+    strategy: Strategy
+    recorder: Recorder
+    module: Module | None
+    optimizers: list[torch.optim.Optimizer]
+    precision: Precision
+    plugins: list[Plugin]
+    fit_loop: FitLoop
+    validate_loop: EvaluationLoop
+    test_loop: EvaluationLoop
+    predict_loop: PredictionLoop
+    _schedulers: LRSchedulers
+    _registered: dict[str, Stateful]
+    _parts: dict[str, Any] | None
+    _train_data: Any
+
+    @property
+    def loops(self) -> dict[str, Loop[Any]]:
+        raise NotImplementedError  # the trainer's root loops
+
+    def register_stateful(self, name: str, obj: Stateful) -> None:
+        """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: a
+        data module, an EMA copy of the weights, a metric) with every checkpoint of this
+        trainer, under the key ``"user/<name>"``. Register before the stage whose
+        checkpoints should hold it starts; a resumed run must register the same names."""
+        check_registration(self._registered, name, obj, self.state.stage)
+        self._registered[name] = obj
+
+    def stateful_parts(self) -> dict[str, Stateful]:
+        """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
+        the run state, the generators, the module, its hyperparameters, each optimizer and
+        scheduler, the precision, the loop tree, every stateful plugin, the training loader
+        when it is stateful, gradients mid-accumulation, the latest records and every
+        registered object. Built when a stage starts; a new dict each call."""
+        if self._parts is not None:
+            return dict(self._parts)
+        return self._build_parts()
+
+    def _build_parts(self) -> dict[str, Any]:
+        return build_registry(
+            state=self.state,
+            strategy=self.strategy,
+            module=self.module,
+            optimizers=self.optimizers,
+            schedulers=self._schedulers,
+            precision=self.precision,
+            loops=self.loops,
+            epoch_loop=self.fit_loop.epoch_loop,
+            plugins=self.plugins,
+            train_data=self._train_data,
+            recorder=self.recorder,
+            registered=self._registered,
+        )
+
+    def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
+        """The run's state as a checkpoint dict of plain tensors and Python primitives,
+        one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
+        copies in host memory (safe to write while training goes on); otherwise the live
+        tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
+        if self.strategy.sharded_state:
+            raise no_full_state(self.strategy.name)
+        return collect_state(self, self.stateful_parts(), to_host=to_host)  # type: ignore[arg-type]
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
+        """Load a checkpoint dict into this run (module and optimizers must be set up:
+        resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
+        missing, unexpected or incompatible raises :class:`CheckpointError`; without,
+        what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
+        return self._load(*load_state(self.stateful_parts(), state, strict=strict))
+
+    def _load(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
+        self.state.plan_resume(plan)
+        self._schedulers.resumed_at(plan.step)
+        return mismatch
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+        """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
+        completeness marker) and return the path. Blocks until the file is durable.
+
+        Under DDP every rank must call it (the state holds every rank's generators):
+        rank 0 writes, and all ranks return once the file is there. Under FSDP ``path``
+        is a sharded checkpoint directory, every rank writing its shards."""
+        if self.strategy.sharded_state:
+            return save_sharded(self, path)  # type: ignore[arg-type]
+        state = self.state_dict()
+        target = Path(os.fspath(path))
+        if self.strategy.is_global_zero:
+            target = write_checkpoint(state, path)
+        self.strategy.barrier()
+        return target
+
+    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
+        """Copy the run's state to host memory now, write it in a worker thread, and
+        return once it is durable; the event loop stays free meanwhile. Under DDP, as
+        :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
+        every rank its shards, staged first, then written in the background)."""
+        if self.strategy.sharded_state:
+            return await save_sharded_async(self, path)  # type: ignore[arg-type]
+        state = self.state_dict(to_host=True)
+        target = Path(os.fspath(path))
+        if self.strategy.is_global_zero:
+            target = await anyio.to_thread.run_sync(write_checkpoint, state, path)
+        self.strategy.barrier()
+        return target

@@ -8,7 +8,7 @@ in ``DistributedDataParallel`` and runs forward, backward, step, ``zero_grad``. 
 gets a plain shuffled ``DataLoader`` (it adds the ``DistributedSampler`` itself), puts
 ``"loss"`` every step, has no plugins and no leak check; its cost over the hand-written
 loop includes what makes stop requests collective (a small asynchronous all-reduce on
-the host every ``stop_check_interval``, 50 ms by default: about 40 in a run here).
+the host every ``stop_check_interval_s``, 50 ms by default: about 40 in a run here).
 
 Run plainly, the script launches itself under ``torch.distributed.run`` (a free port,
 ``OMP_NUM_THREADS=1``) in worker mode. Every rank first runs both loops once and rank 0
@@ -80,7 +80,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
         "--stop-check-interval",
         type=float,
         default=0.05,
-        help="loopbus's stop_check_interval (s; 0: an exchange at every step boundary)",
+        help="loopbus's stop_check_interval_s (s; 0: an exchange at every step boundary)",
     )
     parser.add_argument(
         "--breakdown",
@@ -185,7 +185,7 @@ def with_loopbus(
         device="cpu",
         plugins=[],
         leak_check=None,
-        stop_check_interval=stop_check_interval,
+        stop_check_interval_s=stop_check_interval,
     )
     loopbus.run(trainer.fit, module, loader, backend=backend)
     return module
@@ -258,7 +258,7 @@ def worker(args: argparse.Namespace) -> None:
     say(
         f"torch {torch.__version__}, gloo, {world} ranks x {torch.get_num_threads()} torch "
         f"thread, {cpu_model()} ({os.cpu_count()} CPUs), python {sys.version.split()[0]}, "
-        f"loopbus on {args.backend}, stop_check_interval={args.stop_check_interval:g} s"
+        f"loopbus on {args.backend}, stop_check_interval_s={args.stop_check_interval:g} s"
     )
     say(
         f"MLP 32 -> {hidden} -> {hidden} -> 10, batch {BATCH} per rank, {steps} steps "

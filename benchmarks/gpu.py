@@ -686,7 +686,7 @@ def extra_calls(device: torch.device, n: int) -> dict[str, float]:
 
     def lb(steps: int, puts: bool) -> None:
         module = ChainModule(width, depth, rows, puts=puts)
-        fit(module, batches(steps), device, device_prefetch=1, yield_interval=math.inf)
+        fit(module, batches(steps), device, device_prefetch=1, yield_interval_s=math.inf)
 
     runs: dict[str, Callable[[int], Any]] = {
         "hand-written": hand,

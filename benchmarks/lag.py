@@ -93,7 +93,7 @@ async def measure(
         max_steps=steps,
         plugins=[],
         executor=executor or "inline",  # type: ignore[arg-type]
-        yield_interval=yield_interval,
+        yield_interval_s=yield_interval,
         device="cpu",
     )
     trainer.subscribe(PutRecord, lambda record: None, mode="queued", destination="loggers")
@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> None:
         "--yield-interval",
         type=float,
         default=0.005,
-        help="Trainer(yield_interval=...): how long inline steps may run between yields",
+        help="Trainer(yield_interval_s=...): how long inline steps may run between yields",
     )
     parser.add_argument(
         "--switch-interval",

@@ -128,7 +128,7 @@ def with_loopbus(
         plugins=plugins() if plugins else [],
         leak_check=None,
         device="cpu",
-        yield_interval=yield_interval,
+        yield_interval_s=yield_interval,
     )
     if subscribers:
         seen = [0.0]
@@ -308,7 +308,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"extra Python calls per step ({backend}): {bare:.1f} with put and no plugins "
                 f"(target 18, budget 30); {subs:.1f} with one inline and one queued subscriber; "
                 f"+{checkpoint_calls(backend):.1f} per yield to the event loop "
-                "(at most one per yield_interval)",
+                "(at most one per yield_interval_s)",
                 flush=True,
             )
     for backend in args.backends:

@@ -2,7 +2,7 @@
 clients costs the training step.
 
 1. Throughput. A producer publishes pre-built put records on the trainer's bus as fast
-   as it can (yielding to the event loop every ``yield_interval``, as the training loop
+   as it can (yielding to the event loop every ``yield_interval_s``, as the training loop
    does); one client, then eight, read them in a separate process with
    ``loopbus.connect``. The figure is records received per second at the clients, from
    the first record any client got to the last (all clients together for eight), with
@@ -175,7 +175,7 @@ class Producer(Plugin):
             for i in range(1024)
         ]
         publish = trainer.publish
-        interval = trainer.yield_interval
+        interval = trainer.yield_interval_s
         start = time.perf_counter()
         next_yield = start + interval
         for i in range(self.n):

@@ -220,9 +220,9 @@ def main() -> None:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--hang-rank", type=int, default=-1)
     parser.add_argument("--hang-at", type=int, default=-1)
-    parser.add_argument("--timeout", type=float, default=60, help="process_group_timeout")
+    parser.add_argument("--timeout", type=float, default=60, help="process_group_timeout_s")
     parser.add_argument(
-        "--stop-check-interval", type=float, default=0.05, help="stop_check_interval"
+        "--stop-check-interval", type=float, default=0.05, help="stop_check_interval_s"
     )
     parser.add_argument(
         "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
@@ -259,7 +259,7 @@ def main() -> None:
     # the tests check that only rank 0's appear.
     plugins: list[Plugin] = [Trouble(args), Loaded(out, rank)]
     if args.csv:
-        plugins.append(CSVLogger(out / f"logs_rank{rank}"))
+        plugins.append(CSVLogger(out / f"logs_rank{rank}", name="", version=""))
     if args.ckpt and args.sharded:
         # One directory that every rank writes its shards into.
         plugins.append(
@@ -279,8 +279,8 @@ def main() -> None:
         # Validation inside the epoch too when a validation handler is to stop the run.
         val_check_interval=5 if args.stop_in == "validation" else None,
         plugins=plugins,
-        process_group_timeout=args.timeout,
-        stop_check_interval=args.stop_check_interval,
+        process_group_timeout_s=args.timeout,
+        stop_check_interval_s=args.stop_check_interval,
         strategy=args.strategy,
         compile={"backend": args.compile} if args.compile else False,
     )

@@ -323,8 +323,8 @@ def scenario_stop(args: argparse.Namespace) -> dict[str, Any]:
     t = Trainer(
         max_epochs=1,
         strategy="fsdp",
-        plugins=[StopOnRank1(), CSVLogger(logs)],
-        stop_check_interval=0,
+        plugins=[StopOnRank1(), CSVLogger(logs, name="", version="")],
+        stop_check_interval_s=0,
     )
     loopbus.run(t.fit, module, DataLoader(data(N_TRAIN, 0), batch_size=8))
     return {

@@ -47,10 +47,18 @@ def test_events_import_neither_torch_nor_the_engine() -> None:
     assert result.stdout.strip() == "[]"
 
 
+#: The engine's packages: everything the plugins sit on, below the facade.
+ENGINE = ("state", "data", "records", "step", "distributed", "checkpoint", "loop", "stage")
+
+
 def test_engine_never_imports_plugins() -> None:
-    for path in (SRC / "engine").rglob("*.py"):
-        for name, _ in imports_of(path):
-            assert not name.startswith("loopbus.plugins"), (path, name)
+    checked: dict[str, int] = {}
+    for package in ENGINE:
+        for path in (SRC / package).rglob("*.py"):
+            checked[package] = checked.get(package, 0) + 1
+            for name, _ in imports_of(path):
+                assert not name.startswith("loopbus.plugins"), (path, name)
+    assert sorted(checked) == sorted(ENGINE), checked  # each package has files to check
 
 
 def test_plugins_import_only_public_names() -> None:
@@ -92,11 +100,11 @@ LAYERS = (
 #: The arrows that point up, each with why. A new one fails the test below; one that is
 #: gone fails it too, so that this list only shrinks.
 UPWARD = {
-    # The public back-references users read: ``Module.trainer``, ``Loop.trainer`` and the
-    # ``Plugin`` hooks' ``trainer`` argument are typed as the public ``loopbus.Trainer``.
-    ("loopbus.step._module", "stage"): "Module.trainer is typed as the public Trainer",
-    ("loopbus.loop._loop", "stage"): "Loop.trainer is typed as the public Trainer",
-    # ``Module.load_from_checkpoint`` reads a checkpoint file (a lazy import).
+    # ``Module.load_from_checkpoint`` reads a checkpoint file: a real arrow at run time (a
+    # lazy import inside the classmethod), kept because the public classmethod belongs on
+    # ``Module`` and reading a checkpoint is the checkpoint package's concern. (``Module.
+    # trainer``, ``Loop.trainer`` and the ``Plugin`` hooks are typed with ``TrainerView``,
+    # defined in ``step/``, so none of them names the stage's ``Trainer``.)
     ("loopbus.step._module", "checkpoint"): "Module.load_from_checkpoint reads a checkpoint",
 }
 

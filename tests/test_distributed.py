@@ -163,7 +163,7 @@ def test_two_nodes_on_one_machine(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("where", "stopped_at"),
     [
-        # Checked at every boundary (stop_check_interval=0): asked by a handler after
+        # Checked at every boundary (stop_check_interval_s=0): asked by a handler after
         # step 10, sent at boundary 10, read at boundary 11.
         pytest.param("handler", 11, id="in-a-handler"),
         # Asked inside step 11: sent at boundary 11, read at boundary 12.
@@ -249,7 +249,7 @@ def test_a_hung_rank_times_the_others_out(tmp_path: Path) -> None:
     output = proc.stdout + proc.stderr
     assert proc.returncode != 0
     assert "rank 1 hangs at step 5" in output
-    # Rank 0 waited in a collective for process_group_timeout, failed, and torchrun then
+    # Rank 0 waited in a collective for process_group_timeout_s, failed, and torchrun then
     # stopped the hung rank.
     assert any(text in output for text in TIMED_OUT), output[-4000:]
     assert not (tmp_path / "summary_rank0.json").exists()
@@ -295,7 +295,7 @@ def test_strategy_is_validated() -> None:
     with pytest.raises(MisconfigurationError, match="strategy"):
         Trainer(strategy="horovod", plugins=[])  # type: ignore[arg-type]
     with pytest.raises(MisconfigurationError, match="process_group_timeout"):
-        Trainer(process_group_timeout=0, plugins=[])
+        Trainer(process_group_timeout_s=0, plugins=[])
     trainer = Trainer(plugins=[])
     assert trainer.strategy.name == "single"
     assert (trainer.world_size, trainer.global_rank, trainer.is_global_zero) == (1, 0, True)

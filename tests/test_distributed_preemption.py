@@ -136,7 +136,7 @@ def test_max_restarts_after_a_sigkilled_worker_resumes_exactly(
 
 #: FSDP with windows of 4 micro-batches: 10 batches a rank an epoch (windows 0-3, 4-7 and
 #: 8-9), 3 optimizer steps an epoch, 9 in all; a checkpoint every 4 steps. The stop is
-#: checked at every boundary (``stop_check_interval=0``), so a signal while batch 5 of
+#: checked at every boundary (``stop_check_interval_s=0``), so a signal while batch 5 of
 #: epoch 1 runs (the window's second micro-batch) is agreed after batch 6: three
 #: micro-batches into the window that starts after step 4.
 FSDP_WINDOW = (

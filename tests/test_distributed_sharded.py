@@ -92,6 +92,15 @@ def test_killed_sharded_job_resumes_bit_identical(
         assert _step_of(last) == 10
     assert last is None or (last / SHARDED_MARKER).is_file()
     step = _step_of(last)
+    # A kill that lands after a background save completed its checkpoint but before it
+    # moved last.json leaves that checkpoint complete and unnamed: the resume follows the
+    # pointer (to the one before), and the checkpoint is kept, never replaced or removed
+    # (the resumed run names its own save of that step apart). Seen under load only.
+    unnamed = sorted(
+        p.name
+        for p in (directory.iterdir() if directory.exists() else [])
+        if (p / SHARDED_MARKER).is_file() and _step_of(p) > step
+    )
     _ok(_launch(killed, *common, "--resume"))
     # The resumed job loaded the last complete checkpoint (or started afresh).
     assert torch.load(killed / "loaded_rank0.pt", weights_only=True)["step"] == step
@@ -102,11 +111,9 @@ def test_killed_sharded_job_resumes_bit_identical(
         )
     assert _summary(killed, 0)["step"] == _summary(uninterrupted, 0)["step"] == 32
     # The dead writers' temporaries are gone; whole directories were kept and removed.
-    assert sorted(p.name for p in directory.iterdir()) == [
-        "epoch=1-step=30.ckpt",
-        "epoch=1-step=32.ckpt",
-        "last.json",
-    ]
+    assert sorted(p.name for p in directory.iterdir()) == sorted(
+        ["epoch=1-step=30.ckpt", "epoch=1-step=32.ckpt", "last.json", *unnamed]
+    )
 
 
 def test_a_sharded_checkpoint_consolidates_in_one_process(

@@ -522,7 +522,7 @@ async def test_closing_events_per_ending(ending: str, executor: str) -> None:
         assert trainer.global_step == 3
     elif ending == "cancelled":
         # Inline steps notice a cancellation when they next yield to the event loop
-        # (at most `yield_interval` later).
+        # (at most `yield_interval_s` later).
         assert 3 <= trainer.global_step < 1000 * 4
 
 
@@ -545,7 +545,7 @@ def _new_run(
         max_epochs=3,
         plugins=list(plugins),
         executor=executor,  # type: ignore[arg-type]
-        yield_interval=0,
+        yield_interval_s=0,
     )
     records: list[PutRecord] = []
     trainer.subscribe(PutRecord, records.append)

@@ -148,7 +148,7 @@ def test_a_module_built_on_meta_is_materialised_like_a_normal_one(tmp_path: Path
 def test_a_stop_on_one_rank_stops_both_and_loggers_act_on_rank_zero(tmp_path: Path) -> None:
     s0, s1 = _run(tmp_path, "stop")
     # Asked by a handler after step 5, sent at boundary 5, read at boundary 6
-    # (stop_check_interval=0), as under DDP.
+    # (stop_check_interval_s=0), as under DDP.
     assert s0["step"] == s1["step"] == 6
     assert s1["stop_reason"] == "rank 1 asked at step 5"
     assert s0["stop_reason"] == "rank 1 asked at step 5 (on rank 1)"

@@ -46,6 +46,7 @@ from ._exceptions import fixup_module_metadata as _fixup_module_metadata
 from ._untrusted import check_json_nesting as check_json_nesting
 from ._validate import check_choice as check_choice
 from ._validate import check_int as check_int
+from ._validate import check_local_path as check_local_path
 from ._validate import check_number as check_number
 from ._version import __version__ as __version__
 from .events import DESTINATIONS as DESTINATIONS
@@ -60,6 +61,7 @@ from .stream import connect as connect
 if TYPE_CHECKING:
     from . import plugins as plugins
     from .checkpoint import CheckpointMismatch as CheckpointMismatch
+    from .checkpoint import CheckpointRegistry as CheckpointRegistry
     from .checkpoint import ShardedCheckpointWriter as ShardedCheckpointWriter
     from .checkpoint import ShardedSave as ShardedSave
     from .checkpoint import checkpoint_info as checkpoint_info
@@ -95,6 +97,7 @@ if TYPE_CHECKING:
     from .step import Module as Module
     from .step import Precision as Precision
     from .step import SchedulerConfig as SchedulerConfig
+    from .step import TrainerView as TrainerView
     from .step import register_precision as register_precision
 
 
@@ -108,6 +111,7 @@ _ENGINE_NAMES = {
     "consolidate_checkpoint": "checkpoint",
     "is_sharded_checkpoint": "checkpoint",
     "CheckpointMismatch": "checkpoint",
+    "CheckpointRegistry": "checkpoint",
     "DDPStrategy": "distributed",
     "Delivery": "stage",
     "EvaluationLoop": "loop",
@@ -129,6 +133,7 @@ _ENGINE_NAMES = {
     "TrainEpochLoop": "loop",
     "Trainer": "stage",
     "TrainerOptions": "stage",
+    "TrainerView": "step",
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
     "register_destination": "records",
@@ -153,6 +158,7 @@ __all__ = [
     "CustomEvent",
     "Delivery",
     "CheckpointMismatch",
+    "CheckpointRegistry",
     "DDPStrategy",
     "EvaluationLoop",
     "Event",
@@ -185,10 +191,12 @@ __all__ = [
     "TrainEpochLoop",
     "Trainer",
     "TrainerOptions",
+    "TrainerView",
     "__version__",
     "check_choice",
     "check_int",
     "check_json_nesting",
+    "check_local_path",
     "fsync_dir",
     "naming_errors",
     "replace_atomically",

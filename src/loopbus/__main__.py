@@ -5,7 +5,9 @@
 step and rate of each name); ``loopbus watch --jsonl ADDRESS`` prints one JSON object
 per record instead, for piping into other tools. ``ADDRESS`` is what the run's
 ``StreamServer`` printed: ``tcp://127.0.0.1:PORT`` or ``unix:///path``.
-``loopbus consolidate CHECKPOINT OUT`` writes a sharded checkpoint as one file.
+``loopbus consolidate CHECKPOINT OUT`` writes a sharded checkpoint as one file;
+``CHECKPOINT`` may be the Checkpoint plugin's folder (its newest complete sharded
+checkpoint is taken, and named on stderr).
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import os
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio
@@ -34,6 +38,8 @@ if TYPE_CHECKING:
 __all__ = ["main"]
 
 _RATE_WINDOW = 64
+#: The names a checkpoint file has (loopbus writes .ckpt; .pt and .pth are taken too).
+_CHECKPOINT_FILES = (".ckpt", ".pt", ".pth")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -130,10 +136,16 @@ def _add_consolidate(commands: argparse._SubParsersAction[argparse.ArgumentParse
         description=(
             "Read every shard of a sharded checkpoint (a directory the Checkpoint plugin "
             "wrote with sharded=True) in this process and write it as one checkpoint file, "
-            "loadable with torch.load(OUT, weights_only=True). OUT must not exist."
+            "loadable with torch.load(OUT, weights_only=True). CHECKPOINT is that "
+            "directory, or the Checkpoint plugin's folder: then its newest complete "
+            "sharded checkpoint is taken (the one its last.json names, if it is one), and "
+            "named on stderr. OUT must not exist."
         ),
     )
-    consolidate.add_argument("checkpoint", help="the sharded checkpoint's directory")
+    consolidate.add_argument(
+        "checkpoint",
+        help="a sharded checkpoint's directory, or a folder of checkpoints (its newest is taken)",
+    )
     consolidate.add_argument("out", help="the checkpoint file to write")
     consolidate.set_defaults(run=_consolidate)
 
@@ -144,12 +156,119 @@ def _consolidate(args: argparse.Namespace) -> int:
     from .checkpoint import consolidate_checkpoint
 
     try:
-        written = consolidate_checkpoint(args.checkpoint, args.out)
+        source = _sharded_source(Path(args.checkpoint))
+        written = consolidate_checkpoint(source, args.out)
     except CheckpointError as exc:
         print(f"loopbus consolidate: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {written}")
     return 0
+
+
+def _sharded_source(path: Path) -> Path:
+    """The sharded checkpoint ``loopbus consolidate PATH`` means: ``path`` itself when it
+    is one (or is no directory: consolidating says what is wrong with it); in a folder of
+    checkpoints, the one its ``last.json`` names if that is a complete sharded checkpoint,
+    else its newest complete sharded checkpoint, said on stderr. Raises
+    :class:`~loopbus.CheckpointError` saying what the folder holds when it holds none."""
+    from .checkpoint import is_sharded_checkpoint, latest_checkpoint
+
+    if not path.is_dir() or is_sharded_checkpoint(path):
+        return path
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        last = latest_checkpoint(path)  # what ckpt_path="last" would load from it
+    skipped = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+    if last is not None and is_sharded_checkpoint(last):
+        chosen: Path | None = last
+    else:
+        chosen = _newest_sharded(path)
+    if chosen is None:
+        raise _no_sharded_checkpoint(path)
+    if chosen == last:
+        for message in skipped:  # checkpoints newer than it that are not complete
+            print(f"loopbus consolidate: {message}", file=sys.stderr)
+    print(
+        f"loopbus consolidate: {path} is a folder of checkpoints; consolidating its newest "
+        f"complete sharded checkpoint, {chosen.name}{_step_of(chosen)}.",
+        file=sys.stderr,
+    )
+    return chosen
+
+
+def _sharded_in(folder: Path) -> list[Path]:
+    """The sharded checkpoints' directories in ``folder``, complete or not."""
+    from .checkpoint import is_sharded_checkpoint
+
+    try:
+        entries = sorted(folder.iterdir())
+    except OSError:
+        return []
+    return [p for p in entries if not p.name.startswith(".") and is_sharded_checkpoint(p)]
+
+
+def _newest_sharded(folder: Path) -> Path | None:
+    """The newest complete sharded checkpoint in ``folder`` (the highest step its marker
+    records, then the latest), None if there is none."""
+    from ._exceptions import CheckpointError
+    from .checkpoint._locate import newest
+    from .checkpoint._sharded_load import verify_sharded
+
+    complete = []
+    for candidate in _sharded_in(folder):
+        try:
+            verify_sharded(candidate)
+        except CheckpointError:
+            continue
+        complete.append(candidate)
+    return newest(complete)
+
+
+def _step_of(checkpoint: Path) -> str:
+    from ._exceptions import CheckpointError
+    from .checkpoint import checkpoint_info
+
+    try:
+        info = checkpoint_info(checkpoint) or {}
+    except CheckpointError:
+        return ""
+    step = info.get("global_step")
+    return f" (step {step})" if isinstance(step, int) else ""
+
+
+def _no_sharded_checkpoint(folder: Path) -> Exception:
+    """The error for a folder without a complete sharded checkpoint: what it holds, and
+    what to pass instead."""
+    from ._exceptions import CheckpointError
+    from .checkpoint._sharded_load import verify_sharded
+
+    broken = []
+    for candidate in _sharded_in(folder):
+        try:
+            verify_sharded(candidate)
+        except CheckpointError as exc:
+            broken.append(f"{candidate.name} ({exc})")
+    try:
+        files = sorted(
+            p.name for p in folder.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_FILES
+        )
+    except OSError:
+        files = []
+    held = []
+    if files:
+        shown = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
+        held.append(
+            f"{len(files)} checkpoint file(s) ({shown}), each one file already: load one "
+            "directly, there is nothing to consolidate"
+        )
+    if broken:
+        held.append(f"incomplete sharded checkpoint(s): {'; '.join(broken[:3])}")
+    holds = "; ".join(held) if held else "no checkpoint at all"
+    return CheckpointError(
+        f"{folder} holds no complete sharded checkpoint: it holds {holds}. Pass a sharded "
+        "checkpoint's directory (one the Checkpoint plugin wrote with sharded=True), or the "
+        "folder such checkpoints were written into."
+    )
 
 
 def _dashboard(args: argparse.Namespace) -> int:
@@ -225,19 +344,15 @@ async def _watch(args: argparse.Namespace, names: list[str] | None) -> int:
 
 
 async def _print_jsonl(stream: Stream, out: IO[bytes] | None = None) -> None:
-    """One JSON object per record (and event), with its sequence number first; gap
-    notices go to stderr. Flushed whenever the stream has nothing more buffered."""
+    """One JSON object per record (and event), with its sequence number first, written
+    and flushed as it arrives (a pipe or a file sees each line at once); gap notices go
+    to stderr."""
     out = out if out is not None else sys.stdout.buffer
     encode = msgspec.json.Encoder().encode
     try:
         async for item in stream:
             if type(item) is Gap:
-                print(
-                    f"loopbus watch: {item.count} records dropped (seq {item.seq} to "
-                    f"{item.seq + item.count - 1}): reading too slowly",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                _say_gap(item)
                 continue
             value = getattr(item, "value", None)
             if type(value) is float and not math.isfinite(value):
@@ -250,14 +365,25 @@ async def _print_jsonl(stream: Stream, out: IO[bytes] | None = None) -> None:
                 fields = msgspec.structs.asdict(item)
                 line = encode({"seq": stream.seq, "type": type(item).__name__, **fields})
             out.write(line + b"\n")
-            if not stream.buffered:
-                out.flush()
-        out.flush()
+            out.flush()
     except BrokenPipeError:
-        # The reader went away (`| head`): stop quietly, and keep Python from complaining
-        # about the unflushed stdout at exit.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
+        _reader_gone()
+
+
+def _say_gap(gap: Gap) -> None:
+    print(
+        f"loopbus watch: {gap.count} records dropped (seq {gap.seq} to "
+        f"{gap.seq + gap.count - 1}): reading too slowly",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+def _reader_gone() -> None:
+    """The reader of stdout went away (``| head``): stop quietly, and keep Python from
+    complaining about the unflushed stdout at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
 
 
 class _Row:
@@ -354,6 +480,8 @@ def _take(item: Any, rows: dict[str, _Row], status: _Status) -> None:
 
 
 async def _show_table(stream: Stream) -> None:
+    """A live table on a terminal; on a pipe or a file, a line per record and event as
+    it arrives, then the table as it ended."""
     from rich.console import Console
     from rich.live import Live
 
@@ -362,11 +490,42 @@ async def _show_table(stream: Stream) -> None:
     status = _Status(welcome.stage if welcome is not None else None)
     render = functools.partial(_table, stream, rows, status)
     console = Console(stderr=False)
+    if not console.is_terminal:
+        try:
+            await _print_lines(stream, rows, status, sys.stdout)
+            _ended(stream, status)
+            console.print(render())
+            sys.stdout.flush()
+        except BrokenPipeError:
+            _reader_gone()
+        return
     with Live(get_renderable=render, console=console, refresh_per_second=4, transient=False):
         async for item in stream:
             _take(item, rows, status)
-        if stream.bye is not None:
-            status.last = f"ended: {stream.bye.reason or 'the server closed'}"
+        _ended(stream, status)
+
+
+async def _print_lines(
+    stream: Stream, rows: dict[str, _Row], status: _Status, out: IO[str]
+) -> None:
+    """A line per record (``name = value (step S, epoch E)``) and per event (what the
+    table's caption says of it), each written and flushed as it arrives."""
+    async for item in stream:
+        if isinstance(item, Gap):
+            _say_gap(item)
+            continue
+        _take(item, rows, status)
+        if type(item) is PutRecord:
+            line = f"{item.name} = {_fmt(item.value)} (step {item.step}, epoch {item.epoch})"
+        else:
+            line = f"-- {status.last} (step {item.step}, epoch {item.epoch})"
+        out.write(line + "\n")
+        out.flush()
+
+
+def _ended(stream: Stream, status: _Status) -> None:
+    if stream.bye is not None:
+        status.last = f"ended: {stream.bye.reason or 'the server closed'}"
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ every layer may use it. Plugins reach these checks as ``loopbus.check_int`` and 
 from __future__ import annotations
 
 import math
+import os
+import re
 from collections.abc import Iterable, Mapping
 from typing import Literal, TypeVar, overload
 
 from ._exceptions import MisconfigurationError
 
-__all__ = ["check_choice", "check_int", "check_number"]
+__all__ = ["check_choice", "check_int", "check_local_path", "check_number"]
 
 T = TypeVar("T")
 
@@ -203,3 +205,26 @@ def check_choice(
     else:
         requirement = "".join(described)
     raise _fail(_subject(name, owner), requirement, value, hint, error)
+
+
+#: A URL's scheme: ``s3://``, ``gs://``, ``http://``, ``file://`` (not a Windows drive).
+_URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]+)://")
+
+def check_local_path(name: str, value: T, *, owner: str | None = None) -> T:
+    """``value`` as it is, unless it is a URL (``s3://bucket/run``, ``gs://``,
+    ``http://``, ``file://``, ...): loopbus reads and writes local paths only for now, and
+    a URL taken as a path would write into a local folder named ``s3:`` without a word.
+    A mounted filesystem (NFS, a FUSE mount of a bucket) is a local path and works."""
+    text: object = value
+    if isinstance(value, os.PathLike):
+        text = value.__fspath__()
+    match = _URL.match(text) if isinstance(text, str) else None
+    if match is None:
+        return value
+    scheme = match.group(1)
+    subject = f"{owner}({name}={text!r})" if owner else f"{name}={text!r}"
+    raise MisconfigurationError(
+        f"{subject} is a URL ({scheme}://), but loopbus reads and writes local paths only "
+        "for now: pass a local path (a mounted network filesystem or bucket mount works "
+        f"as one) and copy the files to {scheme}:// afterwards."
+    )

@@ -129,9 +129,11 @@ def _slow_second_signal(ready: Path) -> None:
     """Once the signal's batch has started (``ready``), the checkpoint writer's file fsync
     sends SIGTERM again and waits: the second signal arrives while the checkpoint is
     being written."""
+    from loopbus import _durable
     from loopbus.checkpoint import _write as _checkpoint_io
 
     real = os.fsync
+    real_write = _checkpoint_io._write_durably
 
     class _Os:
         def __getattr__(self, name: str) -> Any:
@@ -144,7 +146,15 @@ def _slow_second_signal(ready: Path) -> None:
                 os.kill(os.getpid(), signal.SIGTERM)
                 time.sleep(10)
 
-    vars(_checkpoint_io)["os"] = _Os()
+    def write_durably(*args: Any, **kwargs: Any) -> Any:
+        # Checkpoint writes only: the loggers write through the same function.
+        vars(_durable)["os"] = _Os()
+        try:
+            return real_write(*args, **kwargs)
+        finally:
+            vars(_durable)["os"] = os
+
+    vars(_checkpoint_io)["_write_durably"] = write_durably
 
 
 def main(args: argparse.Namespace) -> None:
@@ -172,8 +182,8 @@ def main(args: argparse.Namespace) -> None:
     )
     plugins: list[Plugin] = [
         checkpoint,
-        CSVLogger(directory / "logs"),
-        JSONLLogger(directory / "logs"),
+        CSVLogger(directory / "logs", name="", version=""),
+        JSONLLogger(directory / "logs", name="", version=""),
         Seen(directory / f"events_rank{rank}.json"),
     ]
     if args.kill_rank1_at_step is not None:
@@ -182,9 +192,9 @@ def main(args: argparse.Namespace) -> None:
     if args.exit_code is not None:
         options["preemption_exit_code"] = args.exit_code
     if args.grace is not None:
-        options["preemption_grace"] = args.grace
+        options["preemption_grace_s"] = args.grace
     if args.stop_check_interval is not None:
-        options["stop_check_interval"] = args.stop_check_interval
+        options["stop_check_interval_s"] = args.stop_check_interval
     if args.strategy is not None:
         options["strategy"] = args.strategy
     trainer = Trainer(
@@ -219,7 +229,6 @@ def main(args: argparse.Namespace) -> None:
                     if handler is not None
                     else restored == signal.SIG_DFL,
                     "last": str(checkpoint.last_checkpoint_path),
-                    "last_model_path": str(checkpoint.last_model_path),
                 }
             )
         )

@@ -267,7 +267,7 @@ def test_compiled_code_hands_out_copies_not_views() -> None:
     module.bind_recorder(recorder, "train")
     step = torch.compile(module.training_step, backend="aot_eager", fullgraph=True)
     loss = recorder.run_compiled(step, batches([4])[0], None)
-    (_, put_loss, _, _), (_, put_bias, _, _) = recorder.pending
+    (_, put_loss, _, _), (_, put_bias, _, _) = recorder.peek()
     for value, of in ((put_loss, loss), (put_bias, module.fc2.bias)):
         assert value._base is None
         assert not value.requires_grad
@@ -276,9 +276,9 @@ def test_compiled_code_hands_out_copies_not_views() -> None:
     assert put_bias.item() == module.fc2.bias[0].item()
     # Eager puts keep the cheaper detached view (no copy).
     recorder.use_device(torch.device("cpu"), compiled=False)
-    recorder.pending.clear()
+    recorder.discard_pending()
     module.put("loss", loss)
-    assert recorder.pending[0][1].untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
+    assert recorder.peek()[0][1].untyped_storage().data_ptr() == loss.untyped_storage().data_ptr()
 
 
 async def _legs(tmp_path: Path, compiles: list[Any]) -> tuple[EightPuts, list[Path]]:

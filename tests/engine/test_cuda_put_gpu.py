@@ -78,7 +78,7 @@ async def test_no_sync_per_step_with_put_bar_and_csv(tmp_path: Path) -> None:
     plugins = [
         SyncsAreErrors(),
         ProgressBar(file=io.StringIO()),
-        CSVLogger(tmp_path),
+        CSVLogger(tmp_path, name="", version=""),
         Collect(),
     ]
     try:

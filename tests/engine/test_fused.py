@@ -1,7 +1,8 @@
-"""The eager fast path: without the leak check the training loop runs a fused iteration
-(one call for what ``on_advance_start``, ``advance`` and ``on_advance_end`` do) while
-nobody subscribes to ``TrainBatchStarted``, and reuses one iteration scope. It trains
-bit for bit as the evented path, and subscriptions made mid-run take effect at once."""
+"""The one iteration path: the training loop's hooks are composed once per run (a hook
+with nothing to do in the run is left out) and ``TrainBatchStarted`` is built and
+delivered only while someone subscribes; without the leak check one iteration scope
+serves the run. A run trains bit for bit the same with and without a subscriber and with
+the leak check, and subscriptions made mid-run take effect at once."""
 
 from __future__ import annotations
 
@@ -11,25 +12,27 @@ import pytest
 import torch
 
 from loopbus import PutRecord, Trainer
-from loopbus.events import TrainBatchCompleted, TrainBatchStarted, ValidationCompleted
-from loopbus.loop import _loops
+from loopbus.events import LoopEvent, TrainBatchCompleted, TrainBatchStarted, ValidationCompleted
 from loopbus.loop._loops import TrainEpochLoop
 from loopbus.state._scope import Scope
 from tests.helpers import TinyModule, load_benchmark, make_loader
 
 
 @pytest.fixture
-def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """How many batches ran through the fused iteration."""
-    calls: list[int] = []
-    real = _loops._fused_train_batch
+def started_built(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The batches whose ``TrainBatchStarted`` was built (only while someone subscribes)."""
+    built: list[int] = []
+    real = TrainEpochLoop.make_event
 
-    async def counted(loop: TrainEpochLoop, it: Scope) -> None:
-        calls.append(loop.progress.current.ready - 1)
-        await real(loop, it)
+    def counted(
+        self: TrainEpochLoop, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any
+    ) -> Any:
+        if event_type is TrainBatchStarted:
+            built.append(self.progress.current.ready - 1)
+        return real(self, event_type, ctx, **fields)
 
-    monkeypatch.setattr(_loops, "_fused_train_batch", counted)
-    return calls
+    monkeypatch.setattr(TrainEpochLoop, "make_event", counted)
+    return built
 
 
 Record = tuple[str, int, int, float]
@@ -66,18 +69,18 @@ async def _fit(
         pytest.param({"accumulate_grad_batches": 2, "gradient_clip_val": 0.5}, id="accumulate"),
     ],
 )
-async def test_the_fused_and_the_evented_path_train_bit_identically(
-    options: dict[str, Any], fused_calls: list[int]
+async def test_a_run_trains_bit_identically_with_or_without_subscribers(
+    options: dict[str, Any], started_built: list[int]
 ) -> None:
     fused_weights, fused_records, fused_vals = await _fit(evented=False, **options)
-    assert fused_calls == [0, 1, 2, 3, 4] * 2  # every batch of both epochs, fused
-    fused_calls.clear()
+    assert started_built == []  # nobody subscribes: no TrainBatchStarted is built
     weights, records, vals = await _fit(evented=True, **options)
-    assert fused_calls == []  # a TrainBatchStarted subscriber: the hooks run one by one
+    assert started_built == [0, 1, 2, 3, 4] * 2  # every batch of both epochs
+    started_built.clear()
     tracked_weights, tracked_records, tracked_vals = await _fit(
         evented=False, leak_check="raise", **options
     )
-    assert fused_calls == []  # the leak check runs the hooks (and fresh scopes)
+    assert started_built == []  # the leak check labels the hooks and scopes, nothing more
     assert fused_records == records == tracked_records
     assert fused_vals == vals == tracked_vals
     assert len(fused_records) > 10
@@ -87,7 +90,7 @@ async def test_the_fused_and_the_evented_path_train_bit_identically(
 
 
 async def test_a_subscriber_added_mid_run_receives_every_following_event(
-    fused_calls: list[int],
+    started_built: list[int],
 ) -> None:
     trainer = Trainer(max_epochs=1, plugins=[], device="cpu", leak_check=None)
     started: list[int] = []
@@ -100,15 +103,15 @@ async def test_a_subscriber_added_mid_run_receives_every_following_event(
             handles.append(trainer.subscribe(TrainBatchStarted, lambda e: started.append(e.batch_idx)))
             handles.append(trainer.subscribe(TrainBatchCompleted, lambda e: completed.append(e.batch_idx)))
         if record.step == 6:
-            handles[0].unsubscribe()  # nobody watches batches start again: fused again
+            handles[0].unsubscribe()  # nobody watches batches start again
 
     trainer.subscribe(PutRecord, on_record)
     await trainer.fit(TinyModule(), make_loader(128, 16))
     # Subscribed during batch 2: its completion and everything after it arrive.
     assert completed == [2, 3, 4, 5, 6, 7]
     assert started == [3, 4, 5]
-    # Fused before the subscription and after TrainBatchStarted lost its subscriber.
-    assert fused_calls == [0, 1, 2, 6, 7]
+    # Built only while subscribed.
+    assert started_built == [3, 4, 5]
 
 
 async def test_one_iteration_scope_serves_the_run_and_is_emptied_after_each_batch() -> None:
@@ -129,13 +132,24 @@ async def test_one_iteration_scope_serves_the_run_and_is_emptied_after_each_batc
     scopes.clear()
 
 
-def test_a_subclass_that_overrides_an_iteration_hook_runs_the_hooks() -> None:
+async def test_a_subclass_that_overrides_an_iteration_hook_has_it_run() -> None:
+    calls: list[str] = []
+
     class Logged(TrainEpochLoop):
         async def on_advance_start(self, ctx: Scope) -> None:
             await super().on_advance_start(ctx)
+            calls.append("start")
 
-    assert TrainEpochLoop().fused_iteration() is not None
-    assert Logged().fused_iteration() is None
+        async def on_advance_end(self, ctx: Scope) -> None:
+            # Not left out although no validation runs inside the epoch: it is not
+            # TrainEpochLoop's own.
+            await super().on_advance_end(ctx)
+            calls.append("end")
+
+    trainer = Trainer(max_steps=3, plugins=[], device="cpu", leak_check=None)
+    trainer.fit_loop.replace(epoch_loop=Logged)
+    await trainer.fit(TinyModule(), make_loader(64, 16))
+    assert calls == ["start", "end"] * 3
 
 
 @pytest.mark.parametrize("backend", ["asyncio", "trio"])

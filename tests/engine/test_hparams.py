@@ -130,7 +130,7 @@ async def test_file_loggers_write_them_beside_their_files(
 ) -> None:
     yaml = pytest.importorskip("yaml")
     net = Net(hidden=5, sizes=(3,), extra={"opt": {"beta": 0.9}})
-    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path / "csv")], device="cpu")
+    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path / "csv", name="", version="")], device="cpu")
     await trainer.fit(net, make_loader(n=16))
     written = yaml.safe_load((tmp_path / "csv" / "hparams.yaml").read_text())
     assert written == {**dict(net.hparams), "sizes": [3]}  # a tuple reads back as a list
@@ -139,13 +139,13 @@ async def test_file_loggers_write_them_beside_their_files(
     from loopbus.plugins.loggers import _files as _loggers
 
     monkeypatch.setattr(_loggers, "_have_yaml", lambda: False)
-    trainer = Trainer(max_steps=1, plugins=[JSONLLogger(tmp_path / "jsonl")], device="cpu")
+    trainer = Trainer(max_steps=1, plugins=[JSONLLogger(tmp_path / "jsonl", name="", version="")], device="cpu")
     await trainer.fit(net, make_loader(n=16))
     assert json.loads((tmp_path / "jsonl" / "hparams.json").read_text()) == written
     assert not (tmp_path / "jsonl" / "hparams.yaml").exists()
 
     # A module that saved none: no file.
-    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path / "none")], device="cpu")
+    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path / "none", name="", version="")], device="cpu")
     await trainer.fit(TinyModule(), make_loader(n=16))
     assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["metrics.csv"]
 
@@ -156,7 +156,7 @@ async def test_tensorboard_shows_them_in_the_same_run(tmp_path: Path) -> None:
     from tensorboard.plugins.hparams.plugin_data_pb2 import HParamsPluginData
 
     net = Net(hidden=5, name="tb", extra={"opt": {"beta": 0.9}, "n": None})
-    trainer = Trainer(max_steps=2, plugins=[TensorBoardLogger(tmp_path)], device="cpu")
+    trainer = Trainer(max_steps=2, plugins=[TensorBoardLogger(tmp_path, name="", version="")], device="cpu")
     await trainer.fit(net, make_loader(n=32))
     assert not [name for name in os.listdir(tmp_path) if (tmp_path / name).is_dir()]  # one run
     acc = EventAccumulator(str(tmp_path))

@@ -117,7 +117,7 @@ async def test_grace_sets_the_deadline_and_the_exit_code_is_the_option(
         enable_model_summary=False,
         preemption=True,
         preemption_exit_code=3,
-        preemption_grace=300,
+        preemption_grace_s=300,
     )
     with pytest.raises(Preempted) as info:
         await trainer.fit(TinyModule(), make_loader(64, 4))
@@ -190,7 +190,7 @@ def test_outside_the_main_thread_the_handlers_are_left_alone(
         ({"preemption": 1}, r"preemption must be 'auto'.*got 1"),
         ({"preemption_exit_code": 300}, r"preemption_exit_code must be an exit status in 0\.\.255"),
         ({"preemption_exit_code": True}, r"preemption_exit_code must be.*got True"),
-        ({"preemption_grace": 0}, r"preemption_grace"),
+        ({"preemption_grace_s": 0}, r"preemption_grace"),
     ],
 )
 def test_bad_options_are_named(options: dict[str, Any], message: str) -> None:
@@ -199,8 +199,8 @@ def test_bad_options_are_named(options: dict[str, Any], message: str) -> None:
 
 
 def test_options_are_read_only_attributes() -> None:
-    trainer = Trainer(preemption=False, preemption_exit_code=0, preemption_grace=20)
-    assert (trainer.preemption, trainer.preemption_exit_code, trainer.preemption_grace) == (
+    trainer = Trainer(preemption=False, preemption_exit_code=0, preemption_grace_s=20)
+    assert (trainer.preemption, trainer.preemption_exit_code, trainer.preemption_grace_s) == (
         False,
         0,
         20.0,
@@ -214,14 +214,11 @@ async def test_last_checkpoint_path_is_a_property_and_calling_it_is_deprecated(
 ) -> None:
     checkpoint = Checkpoint(tmp_path, every_n_steps=2)
     assert checkpoint.last_checkpoint_path is None
-    assert checkpoint.last_model_path is None
     trainer = Trainer(max_epochs=1, plugins=[checkpoint], enable_model_summary=False)
     await trainer.fit(TinyModule(), make_loader(32, 8))
     # The end-of-fit save, after the periodic one of the same step (which it keeps).
     last = tmp_path / "epoch=0-step=4-v1.ckpt"
     assert checkpoint.last_checkpoint_path == last
-    assert checkpoint.last_model_path == last
-    assert type(checkpoint.last_model_path) is type(Path())
     with pytest.warns(DeprecationWarning, match="property now"):
         called = checkpoint.last_checkpoint_path()
     assert called == last

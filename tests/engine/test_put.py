@@ -26,7 +26,7 @@ _RECORDERS: weakref.WeakKeyDictionary[Module, Any] = weakref.WeakKeyDictionary()
 
 
 def pending(m: Module) -> list[Any]:
-    return _RECORDERS[m].pending  # type: ignore[no-any-return]
+    return _RECORDERS[m].peek()  # type: ignore[no-any-return]
 
 
 def test_put_accepts_numbers_and_one_element_tensors(module: Module) -> None:

@@ -49,7 +49,7 @@ _RECORDERS: weakref.WeakKeyDictionary[Module, Any] = weakref.WeakKeyDictionary()
 
 
 def pending(m: Module) -> list[Any]:
-    return _RECORDERS[m].pending  # type: ignore[no-any-return]
+    return _RECORDERS[m].peek()  # type: ignore[no-any-return]
 
 
 # ---------------------------------------------------------------- (a) refused at put
@@ -473,13 +473,16 @@ HAS_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 @pytest.mark.parametrize("case", list(CASES))
 async def test_accepted_values_reach_every_consumer_unchanged(case: str, tmp_path: Path) -> None:
     items = CASES[case]
-    plugins: list[Any] = [CSVLogger(tmp_path), JSONLLogger(tmp_path)]
+    plugins: list[Any] = [
+        CSVLogger(tmp_path, name="", version=""),
+        JSONLLogger(tmp_path, name="", version=""),
+    ]
     progress = io.StringIO()
     plugins.append(ProgressBar(file=progress))
     if HAS_TENSORBOARD:
         from loopbus.plugins import TensorBoardLogger
 
-        plugins.append(TensorBoardLogger(tmp_path / "tb"))
+        plugins.append(TensorBoardLogger(tmp_path / "tb", name="", version=""))
     steps = 2
     async with serving(
         Putter(items), train=make_loader(16 * steps), plugins=tuple(plugins), device="cpu"

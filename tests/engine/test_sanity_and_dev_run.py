@@ -96,7 +96,7 @@ async def test_a_broken_validation_step_fails_before_any_training_step() -> None
 async def test_sanity_records_reach_no_plugin_logger_or_latest(tmp_path: Path) -> None:
     module = Counting()
     witness = Witness()
-    logger = JSONLLogger(tmp_path)
+    logger = JSONLLogger(tmp_path, name="", version="")
     stopper = EarlyStopping("val/epoch_metric", patience=5)
     checkpoint = Checkpoint(tmp_path / "ckpt", monitor="val/epoch_metric")
     trainer = Trainer(max_epochs=1, plugins=[witness, logger, stopper, checkpoint], device="cpu")
@@ -113,7 +113,7 @@ async def test_sanity_records_reach_no_plugin_logger_or_latest(tmp_path: Path) -
     assert names.count("val/loss") == 4
     assert "sanity/only" not in trainer.latest
     assert stopper.checks == 1
-    assert checkpoint.best_model_score == 0.5
+    assert checkpoint.best_value == 0.5
     logged = [r.name for r in read_jsonl(logger.path)]
     assert "sanity/only" not in logged
     assert logged.count("val/epoch_metric") == 1
@@ -168,8 +168,8 @@ async def test_fast_dev_run_runs_one_batch_of_each_stage_and_writes_no_files(
     module = Counting()
     plugins = [
         Checkpoint(tmp_path / "ckpt", every_n_steps=1),
-        CSVLogger(tmp_path / "csv"),
-        JSONLLogger(tmp_path / "jsonl"),
+        CSVLogger(tmp_path / "csv", name="", version=""),
+        JSONLLogger(tmp_path / "jsonl", name="", version=""),
     ]
     with caplog.at_level(logging.WARNING, logger="loopbus"):
         trainer = Trainer(fast_dev_run=True, max_epochs=50, plugins=plugins, device="cpu")

@@ -287,7 +287,7 @@ def test_best_and_last_resolve_to_complete_directories(tmp_path: Path) -> None:
     best = Checkpoint(tmp_path / "best", sharded=True, monitor="val/loss", keep_best=1)
     trainer = Trainer(max_epochs=3, plugins=[best], device="cpu")
     loopbus.run(trainer.fit, net, train, val)
-    path = best.best_model_path
+    path = best.best_checkpoint_path
     assert path is not None
     assert (path / SHARDED_MARKER).is_file()
     expected = loopbus.load_checkpoint(path)["module"]

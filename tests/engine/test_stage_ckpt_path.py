@@ -59,8 +59,8 @@ async def fitted(tmp_path: Path) -> tuple[Trainer, Drifting, Checkpoint]:
     trainer = Trainer(max_epochs=len(SCORES), plugins=[checkpoint], device="cpu")
     module = Drifting()
     await trainer.fit(module, make_loader(n=32), make_loader(n=16))
-    assert checkpoint.best_model_score == 0.9
-    assert checkpoint.best_model_path == tmp_path / "epoch=1-step=4.ckpt"
+    assert checkpoint.best_value == 0.9
+    assert checkpoint.best_checkpoint_path == tmp_path / "epoch=1-step=4.ckpt"
     # The weights differ from epoch to epoch, so whose weights were used is telling.
     assert not torch.equal(module.at_epoch[1], module.at_epoch[3])
     return trainer, module, checkpoint
@@ -155,8 +155,8 @@ async def test_two_monitored_checkpoint_plugins_are_ambiguous(tmp_path: Path) ->
     trainer = Trainer(max_epochs=2, plugins=plugins, device="cpu")
     module = Drifting()
     await trainer.fit(module, make_loader(n=16), make_loader(n=16))
-    with pytest.raises(MisconfigurationError, match=r"ambiguous.*ckpt_path=plugin.best_model_path"):
+    with pytest.raises(MisconfigurationError, match=r"ambiguous.*ckpt_path=plugin.best_checkpoint_path"):
         await trainer.test(module, make_loader(n=16), ckpt_path="best")
-    best_path = plugins[1].best_model_path
+    best_path = plugins[1].best_checkpoint_path
     assert best_path is not None
     await trainer.test(module, make_loader(n=16), ckpt_path=best_path)

@@ -16,7 +16,7 @@ import torch
 
 from loopbus import Module
 from loopbus.distributed._ddp import TrainingStepAdapter
-from loopbus.distributed._strategy import StopExchange
+from loopbus.distributed._stopping import StopExchange
 from loopbus.state._runstate import RunState
 
 

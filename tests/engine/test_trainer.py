@@ -165,9 +165,9 @@ async def test_handler_error_names_plugin_and_event_and_tears_down(plugin: type[
     tasks_before = {t.id for t in anyio.get_running_tasks()}
     threads_before = set(threading.enumerate())
     recorder = Recorder()
-    # yield_interval=0: queued consumers run after every step, so the failure stops the
+    # yield_interval_s=0: queued consumers run after every step, so the failure stops the
     # run mid-way (with the default they may only run in the final drain; see the docs).
-    trainer = Trainer(max_epochs=3, plugins=[plugin(), recorder], yield_interval=0)
+    trainer = Trainer(max_epochs=3, plugins=[plugin(), recorder], yield_interval_s=0)
     module = TinyModule()
     with pytest.raises(
         HandlerError,
@@ -208,7 +208,7 @@ async def test_cancel_from_the_host_stops_at_a_step_boundary() -> None:
 
     tasks_before = {t.id for t in anyio.get_running_tasks()}
     recorder = Recorder()
-    trainer = Trainer(max_epochs=10_000, plugins=[recorder], yield_interval=0.001)
+    trainer = Trainer(max_epochs=10_000, plugins=[recorder], yield_interval_s=0.001)
     module = AdamModule()
     scope = anyio.CancelScope()
 
@@ -410,9 +410,19 @@ def test_run_from_sync_code_and_its_errors() -> None:
     module = TinyModule()
     loopbus.run(trainer.fit, module, make_loader(), backend="trio")
     assert trainer.global_step == 4
-    coro = trainer.fit(module, make_loader())
+    # From synchronous code a stage called directly runs (and returns its result).
+    trainer.max_epochs = 2
+    result = trainer.fit(module, make_loader())
+    assert result is None
+    assert trainer.global_step == 8
+    with pytest.raises(TypeError, match=r"runs the stage itself"):
+        loopbus.run(result)  # type: ignore[arg-type]
+
+    async def coroutine_passed() -> None:
+        loopbus.run(trainer.fit(module, make_loader()))  # type: ignore[arg-type]
+
     with pytest.raises(TypeError, match=r"not loopbus.run\(trainer.fit\(module, data\)\)"):
-        loopbus.run(coro)  # type: ignore[arg-type]
+        anyio.run(coroutine_passed)
 
     async def nested() -> None:
         loopbus.run(trainer.fit, module, make_loader())

@@ -73,8 +73,10 @@ def test_a_checkpoint_an_earlier_run_left_is_not_replaced(tmp_path: Path, sharde
     before = {name: loopbus.load_checkpoint(tmp_path / name)["loopbus"]["created"] for name in
               names(tmp_path)}  # fmt: skip
     assert sorted(before) == ["epoch=0-step=12.ckpt", "epoch=0-step=6.ckpt"]
-    # A new run (not resumed) into the same directory: same epochs and steps.
-    _, saved = fit(tmp_path, every_n_steps=6, keep_last=1, save_on_end=False, sharded=sharded)
+    # A new run (not resumed) added to the same directory: same epochs and steps.
+    _, saved = fit(
+        tmp_path, every_n_steps=6, keep_last=1, save_on_end=False, sharded=sharded, exist_ok=True
+    )
     assert saved.paths == ["epoch=0-step=6-v1.ckpt", "epoch=0-step=12-v1.ckpt"]
     # keep_last=1 removed its own older save, never the earlier run's.
     assert names(tmp_path) == sorted([*before, "epoch=0-step=12-v1.ckpt"])
@@ -87,7 +89,7 @@ def test_a_taken_version_is_skipped(tmp_path: Path) -> None:
     # Something else already holds the name and its first version.
     (tmp_path / "epoch=0-step=12.ckpt").write_bytes(b"mine")
     (tmp_path / "epoch=0-step=12-v1.ckpt").mkdir()
-    _, saved = fit(tmp_path, every_n_steps=12, keep_last=None, save_on_end=False)
+    _, saved = fit(tmp_path, every_n_steps=12, keep_last=None, save_on_end=False, exist_ok=True)
     assert saved.paths == ["epoch=0-step=12-v2.ckpt"]
     assert (tmp_path / "epoch=0-step=12.ckpt").read_bytes() == b"mine"
     assert not any((tmp_path / "epoch=0-step=12-v1.ckpt").iterdir())
@@ -104,7 +106,7 @@ def test_keep_last_and_keep_best_count_versions_as_checkpoints(tmp_path: Path) -
     assert state["recent"] == periodic[1:]
     ((_, best),) = state["best"]
     assert best.endswith("-v1.ckpt")
-    assert checkpoint.best_model_path == tmp_path / best
+    assert checkpoint.best_checkpoint_path == tmp_path / best
     assert state["last"] == saved.paths[-1]
     # On disk: exactly what is kept, every one a checkpoint of its own.
     assert names(tmp_path) == sorted({*state["recent"], best, state["last"]})

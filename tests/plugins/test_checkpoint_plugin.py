@@ -7,6 +7,7 @@ import ast
 import os
 import threading
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import torch
 import loopbus
 from loopbus import CheckpointError, HandlerError, Plugin, Trainer, on
 from loopbus.events import TrainBatchCompleted
-from loopbus.plugins import Checkpoint
+from loopbus.plugins import Checkpoint, _checkpoint
 from tests.engine._ckpt_scenario import Net, make_data
 
 N_TRAIN = 96
@@ -114,6 +115,30 @@ async def test_monitor_keeps_the_best_k(tmp_path: Path) -> None:
         [0.9, "epoch=3-step=48.ckpt"],
         [0.7, "epoch=1-step=24.ckpt"],
     ]
+
+
+async def test_lightnings_names_are_deprecated_aliases_that_warn_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_checkpoint, "_WARNED", set())  # no alias has warned yet
+    checkpoint = Checkpoint(tmp_path, monitor="val/acc", mode="max", save_on_end=False)
+    trainer, module, train, val = build(checkpoint, module=ScriptedAcc([0.5, 0.7]))
+    await trainer.fit(module, train, val)
+    aliases = {
+        "last_model_path": "last_checkpoint_path",
+        "best_model_path": "best_checkpoint_path",
+        "best_model_score": "best_value",
+    }
+    for old, new in aliases.items():
+        expected = getattr(checkpoint, new)
+        assert expected is not None
+        with pytest.warns(DeprecationWarning, match=rf"Checkpoint\.{old} .*checkpoint\.{new}\b"):
+            assert getattr(checkpoint, old) == expected
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # once per process: silent from now on
+            assert getattr(checkpoint, old) == expected
+    assert checkpoint.best_value == 0.7
+    assert type(checkpoint.last_model_path) is type(Path())  # a plain path, not callable
 
 
 async def test_a_save_due_to_validation_waits_for_the_batch_boundary(tmp_path: Path) -> None:

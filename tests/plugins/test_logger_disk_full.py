@@ -88,7 +88,7 @@ async def test_a_failed_write_at_close_names_the_logger_and_the_file(
 
 
 async def test_a_failed_final_write_names_the_file(disk: FullDisk, tmp_path: Path) -> None:
-    logger = JSONLLogger(tmp_path, flush_interval=3600)  # one write, then all at the end
+    logger = JSONLLogger(tmp_path, flush_interval=3600, name="", version="")  # one write, then all at the end
     path = logger.path
     full = [False]
     disk.full = lambda p: full[0] and p == path
@@ -130,7 +130,7 @@ class NewColumnAtStep3(Module):
 async def test_a_failed_header_rewrite_leaves_the_file_and_no_temporary(
     disk: FullDisk, tmp_path: Path
 ) -> None:
-    logger = CSVLogger(tmp_path, flush_interval=0, buffer=1)
+    logger = CSVLogger(tmp_path, flush_interval=0, buffer=1, name="", version="")
     path = logger.path
     disk.full = lambda p: p.parent == tmp_path and p.name.endswith(".tmp")  # the rewrite's
     trainer = Trainer(max_steps=STEPS, plugins=[logger], device="cpu", enable_model_summary=False)

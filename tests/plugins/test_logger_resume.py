@@ -31,9 +31,9 @@ STEPS = 12  # 3 epochs of 4 batches, validation (4 batches) after each
 
 def loggers(out: Path) -> list[Any]:
     return [
-        CSVLogger(out),
-        JSONLLogger(out),
-        TensorBoardLogger(out / "tb"),
+        CSVLogger(out, name="", version=""),
+        JSONLLogger(out, name="", version=""),
+        TensorBoardLogger(out / "tb", name="", version=""),
     ]
 
 

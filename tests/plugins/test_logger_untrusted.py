@@ -101,7 +101,7 @@ def test_a_resumed_jsonl_logger_keeps_a_deep_line(tmp_path: Path) -> None:
     # cannot read as a record is kept, as before.
     code = """
 from loopbus.plugins import JSONLLogger
-logger = JSONLLogger(ARG)
+logger = JSONLLogger(ARG, name="", version="")
 logger._resume_step, logger._resume_time = 1, None
 logger.open("fit")
 logger.close()

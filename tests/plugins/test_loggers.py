@@ -76,7 +76,7 @@ async def test_csv_and_jsonl_contents_equal_the_put_records(tmp_path: Path) -> N
     captured = Captured()
     trainer = Trainer(
         max_epochs=2,
-        plugins=[captured, CSVLogger(tmp_path), JSONLLogger(tmp_path)],
+        plugins=[captured, CSVLogger(tmp_path, name="", version=""), JSONLLogger(tmp_path, name="", version="")],
         device="cpu",
     )
     await trainer.fit(MetricsModule(), make_loader(n=64), make_loader(n=32))
@@ -122,7 +122,7 @@ async def test_values_json_cannot_represent_round_trip(tmp_path: Path) -> None:
             return super().training_step(batch, ctx)
 
     trainer = Trainer(
-        max_steps=2, plugins=[CSVLogger(tmp_path), JSONLLogger(tmp_path)], device="cpu"
+        max_steps=2, plugins=[CSVLogger(tmp_path, name="", version=""), JSONLLogger(tmp_path, name="", version="")], device="cpu"
     )
     await trainer.fit(Odd(), make_loader(n=32))
     by_name = {r.name: r.value for r in read_jsonl(tmp_path / "records.jsonl")}
@@ -146,7 +146,7 @@ async def test_loggers_flush_when_the_run_fails(tmp_path: Path) -> None:
             return super().training_step(batch, ctx)
 
     # A long flush interval: only the end-of-stage flush can have written the records.
-    loggers = [CSVLogger(tmp_path, flush_interval=60), JSONLLogger(tmp_path, flush_interval=60)]
+    loggers = [CSVLogger(tmp_path, flush_interval=60, name="", version=""), JSONLLogger(tmp_path, flush_interval=60, name="", version="")]
     trainer = Trainer(max_epochs=3, plugins=loggers, device="cpu")
     with pytest.raises(RuntimeError, match="boom at step 4"):
         await trainer.fit(Crash(), make_loader(n=128))
@@ -155,7 +155,7 @@ async def test_loggers_flush_when_the_run_fails(tmp_path: Path) -> None:
 
 
 async def test_a_later_stage_appends_and_mode_a_resumes(tmp_path: Path) -> None:
-    csv_logger, jsonl_logger = CSVLogger(tmp_path), JSONLLogger(tmp_path)
+    csv_logger, jsonl_logger = CSVLogger(tmp_path, name="", version=""), JSONLLogger(tmp_path, name="", version="")
     trainer = Trainer(max_steps=2, plugins=[csv_logger, jsonl_logger], device="cpu")
     module = TinyModule()
     await trainer.fit(module, make_loader(n=32))
@@ -170,7 +170,7 @@ async def test_a_later_stage_appends_and_mode_a_resumes(tmp_path: Path) -> None:
         f.write("3,0,12.5,0.")
     resumed = Trainer(
         max_steps=1,
-        plugins=[CSVLogger(tmp_path, mode="a"), JSONLLogger(tmp_path, mode="a")],
+        plugins=[CSVLogger(tmp_path, mode="a", name="", version=""), JSONLLogger(tmp_path, mode="a", name="", version="")],
         device="cpu",
     )
     await resumed.fit(TinyModule(), make_loader(n=32))
@@ -183,18 +183,18 @@ async def test_a_later_stage_appends_and_mode_a_resumes(tmp_path: Path) -> None:
 
 def test_bad_options_are_reported(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"mode=.*'w'.*'a'.*got 'x'"):
-        CSVLogger(tmp_path, mode="x")  # type: ignore[arg-type]
+        CSVLogger(tmp_path, mode="x", name="", version="")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"flush_interval=.*got -1"):
-        JSONLLogger(tmp_path, flush_interval=-1)
+        JSONLLogger(tmp_path, flush_interval=-1, name="", version="")
     with pytest.raises(ValueError, match=r"buffer=.*got 0"):
-        JSONLLogger(tmp_path, buffer=0)
+        JSONLLogger(tmp_path, buffer=0, name="", version="")
     with pytest.raises(ValueError, match=r"overflow=.*got 'later'"):
-        JSONLLogger(tmp_path, overflow="later")  # type: ignore[arg-type]
+        JSONLLogger(tmp_path, overflow="later", name="", version="")  # type: ignore[arg-type]
 
 
 async def test_csv_of_another_program_is_not_appended_to(tmp_path: Path) -> None:
     (tmp_path / "metrics.csv").write_text("a,b\n1,2\n")
-    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path, mode="a")], device="cpu")
+    trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path, mode="a", name="", version="")], device="cpu")
     with pytest.raises(ValueError, match="was not written by CSVLogger"):
         await trainer.fit(TinyModule(), make_loader(n=32))
     assert (tmp_path / "metrics.csv").read_text() == "a,b\n1,2\n"
@@ -386,7 +386,7 @@ _KILLED_SCRIPT = textwrap.dedent(
     batches = [(torch.randn(8, 4), torch.randint(0, 2, (8,)))] * 50
     trainer = Trainer(
         max_epochs=100000,
-        plugins=[CSVLogger(out, flush_interval=0.01), JSONLLogger(out, flush_interval=0.01)],
+        plugins=[CSVLogger(out, flush_interval=0.01, name="", version=""), JSONLLogger(out, flush_interval=0.01, name="", version="")],
         device="cpu",
     )
     loopbus.run(trainer.fit, Net(), batches)
@@ -441,7 +441,7 @@ async def test_tensorboard_logger_writes_scalars_by_step(tmp_path: Path) -> None
 
     captured = Captured()
     trainer = Trainer(
-        max_steps=5, plugins=[captured, TensorBoardLogger(tmp_path / "tb")], device="cpu"
+        max_steps=5, plugins=[captured, TensorBoardLogger(tmp_path / "tb", name="", version="")], device="cpu"
     )
     await trainer.fit(TinyModule(), make_loader(n=16 * 5))
     acc = EventAccumulator(str(tmp_path / "tb"))
@@ -470,7 +470,7 @@ async def test_csv_names_that_collide_after_renaming_get_columns_of_their_own(
         def configure_optimizers(self) -> Any:
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    logger = CSVLogger(tmp_path)
+    logger = CSVLogger(tmp_path, name="", version="")
     trainer = Trainer(max_steps=3, plugins=[logger], device="cpu")
     await trainer.fit(Clash(), [torch.ones(2, 1)] * 3)
     text = (tmp_path / "metrics.csv").read_text()

@@ -35,7 +35,7 @@ async def test_early_stopping_timer_and_scaler_resume_from_a_checkpoint_file(
     def plugins() -> list[Any]:
         return [
             ProgressBar(file=bar_output),
-            CSVLogger(tmp_path, mode="a"),
+            CSVLogger(tmp_path, mode="a", name="", version=""),
             EarlyStopping("metric", patience=3),
             EarlyStopping("metric", mode="max", patience=100),  # a second one: its own key
             Timer(duration=3600),

@@ -38,7 +38,7 @@ async def test_client_receives_exactly_the_records_in_order(tmp_path: Path) -> N
         max_epochs=2,
         train=make_loader(128),
         val=make_loader(32),
-        plugins=(JSONLLogger(tmp_path),),
+        plugins=(JSONLLogger(tmp_path, name="", version=""),),
     ) as run:
         received: list[PutRecord] = []
         seqs: list[int] = []

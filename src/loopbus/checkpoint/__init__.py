@@ -2,16 +2,17 @@
 (atomic writes, completeness markers, bounded decoding), sharded checkpoints through
 ``torch.distributed.checkpoint``, and the random generators' states.
 
-Imports ``loopbus.distributed`` (for types only), ``loopbus.step``, ``loopbus.state`` and
-the base modules; what it reads of the trainer is named by protocols of its own
-(:class:`CheckpointSource`, :class:`ShardedSource`).
+Imports ``loopbus.step``, ``loopbus.state`` and the base modules, and reads nothing of
+the trainer: a save is handed a :class:`CheckpointRegistry`, which the trainer builds
+(the parts, the module and optimizers, how far the run is, and the strategy, as a
+protocol of its own: ``_registry.SaveStrategy``).
 
 Modules, bottom to top: ``_format`` (names, markers, pointers, the header), ``_write``
 (plain values, atomic writes), ``_clean`` (removal), ``_diagnose`` (files read as
 untrusted input), ``_locate`` (which checkpoint a directory or ``ckpt_path`` means),
-``_rng`` (generators), ``_parts`` (the registry's parts, composing and loading a
-checkpoint dict), ``_sharded_save`` and ``_sharded_load`` (sharded checkpoints),
-``_load`` (reading any checkpoint).
+``_rng`` (generators), ``_registry`` (what a save is handed), ``_parts`` (the
+registry's parts, composing and loading a checkpoint dict), ``_sharded_save`` and
+``_sharded_load`` (sharded checkpoints), ``_load`` (reading any checkpoint).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from ._format import is_sharded_checkpoint as is_sharded_checkpoint
 from ._load import load_checkpoint as load_checkpoint
 from ._locate import latest_checkpoint as latest_checkpoint
 from ._parts import CheckpointMismatch as CheckpointMismatch
+from ._registry import CheckpointRegistry as CheckpointRegistry
 from ._sharded_load import consolidate_checkpoint as consolidate_checkpoint
 from ._sharded_save import ShardedCheckpointWriter as ShardedCheckpointWriter
 from ._sharded_save import ShardedSave as ShardedSave
@@ -30,6 +32,7 @@ from ._write import write_checkpoint as write_checkpoint
 
 __all__ = [
     "CheckpointMismatch",
+    "CheckpointRegistry",
     "ShardedCheckpointWriter",
     "ShardedSave",
     "checkpoint_info",

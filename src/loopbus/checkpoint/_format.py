@@ -30,6 +30,7 @@ import msgspec
 
 from .._exceptions import CheckpointError
 from .._untrusted import check_json_nesting, read_small
+from .._validate import check_local_path
 from .._version import __version__
 
 __all__ = [
@@ -210,6 +211,7 @@ def checkpoint_info(path: PathLike) -> dict[str, Any] | None:
     """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
     time of creation; for a sharded checkpoint every file's size), or None if it has
     none. Keys that the marker leaves out (or sets to null) are left out."""
+    check_local_path("path", path, owner="checkpoint_info")
     info = _read_marker(marker_path(path))
     if info is None:
         return None

@@ -26,6 +26,7 @@ from loopbus.state._runstate import ResumePlan
 from loopbus.step._params import has_sharded_parameters
 
 from .._exceptions import CheckpointError
+from .._validate import check_local_path
 from ._diagnose import _load_failed, _sniff, check_loaded
 from ._format import (
     Marker,
@@ -57,6 +58,7 @@ def load_checkpoint(
     (pickled objects) or newer checkpoint; a file that is not a torch.save container is
     never handed to an unpickler.
     """
+    check_local_path("path", path, owner="load_checkpoint")
     file = resolve_checkpoint(path)
     if file.is_dir():
         return consolidate(file)

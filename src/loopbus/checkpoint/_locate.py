@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from .._exceptions import CheckpointError, MisconfigurationError
+from .._validate import check_local_path
 from ._format import (
     LAST_POINTER,
     MARKER_SUFFIX,
@@ -324,11 +325,12 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
 
 
 def resolve_best(plugins: Iterable[Any]) -> Path:
-    """The checkpoint ``ckpt_path="best"`` means: the ``best_model_path`` of the plugin
-    that saves checkpoints on a monitored value (``Checkpoint(dirpath, monitor=...)``).
-    Raises :class:`MisconfigurationError` when there is no such plugin, when several
-    could answer, or when it has saved no best checkpoint yet."""
-    savers = [p for p in plugins if hasattr(p, "best_model_path") and hasattr(p, "monitor")]
+    """The checkpoint ``ckpt_path="best"`` means: the ``best_checkpoint_path`` of the
+    plugin that saves checkpoints on a monitored value (``Checkpoint(dirpath,
+    monitor=...)``; of a plugin of another kind, its ``best_model_path``, Lightning's
+    name). Raises :class:`MisconfigurationError` when there is no such plugin, when
+    several could answer, or when it has saved no best checkpoint yet."""
+    savers = [p for p in plugins if _best_attribute(p) is not None and hasattr(p, "monitor")]
     monitored = [p for p in savers if p.monitor is not None]
     if not monitored:
         extra = (
@@ -343,7 +345,8 @@ def resolve_best(plugins: Iterable[Any]) -> Path:
             f"plugins{extra}; add one and fit first, or pass ckpt_path='last' or the path "
             "of a checkpoint."
         )
-    found = [(p, p.best_model_path) for p in monitored if p.best_model_path is not None]
+    best = [(p, getattr(p, str(_best_attribute(p)))) for p in monitored]
+    found = [(p, path) for p, path in best if path is not None]
     if not found:
         names = ", ".join(f"{p!r} (monitor {p.monitor!r})" for p in monitored)
         raise MisconfigurationError(
@@ -357,9 +360,19 @@ def resolve_best(plugins: Iterable[Any]) -> Path:
         raise MisconfigurationError(
             f"ckpt_path='best' is ambiguous: several Checkpoint plugins have a best "
             f"checkpoint ({listing}). Pass the one you mean, as "
-            "ckpt_path=plugin.best_model_path."
+            "ckpt_path=plugin.best_checkpoint_path."
         )
     return Path(os.fspath(found[0][1]))
+
+
+def _best_attribute(plugin: Any) -> str | None:
+    """The name under which ``plugin`` says its best checkpoint: ``best_checkpoint_path``,
+    or Lightning's ``best_model_path`` for a plugin that has only that; None for one
+    that has neither."""
+    for name in ("best_checkpoint_path", "best_model_path"):
+        if hasattr(plugin, name):
+            return name
+    return None
 
 
 def resolve_weights_path(
@@ -370,6 +383,7 @@ def resolve_weights_path(
     written) or a path as it is. The names are resolved once, on rank 0, and broadcast
     (``strategy.broadcast_object``), so every rank raises the same error or loads the
     same file."""
+    check_local_path("ckpt_path", ckpt_path)
     if ckpt_path not in ("best", "last"):
         return ckpt_path
     found: Path | None = None
@@ -402,6 +416,7 @@ def resolve_resume_path(
     the plugins that write them (None, with a warning, when there is none yet), resolved
     once on rank 0 and broadcast so that every rank loads the same file; anything else
     as it is."""
+    check_local_path("ckpt_path", ckpt_path)
     if ckpt_path != "last":
         return ckpt_path
     found = resolve_last(plugins) if strategy.is_global_zero else None

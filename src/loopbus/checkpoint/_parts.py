@@ -1,9 +1,9 @@
 """Checkpoints composed from a registry of :class:`Stateful` parts.
 
 At stage start the trainer builds one ``dict[str, Stateful]`` (see
-:meth:`Trainer.stateful_parts`). A checkpoint is that registry's state dicts under the
-same keys, next to a header, in one dict that ``torch.load(path, weights_only=True)``
-reads::
+:meth:`Trainer.stateful_parts`); a save is handed it in a :class:`CheckpointRegistry`.
+A checkpoint is that registry's state dicts under the same keys, next to a header, in
+one dict that ``torch.load(path, weights_only=True)`` reads::
 
     {
       "loopbus":          {"format": "loopbus.checkpoint", "format_version": 2,
@@ -39,7 +39,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
@@ -50,6 +50,7 @@ from loopbus.step._params import has_sharded_parameters, own_class
 from .._exceptions import CheckpointError
 from .._version import __version__
 from ._format import FORMAT, FORMAT_VERSION, check_header
+from ._registry import CheckpointRegistry
 from ._rng import (
     capture_rng,
     loader_generator_states,
@@ -62,7 +63,6 @@ from ._write import to_plain
 
 __all__ = [
     "CheckpointMismatch",
-    "CheckpointSource",
     "GradsPart",
     "HparamsPart",
     "LoaderPart",
@@ -445,26 +445,11 @@ class GradsPart:
 # ---------------------------------------------------------------- saving
 
 
-class CheckpointSource(Protocol):
-    """What composing a checkpoint reads of the trainer, for its header: the module (its
-    class is recorded) and how far the run is."""
-
-    @property
-    def module(self) -> torch.nn.Module | None: ...
-
-    @property
-    def global_step(self) -> int: ...
-
-    @property
-    def current_epoch(self) -> int: ...
-
-
-def collect_state(
-    trainer: CheckpointSource, parts: Mapping[str, Any], *, to_host: bool = False
-) -> dict[str, Any]:
-    """The checkpoint dict of ``parts`` (a trainer's registry), with its header. Without
-    ``to_host`` tensors are the live ones; with it, host copies later steps don't touch."""
-    module = trainer.module
+def collect_state(registry: CheckpointRegistry, *, to_host: bool = False) -> dict[str, Any]:
+    """The checkpoint dict of the ``registry``'s parts, under a header (the module's
+    class, how far the run is). Without ``to_host`` tensors are the live ones; with it,
+    host copies later steps don't touch."""
+    parts = registry.parts
     state: dict[str, Any] = {
         "loopbus": {
             "format": FORMAT,
@@ -472,9 +457,9 @@ def collect_state(
             "version": __version__,
             "torch_version": str(torch.__version__),
             "created": time.time(),
-            "global_step": trainer.global_step,
-            "epoch": trainer.current_epoch,
-            "module_class": qualname(own_class(module)),
+            "global_step": registry.global_step,
+            "epoch": registry.epoch,
+            "module_class": qualname(own_class(registry.module)),
             "parts": list(parts),
         }
     }

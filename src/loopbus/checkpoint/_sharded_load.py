@@ -48,6 +48,7 @@ from loopbus.step._params import own_class
 
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
+from .._validate import check_local_path
 from ._diagnose import _refusal, check_loaded
 from ._format import (
     SHARDED_MARKER,
@@ -530,6 +531,8 @@ def consolidate_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[
     :func:`loopbus.load_checkpoint`, ``Module.load_from_checkpoint`` or a single-process
     ``fit(ckpt_path=out)``. Run it in one process. ``out`` must not exist: nothing is
     overwritten."""
+    check_local_path("path", path, owner="consolidate_checkpoint")
+    check_local_path("out", out, owner="consolidate_checkpoint")
     target = Path(os.fspath(out))
     if target.exists():
         raise CheckpointError(

@@ -27,10 +27,10 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import anyio.to_thread
 import torch
@@ -52,7 +52,8 @@ from ._format import (
     describe_os_error,
     pointer_to,
 )
-from ._parts import CheckpointSource, collect_state, qualname
+from ._parts import collect_state, qualname
+from ._registry import CheckpointRegistry, RegistrySource
 from ._write import (
     _pointer_state,
     _write_durably,
@@ -64,10 +65,8 @@ from ._write import (
 
 __all__ = [
     "LAYOUT",
-    "SaveStrategy",
     "ShardedCheckpointWriter",
     "ShardedSave",
-    "ShardedSource",
     "is_tensor_part",
     "no_full_state",
     "save_sharded",
@@ -98,38 +97,6 @@ def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
         model, optim = get_model_state_dict(module), {}
     grads = {n: p.grad for n, p in module.named_parameters() if p.grad is not None}
     return {"module": model, "optim": optim, "grads": grads}
-
-
-class SaveStrategy(Protocol):
-    """What a sharded save reads of the trainer's strategy: which rank writes the plain
-    state and completes the checkpoint, the world size and name its marker records, and
-    the collectives that agree on the temporary name and wait for every rank."""
-
-    @property
-    def name(self) -> str: ...
-
-    @property
-    def world_size(self) -> int: ...
-
-    @property
-    def is_global_zero(self) -> bool: ...
-
-    def broadcast_object(self, obj: Any) -> Any: ...
-
-    def barrier(self) -> None: ...
-
-
-class ShardedSource(CheckpointSource, Protocol):
-    """What a sharded save reads of the trainer besides the header's values: its strategy,
-    its optimizers and its registry."""
-
-    @property
-    def strategy(self) -> SaveStrategy: ...
-
-    @property
-    def optimizers(self) -> Sequence[torch.optim.Optimizer]: ...
-
-    def stateful_parts(self) -> Mapping[str, Any]: ...
 
 
 def _shards_failed(target: Path, exc: BaseException) -> CheckpointError:
@@ -310,27 +277,28 @@ class ShardedCheckpointWriter:
 
     def save(
         self,
-        trainer: ShardedSource,
+        run: CheckpointRegistry | RegistrySource,
         path: str | os.PathLike[str],
         *,
         asynchronous: bool = False,
         update_last: bool = False,
     ) -> ShardedSave:
-        """Start a sharded save of ``trainer``'s run to the directory ``path``; every rank
-        calls it at the same boundary. With ``asynchronous`` it returns once the state is
+        """Start a sharded save of a run to the directory ``path``: of a trainer's (its
+        ``checkpoint_registry()``) or of a :class:`CheckpointRegistry`. Every rank calls
+        it at the same boundary. With ``asynchronous`` it returns once the state is
         staged to host memory (``dcp.async_save``); otherwise once this rank's shards are
         written. Either way the checkpoint is complete only after :meth:`ShardedSave.wait`
         (on rank 0)."""
-        strategy = trainer.strategy
+        registry = run if isinstance(run, CheckpointRegistry) else run.checkpoint_registry()
+        strategy = registry.strategy
         target = Path(os.fspath(path))
         zero = strategy.is_global_zero
         temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
-        parts = trainer.stateful_parts()
-        module = trainer.module
+        module = registry.module
         if module is None:
             raise CheckpointError("there is no module to save yet: fit has not started.")
-        optimizers = list(trainer.optimizers)
-        state = _plain_state(trainer, parts, module, optimizers)
+        optimizers = list(registry.optimizers)
+        state = _plain_state(registry, module, optimizers)
         tensors = _tensor_state(module, optimizers)
         try:
             future = _write_shards(tensors, temp, self._process_group(), asynchronous)
@@ -350,8 +318,7 @@ class ShardedCheckpointWriter:
 
 
 def _plain_state(
-    trainer: ShardedSource,
-    parts: Mapping[str, Any],
+    registry: CheckpointRegistry,
     module: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
 ) -> dict[str, Any]:
@@ -359,11 +326,11 @@ def _plain_state(
     sharded (collective: it gathers every rank's generators), under a header that lists
     every part and says what the shards hold (world size, strategy, each optimizer's
     class and parameter groups, the parameters that hold gradients)."""
-    strategy = trainer.strategy
-    plain = {k: p for k, p in parts.items() if not is_tensor_part(k)}
-    state = collect_state(trainer, plain, to_host=True)  # gathers every rank's generators
+    strategy = registry.strategy
+    plain = registry.only(lambda key: not is_tensor_part(key))
+    state = collect_state(plain, to_host=True)  # gathers every rank's generators
     header = state["loopbus"]
-    header["parts"] = list(parts)
+    header["parts"] = list(registry.parts)
     header["layout"] = LAYOUT
     grads = [n for n, p in module.named_parameters() if p.grad is not None]
     header["sharded"] = {
@@ -402,19 +369,19 @@ def no_full_state(strategy: str) -> CheckpointError:
     )
 
 
-def save_sharded(trainer: ShardedSource, path: str | os.PathLike[str]) -> Path:
+def save_sharded(registry: CheckpointRegistry, path: str | os.PathLike[str]) -> Path:
     """``Trainer.save_checkpoint`` under a strategy that shards the module's state: a
-    sharded checkpoint directory at ``path``, every rank writing its shards; returns on
-    every rank once the checkpoint is complete."""
-    target = ShardedCheckpointWriter().save(trainer, path).wait()
-    trainer.strategy.barrier()
+    sharded checkpoint of ``registry`` in the directory ``path``, every rank writing its
+    shards; returns on every rank once the checkpoint is complete."""
+    target = ShardedCheckpointWriter().save(registry, path).wait()
+    registry.strategy.barrier()
     return target
 
 
-async def save_sharded_async(trainer: ShardedSource, path: str | os.PathLike[str]) -> Path:
+async def save_sharded_async(registry: CheckpointRegistry, path: str | os.PathLike[str]) -> Path:
     """:func:`save_sharded`, the state staged to host memory first and the shards
     written in the background (``dcp.async_save``); the event loop stays free."""
-    pending = ShardedCheckpointWriter().save(trainer, path, asynchronous=True)
+    pending = ShardedCheckpointWriter().save(registry, path, asynchronous=True)
     target = await anyio.to_thread.run_sync(pending.wait)
-    trainer.strategy.barrier()
+    registry.strategy.barrier()
     return target

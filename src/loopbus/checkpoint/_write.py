@@ -17,17 +17,17 @@ cause and what is on disk since, not the ``RuntimeError`` torch makes of a faile
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
-from .._durable import fsync_dir
+from .._durable import replace_atomically
 from .._exceptions import CheckpointError
 from .._untrusted import MAX_STATE_DEPTH
 from ._format import (
@@ -49,6 +49,8 @@ __all__ = [
     "to_plain",
     "write_checkpoint",
 ]
+
+_T = TypeVar("_T")
 
 
 # ---------------------------------------------------------------- plain values
@@ -231,24 +233,16 @@ def _pointer_state(directory: Path) -> str:
     return f"{pointer} still names {name!r}"
 
 
-def _write_durably(target: Path, write: Any, before_replace: Any = None) -> Any:
-    """Write ``target`` through a temporary file: ``write(file)``, flush, fsync, rename,
-    fsync the directory. The temporary file is removed if anything fails."""
-    temp = _temp_path(target)
-    try:
-        with open(temp, "wb") as file:
-            result = write(file)
-            file.flush()
-            os.fsync(file.fileno())
-        if before_replace is not None:
-            before_replace()
-        os.replace(temp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            temp.unlink()
-        raise
-    fsync_dir(target.parent)
-    return result
+def _write_durably(
+    target: Path, write: Callable[[Any], _T], before_replace: Callable[[], object] | None = None
+) -> _T:
+    """:func:`~loopbus.replace_atomically` as checkpoints use it: the temporary is named
+    by ``_temp_path`` (its writer's process and host, for the stale-temporary cleanup),
+    and a failure's ``OSError`` is left as it is (the checkpoint's own message names the
+    file)."""
+    return replace_atomically(
+        target, write, before_replace=before_replace, temporary=_temp_path, name_errors=False
+    )
 
 
 def _write_json(target: Path, payload: dict[str, Any]) -> None:

@@ -1,5 +1,6 @@
 """How a run spreads over processes: the ``Strategy`` interface, one process, DDP and
-FSDP2, and the exchange that agrees stop requests across ranks.
+FSDP2, and the stop control (``_stopping.py``): the one place that turns stop requests
+into a stop, agreed across ranks over the collectives a strategy gives.
 
 Imports ``loopbus.step``, ``loopbus.data``, ``loopbus.state``.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from ._ddp import DDPStrategy as DDPStrategy
 from ._fsdp import FSDPStrategy as FSDPStrategy
+from ._stopping import StopTransport as StopTransport
 from ._strategy import SingleProcess as SingleProcess
 from ._strategy import Strategy as Strategy
 
@@ -15,5 +17,6 @@ __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
     "SingleProcess",
+    "StopTransport",
     "Strategy",
 ]

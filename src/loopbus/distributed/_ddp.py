@@ -11,12 +11,13 @@ What DDP adds, and what it costs:
   order, its position kept as samples consumed);
 * gradient accumulation runs the non-final micro-batches under ``no_sync()``;
 * stop requests are made collective without a collective per step: every
-  ``stop_check_interval`` seconds (about; the ranks agree on the number of steps) the
+  ``stop_check_interval_s`` seconds (about; the ranks agree on the number of steps) the
   ranks start an asynchronous all-reduce of two integers on the host (gloo) carrying
   "a rank asked to stop", and read it at the next such check, so every rank stops at
   the same batch boundary, within about two intervals of the request, and no step
   waits for it. After a validation and at every epoch boundary a blocking all-reduce
-  covers the requests made since the last check (see :class:`StopExchange`);
+  covers the requests made since the last check (the run's stop control, see
+  ``_stopping.py``, does this over the transport :meth:`DataParallel.stop_transport` gives);
 * manual optimization is refused (its backward would run inside DDP's forward);
 * checkpoints hold every rank's random generators (an ``all_gather_object`` per save),
   are written by rank 0 only, and are read by every rank.
@@ -37,15 +38,45 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler
 
 from loopbus.data._sampler import ElasticDistributedSampler
+from loopbus.step._params import own_class
 
 from .._exceptions import MisconfigurationError
-from ._strategy import StopExchange, Strategy
+from .._renamed import renamed_keywords
+from ._stopping import StopTransport
+from ._strategy import Strategy
 
 if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
     from loopbus.step._module import Module
 
 __all__ = ["DDPStrategy", "DataParallel", "TrainingStepAdapter"]
+
+#: The defaults of ``process_group_timeout_s`` and ``stop_check_interval_s`` (the very
+#: objects: an option left out is its default, which tells it from one passed).
+DEFAULT_TIMEOUT_S = 1800.0
+DEFAULT_STOP_CHECK_S = 0.05
+
+
+def _renamed_timings(
+    owner: str, renamed: dict[str, Any], timeout_s: float, interval_s: float
+) -> tuple[float, float]:
+    """The two options with the values passed under their deprecated old names
+    (``process_group_timeout``, ``stop_check_interval``): each warns once; one passed
+    with its new name raises."""
+    given = [
+        name
+        for name, value, default in (
+            ("process_group_timeout_s", timeout_s, DEFAULT_TIMEOUT_S),
+            ("stop_check_interval_s", interval_s, DEFAULT_STOP_CHECK_S),
+        )
+        if value is not default
+    ]
+    takes = ("process_group_timeout_s", "stop_check_interval_s")
+    values = renamed_keywords(owner, renamed, takes=takes, given=given)
+    return (
+        values.get("process_group_timeout_s", timeout_s),
+        values.get("stop_check_interval_s", interval_s),
+    )
 
 
 class TrainingStepAdapter(torch.nn.Module):
@@ -76,16 +107,21 @@ class DataParallel(Strategy):
     saves_window_gradients = False
 
     def __init__(
-        self, process_group_timeout: float = 1800.0, stop_check_interval: float = 0.05
+        self,
+        process_group_timeout_s: float = DEFAULT_TIMEOUT_S,
+        stop_check_interval_s: float = DEFAULT_STOP_CHECK_S,
+        **renamed: Any,
     ) -> None:
-        self.process_group_timeout = float(process_group_timeout)
+        if renamed:  # the deprecated old names of the two options
+            process_group_timeout_s, stop_check_interval_s = _renamed_timings(
+                type(self).__name__, renamed, process_group_timeout_s, stop_check_interval_s
+            )
+        self.process_group_timeout = float(process_group_timeout_s)
         self._device: torch.device | None = None
         # Stop requests travel on the host (gloo): the default group when it is gloo,
         # else a gloo group of the same ranks, made at the first exchange.
         self._stop_group: Any = None
-        self._stop = StopExchange(stop_check_interval, self._start_stop_reduce, self._agree_on_stop)
-        # The blocking exchange of the rare boundaries: one flag.
-        self._stop_flag = torch.zeros(1, dtype=torch.int32)
+        self._stop_interval = float(stop_check_interval_s)
 
     @property
     def distributed(self) -> bool:
@@ -196,37 +232,46 @@ class DataParallel(Strategy):
             self._stop_group = group
         return group
 
-    def _start_stop_reduce(self, flag: torch.Tensor) -> Any:
+    def stop_transport(self) -> StopTransport:
+        """The ranks' stop exchange travels on the host (gloo): an asynchronous and a
+        blocking all-reduce (MAX) of small integer tensors, and a gather of the reasons."""
+        return StopTransport(
+            interval=self._stop_interval,
+            rank=self.global_rank,
+            start_max=self._start_stop_max,
+            max_now=self._stop_max,
+            gather=self._gather_stop_reasons,
+        )
+
+    def _start_stop_max(self, flag: torch.Tensor) -> Any:
         return dist.all_reduce(
             flag, op=dist.ReduceOp.MAX, group=self._stop_process_group(), async_op=True
         )
 
-    def _agree_on_stop(self, state: RunState) -> None:
-        """A rank asked to stop: every rank learns who and why, and stops."""
-        reasons: list[Any] = [None] * self.world_size
-        dist.all_gather_object(reasons, state.pending_stop, group=self._stop_process_group())
-        for rank, reason in enumerate(reasons):
-            if reason is not None:
-                text = reason if rank == self.global_rank else f"{reason} (on rank {rank})"
-                state.confirm_stop(text)
-                return
-        # Asked, then withdrawn by a new stage: nobody has a reason left.
-        state.confirm_stop("stop requested (on another rank)")
-
-    def exchange_stop(self, state: RunState) -> None:
-        self._stop.boundary(state)
-
-    def settle_stop(self, state: RunState) -> None:
-        self._stop.settle(state)
-        if state.stop_requested:
-            return
-        # Rare boundaries (after a validation, between epochs): a blocking all-reduce
-        # of the flag, for the requests made since the last exchange.
-        flag = self._stop_flag
-        flag[0] = 0 if state.pending_stop is None else 1
+    def _stop_max(self, flag: torch.Tensor) -> None:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._stop_process_group())
-        if int(flag[0]):
-            self._agree_on_stop(state)
+
+    def _gather_stop_reasons(self, reason: str | None) -> list[str | None]:
+        reasons: list[str | None] = [None] * self.world_size
+        dist.all_gather_object(reasons, reason, group=self._stop_process_group())
+        return reasons
+
+    def wrap(self, module: Module, state: RunState) -> Any:
+        """What DDP and FSDP share at the start of ``fit``: manual optimization is
+        refused (its backward would run inside the wrapper's forward, before the
+        gradients can be reduced); then the strategy's own :meth:`_wrap`."""
+        if not module.automatic_optimization:
+            raise MisconfigurationError(
+                f"{own_class(module).__name__} uses manual optimization, which "
+                f"strategy={self.name!r} does not support yet: {self._manual_why}"
+            )
+        return self._wrap(module)
+
+    #: Why manual optimization cannot run under this strategy, and what to do (its error).
+    _manual_why = ""
+
+    def _wrap(self, module: Module) -> Any:
+        raise NotImplementedError
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         out: list[Any] = [None] * self.world_size
@@ -244,26 +289,31 @@ class DataParallel(Strategy):
 
 class DDPStrategy(DataParallel):
     """``strategy="ddp"``: one process per device, gradients averaged by DDP over a
-    ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA)."""
+    ``torch.distributed`` process group (gloo on CPU, NCCL on CUDA).
+
+    ``process_group_timeout_s`` and ``stop_check_interval_s`` are as the trainer's
+    options of the same names (a strategy object carries its own); their old names
+    (``process_group_timeout``, ``stop_check_interval``) are deprecated aliases."""
 
     name = "ddp"
 
     def __init__(
-        self, process_group_timeout: float = 1800.0, stop_check_interval: float = 0.05
+        self,
+        process_group_timeout_s: float = DEFAULT_TIMEOUT_S,
+        stop_check_interval_s: float = DEFAULT_STOP_CHECK_S,
+        **renamed: Any,
     ) -> None:
-        super().__init__(process_group_timeout, stop_check_interval)
+        super().__init__(process_group_timeout_s, stop_check_interval_s, **renamed)
         self._wrapper: torch.nn.parallel.DistributedDataParallel | None = None
         self._wrapped: Module | None = None
 
-    def wrap(self, module: Module, state: RunState) -> Any:
-        if not module.automatic_optimization:
-            raise MisconfigurationError(
-                f"{type(module).__name__} uses manual optimization, which strategy='ddp' "
-                "does not support yet: its backward would run inside DDP's forward, "
-                "before DDP is ready to average the gradients. Use automatic "
-                "optimization (return the loss from training_step), or run it in one "
-                "process."
-            )
+    _manual_why = (
+        "its backward would run inside DDP's forward, before DDP is ready to average "
+        "the gradients. Use automatic optimization (return the loss from training_step), "
+        "or run it in one process."
+    )
+
+    def _wrap(self, module: Module) -> Any:
         if self._wrapped is not module or self._wrapper is None:
             device = self._device
             ids = [device] if device is not None and device.type == "cuda" else None
@@ -271,9 +321,6 @@ class DDPStrategy(DataParallel):
                 TrainingStepAdapter(module), device_ids=ids, find_unused_parameters=False
             )
             self._wrapped = module
-        self._stop.reset()
-        # Stop requests wait for the ranks to agree (see exchange_stop).
-        state.make_stop_collective()
         return self._wrapper
 
     @property

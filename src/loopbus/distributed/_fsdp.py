@@ -39,7 +39,7 @@ import torch
 from loopbus.step._params import own_class
 
 from .._exceptions import MisconfigurationError
-from ._ddp import DataParallel
+from ._ddp import DEFAULT_STOP_CHECK_S, DEFAULT_TIMEOUT_S, DataParallel
 
 # torch.distributed.fsdp is imported where it is used: importing it costs about half a
 # second, which a run without FSDP should not pay.
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
-    from loopbus.state._runstate import RunState
     from loopbus.step._module import Module
     from loopbus.step._precision import Precision
 
@@ -86,8 +85,9 @@ class FSDPStrategy(DataParallel):
     * ``activation_checkpointing``: recompute each unit's activations in backward instead
       of keeping them (torch's ``checkpoint`` applied to every unit); the module's
       parameter names do not change.
-    * ``process_group_timeout``, ``stop_check_interval``: as the trainer's options of the
-      same names (a strategy object carries its own).
+    * ``process_group_timeout_s``, ``stop_check_interval_s``: as the trainer's options of
+      the same names (a strategy object carries its own); their old names
+      (``process_group_timeout``, ``stop_check_interval``) are deprecated aliases.
 
     A module built on the ``meta`` device (``with torch.device("meta"): model = Net()``)
     never exists whole: each unit in turn is given memory (``to_empty``) on the device,
@@ -107,10 +107,11 @@ class FSDPStrategy(DataParallel):
         mp_policy: MixedPrecisionPolicy | None = None,
         cpu_offload: bool = False,
         activation_checkpointing: bool = False,
-        process_group_timeout: float = 1800.0,
-        stop_check_interval: float = 0.05,
+        process_group_timeout_s: float = DEFAULT_TIMEOUT_S,
+        stop_check_interval_s: float = DEFAULT_STOP_CHECK_S,
+        **renamed: Any,
     ) -> None:
-        super().__init__(process_group_timeout, stop_check_interval)
+        super().__init__(process_group_timeout_s, stop_check_interval_s, **renamed)
         self.units = _check_units(units)
         if type(reshard_after_forward) is not bool and (
             type(reshard_after_forward) is not int or reshard_after_forward < 2
@@ -255,18 +256,13 @@ class FSDPStrategy(DataParallel):
                     )
         return optimizers
 
-    def wrap(self, module: Module, state: RunState) -> Any:
-        if not module.automatic_optimization:
-            raise MisconfigurationError(
-                f"{own_class(module).__name__} uses manual optimization, which strategy='fsdp' "
-                "does not support yet: its backward would run inside the root unit's "
-                "forward, before FSDP has registered the hooks that reduce-scatter the "
-                "root's gradients. Use automatic optimization (return the loss from "
-                "training_step)."
-            )
-        self._stop.reset()
-        # Stop requests wait for the ranks to agree (see exchange_stop).
-        state.make_stop_collective()
+    _manual_why = (
+        "its backward would run inside the root unit's forward, before FSDP has "
+        "registered the hooks that reduce-scatter the root's gradients. Use automatic "
+        "optimization (return the loss from training_step)."
+    )
+
+    def _wrap(self, module: Module) -> Any:
         return module.training_step
 
     @property

@@ -11,7 +11,7 @@ __all__ = ["resolve_strategy"]
 
 
 def resolve_strategy(
-    name: str | Strategy, process_group_timeout: float, stop_check_interval: float
+    name: str | Strategy, process_group_timeout_s: float, stop_check_interval_s: float
 ) -> Strategy:
     """The strategy of ``Trainer(strategy=...)``: an instance as given, or one by name
     (``"auto"``: DDP under a launcher of several processes, else one process)."""
@@ -20,9 +20,10 @@ def resolve_strategy(
     if name == "auto":
         name = "ddp" if launched_distributed() else "single"
     if name == "ddp":
-        return DDPStrategy(process_group_timeout, stop_check_interval)
+        return DDPStrategy(process_group_timeout_s, stop_check_interval_s)
     if name == "fsdp":
         return FSDPStrategy(
-            process_group_timeout=process_group_timeout, stop_check_interval=stop_check_interval
+            process_group_timeout_s=process_group_timeout_s,
+            stop_check_interval_s=stop_check_interval_s,
         )
     return SingleProcess()

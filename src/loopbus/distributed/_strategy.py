@@ -1,7 +1,8 @@
-"""How a trainer spreads a run over processes: the :class:`Strategy` interface, one
-process (:class:`SingleProcess`), and how stop requests become collective
-(:class:`StopExchange`). The distributed strategies live in modules of their own behind
-the same interface: DDP in ``_ddp.py``, FSDP2 (``fully_shard``) in ``_fsdp.py``.
+"""How a trainer spreads a run over processes: the :class:`Strategy` interface and one
+process (:class:`SingleProcess`). The distributed strategies live in modules of their
+own behind the same interface: DDP in ``_ddp.py``, FSDP2 (``fully_shard``) in
+``_fsdp.py``; how stop requests become every rank's is the stop control's business
+(``_stopping.py``), over the transport a strategy gives.
 
 ``Trainer(strategy="auto")`` picks DDP when the launcher says the world has more than one
 process (``WORLD_SIZE > 1`` with ``RANK``/``LOCAL_RANK`` set, as ``torchrun`` does), else
@@ -16,28 +17,27 @@ ask which one runs):
   ``prepare_optimizers`` (after ``configure_optimizers``), ``prepare_train_data``;
 * ``wrap`` (what the training step's forward calls), ``no_sync`` (the context of an
   accumulation window's non-final micro-batches), ``clip_gradients``;
-* the collective stop (``exchange_stop``, ``settle_stop``) and the small collectives a
-  checkpoint needs (``all_gather_object``, ``broadcast_object``, ``barrier``).
+* ``stop_transport`` (the collectives the stop control exchanges requests with; None in
+  one process) and the small collectives a checkpoint needs (``all_gather_object``,
+  ``broadcast_object``, ``barrier``).
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from time import perf_counter
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 if TYPE_CHECKING:
+    from loopbus.distributed._stopping import StopTransport
     from loopbus.state._runstate import RunState
     from loopbus.step._module import Module
     from loopbus.step._precision import Precision
 
 __all__ = [
     "SingleProcess",
-    "StopExchange",
     "Strategy",
     "StrategyName",
     "launched_distributed",
@@ -56,119 +56,6 @@ def launched_distributed() -> bool:
     return world > 1 and ("RANK" in env or "LOCAL_RANK" in env)
 
 
-class StopExchange:
-    """Makes stop requests collective at a cost that does not grow with the number of
-    steps: one small asynchronous all-reduce every ``interval`` seconds, none per step.
-
-    At a check (a batch boundary every rank reaches after the same number of steps) a
-    rank waits for the all-reduce it started at the previous check (long done by then),
-    reads it, and starts the next one with ``[asked, -steps]``: whether this rank asked
-    to stop, and how many steps make ``interval`` seconds at its own recent pace. The
-    reduction is MAX, so every rank reads the same "somebody asked" and the same number
-    of steps to the next check (the smallest proposed): the schedule stays identical on
-    every rank even when their clocks disagree. A request is therefore seen by every
-    rank at the same boundary, one to two intervals after it was made. ``interval=0``
-    checks at every boundary: a request made before boundary ``k`` stops every rank at
-    boundary ``k + 1`` whatever the timing (deterministic, one all-reduce a step).
-
-    ``reduce(tensor)`` starts the all-reduce (MAX) and returns something with
-    ``wait()``; ``agree(state)`` is called, on every rank at the same boundary, when a
-    rank asked; ``clock`` gives seconds. The strategy owns one per trainer."""
-
-    __slots__ = (
-        "_agree",
-        "_buf",
-        "_clock",
-        "_countdown",
-        "_last",
-        "_reduce",
-        "_steps",
-        "_work",
-        "interval",
-    )
-
-    #: The most steps between two checks, however fast the steps.
-    MAX_STEPS = 100_000
-
-    def __init__(
-        self,
-        interval: float,
-        reduce: Callable[[torch.Tensor], Any],
-        agree: Callable[[RunState], None],
-        clock: Callable[[], float] = perf_counter,
-    ) -> None:
-        self.interval = float(interval)
-        self._reduce = reduce
-        self._agree = agree
-        self._clock = clock
-        self._buf = torch.zeros(2, dtype=torch.int64)
-        self._work: Any = None
-        self._countdown = 1
-        self._steps = 1
-        self._last: float | None = None
-
-    def reset(self) -> None:
-        """A stage starts: check at its first boundary, nothing in flight (what an
-        interrupted stage left is dropped)."""
-        self._work = None
-        self._countdown = 1
-        self._steps = 1
-        self._last = None
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether an exchange was started and not read yet."""
-        return self._work is not None
-
-    @property
-    def steps_to_next_check(self) -> int:
-        return self._countdown
-
-    def boundary(self, state: RunState) -> None:
-        """A batch boundary (the hot path: a decrement, and a check when it is due)."""
-        self._countdown -= 1
-        if self._countdown <= 0:
-            self._check(state)
-
-    def _check(self, state: RunState) -> None:
-        now = self._clock()
-        steps = 1 if self._work is None else self._read(state)
-        if state.stop_requested:
-            return
-        # This rank's proposal for the interval after the next check, from its pace
-        # since the last one (a validation in between only shortens it, once); the
-        # stage's first check knows no pace yet, and proposes the next boundary.
-        last = self._last
-        per_step = 0.0 if last is None else (now - last) / self._steps
-        wanted = int(self.interval / per_step) if per_step > 0 else 1
-        buf = self._buf
-        buf[0] = 0 if state.pending_stop is None else 1
-        buf[1] = -min(max(wanted, 1), self.MAX_STEPS)
-        self._work = self._reduce(buf)
-        self._countdown = self._steps = steps
-        self._last = now
-
-    def _read(self, state: RunState) -> int:
-        """Wait for the exchange in flight and act on it: agree on a stop if a rank asked;
-        the number of steps to the next check."""
-        self._work.wait()
-        self._work = None
-        asked, negative_steps = self._buf.tolist()
-        if asked > 0 and not state.stop_requested:
-            self._agree(state)
-        return int(-negative_steps)
-
-    def settle(self, state: RunState) -> None:
-        """At a rare boundary: read the exchange in flight, if any (agreeing on a stop it
-        carries); the next boundary starts a new one."""
-        if self._work is not None:
-            self._read(state)
-        # Check at the next boundary, timing the pace over the boundaries actually
-        # passed since the last check.
-        self._steps = max(self._steps - self._countdown, 0) + 1
-        self._countdown = 1
-
-
 class Strategy:
     """One process (the default): no wrapper, no collectives."""
 
@@ -183,6 +70,17 @@ class Strategy:
     world_size = 1
     global_rank = 0
     local_rank = 0
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        for old in ("exchange_stop", "settle_stop"):
+            if old in cls.__dict__:
+                raise TypeError(
+                    f"{cls.__name__}.{old}: a strategy no longer exchanges stop requests "
+                    "itself; give the run's stop control the collectives to do it with "
+                    "by returning a loopbus.distributed.StopTransport from "
+                    "stop_transport() (see DataParallel.stop_transport)."
+                )
 
     @property
     def is_global_zero(self) -> bool:
@@ -236,13 +134,11 @@ class Strategy:
     def prepare_train_data(self, data: Any) -> Any:
         return data
 
-    def exchange_stop(self, state: RunState) -> None:
-        """At a batch boundary: make stop requests collective (nothing to do in one
-        process; under DDP a periodic asynchronous exchange, see :class:`StopExchange`)."""
-
-    def settle_stop(self, state: RunState) -> None:
-        """At a rare boundary (after validation, between epochs): agree on every stop
-        requested so far, at once."""
+    def stop_transport(self) -> StopTransport | None:
+        """How the ranks exchange stop requests during ``fit`` (see
+        :class:`~loopbus.distributed._stopping.StopControl`): None in one process, where
+        a request takes effect at the next boundary with no exchange."""
+        return None
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         return [obj]

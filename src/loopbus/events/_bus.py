@@ -13,9 +13,9 @@ entries, empty when nobody listens, so a loop can skip building an event nobody 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable, Sized
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import anyio
 from anyio.abc import TaskGroup
@@ -27,17 +27,7 @@ from ._options import check_count, check_options
 from ._subscription import Entry, Subscription
 from ._types import Event, PutRecord
 
-__all__ = ["EventBus", "RecordSource"]
-
-
-class RecordSource(Protocol):
-    """What :meth:`EventBus.attach_records` takes: a list of pending records (truthy when
-    something is pending) and the coroutine that delivers them."""
-
-    @property
-    def pending(self) -> Sized: ...
-
-    async def flush(self) -> None: ...
+__all__ = ["EventBus"]
 
 
 class _Table(dict[type, tuple[Entry, ...]]):
@@ -75,7 +65,6 @@ class EventBus:
         self._tg: TaskGroup | None = None
         self.failure: HandlerError | None = None
         self._consumers: list[anyio.CancelScope] = []
-        self._records: RecordSource | None = None
 
     # ------------------------------------------------------------ subscribing
     def subscribe(
@@ -219,16 +208,9 @@ class EventBus:
             await self.deliver(entries, event)
 
     async def deliver(self, entries: tuple[Entry, ...], event: Any) -> None:
-        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`).
-
-        With a record source attached (see :meth:`attach_records`), what a handler put or
-        published is flushed before the next handler of the same event runs, so later
-        handlers see it (``trainer.latest``); only when something is pending, and never
-        after the last handler (the loops flush at their boundaries, in batches)."""
-        settle: RecordSource | None = None
+        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`), in
+        their order."""
         for fn, is_async, sub in entries:
-            if settle is not None and settle.pending:
-                await settle.flush()
             try:
                 if is_async:
                     await fn(event)
@@ -238,11 +220,9 @@ class EventBus:
                 raise
             except Exception as exc:
                 raise handler_error(sub.owner, event, exc) from exc
-            settle = self._records
 
     async def deliver_record(self, entries: tuple[Entry, ...], record: PutRecord) -> None:
-        """Deliver a put record to its routed ``entries`` (from :meth:`route`). What a
-        record handler puts waits for the next flush, so records keep their put order."""
+        """Deliver a put record to its routed ``entries`` (from :meth:`route`)."""
         for fn, is_async, sub in entries:
             try:
                 if is_async:
@@ -253,12 +233,6 @@ class EventBus:
                 raise
             except Exception as exc:
                 raise handler_error(sub.owner, record, exc) from exc
-
-    def attach_records(self, source: RecordSource | None) -> None:
-        """Flush ``source`` (the pending records of the trainer that owns this bus)
-        between the handlers of an event when a handler left something pending; None
-        detaches it."""
-        self._records = source
 
     def deliver_sync(self, entries: tuple[Entry, ...], event: Any) -> None:
         """Deliver an ``inside_step`` event, whose handlers are all synchronous."""

@@ -249,7 +249,7 @@ class PreemptionRequested(Event, frozen=True, kw_only=True):
 
     ``signal`` is the signal's name (``"SIGTERM"``), ``signum`` its number, ``rank`` the
     rank that received it first, ``deadline`` the wall-clock time (``time.time()``) at
-    which the process ends regardless (``Trainer(preemption_grace=...)``; None: no
+    which the process ends regardless (``Trainer(preemption_grace_s=...)``; None: no
     deadline of loopbus's own, the platform's SIGKILL is the limit), ``step`` and
     ``epoch`` the run's position.
     """

@@ -17,10 +17,13 @@
 Each hook publishes its event (the loop's own subclass of the generic one, see
 ``events``) after it returns. ``raise StopLoop`` from a hook ends the iterations early.
 
-Without the leak check one iteration scope object serves every iteration of a run
-(emptied after each), and a loop may offer a fused iteration (:meth:`Loop.fused_iteration`)
-that does the three iteration hooks' work in one call, run while nobody subscribes to
-``AdvanceStarted``; events then fire as before, ``AdvanceCompleted`` included.
+There is one iteration path. When a run's iterations start, the loop composes them
+once: the hooks it calls (:meth:`Loop.iteration_hooks`: a hook with nothing to do in
+this run, such as the base class's empty one, is left out), and what runs before
+``done`` is read (:meth:`Loop.iteration_boundary`: the training loops' stop checks).
+``AdvanceStarted`` and ``AdvanceCompleted`` are built and delivered only when someone
+subscribes. Without the leak check one iteration scope object serves every iteration of
+a run (emptied after each).
 """
 
 from __future__ import annotations
@@ -55,11 +58,15 @@ from ..events import (
 from ._progress import Progress
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus.step._trainer_view import TrainerView
 
 __all__ = ["Loop", "LoopEvents"]
 
 T = TypeVar("T")
+#: An iteration hook, bound: ``await hook(it)``.
+IterationHook = Callable[[Scope], Awaitable[None]]
+#: ``on_advance_start`` (or None), ``advance``, ``on_advance_end`` (or None).
+_Hooks = tuple[IterationHook | None, IterationHook, IterationHook | None]
 
 _ASYNC_HOOKS = (
     "on_run_start",
@@ -152,7 +159,7 @@ class Loop(Generic[T]):
     def __init__(self) -> None:
         self.progress = Progress()
         self._restarting = False
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         # What the running stage gives the loop (the built-in loops' LoopHost).
         self._host: Any = None
         self.bus: EventBus | None = None
@@ -170,7 +177,7 @@ class Loop(Generic[T]):
         self,
         *,
         bus: EventBus | None = None,
-        trainer: Trainer | None = None,
+        trainer: TrainerView | None = None,
         leak_check: LeakCheck | str = "inherit",
         host: Any = None,
     ) -> None:
@@ -190,7 +197,7 @@ class Loop(Generic[T]):
             )
 
     @property
-    def trainer(self) -> Trainer:
+    def trainer(self) -> TrainerView:
         if self._trainer is None:
             raise RuntimeError(f"the loop {self.name!r} is not attached to a Trainer.")
         return self._trainer
@@ -328,11 +335,7 @@ class Loop(Generic[T]):
                         events.run_started, ctx, iteration=self.progress.current.completed
                     ),
                 )
-            if tracked:
-                suspects = await self._iterate_tracked(ctx, leak_check)
-            else:
-                await self._iterate(ctx)
-                suspects = []
+            suspects = await self._iterate(ctx, leak_check)
             if self._restarting:
                 self.restarting = False
             if isinstance(ctx, TrackedScope):
@@ -366,59 +369,53 @@ class Loop(Generic[T]):
             await bus.deliver(entries, self.make_event(event_type, None, output=output))
         return output
 
-    def fused_iteration(self) -> Callable[[Scope], Awaitable[None]] | None:
-        """One coroutine that does what ``on_advance_start``, ``advance`` and
-        ``on_advance_end`` do (progress counters included), for the iterations whose
-        start nobody subscribes to, or None (the default: the hooks run one by one).
-        Asked once per run without the leak check; a loop that offers one returns None
-        when a subclass overrides one of those hooks."""
+    def iteration_hooks(self) -> _Hooks:
+        """The hooks each iteration of this run calls: ``on_advance_start``, ``advance``
+        and ``on_advance_end``, asked once when the run's iterations start (after
+        :meth:`on_run_start`). Either end is None where it has nothing to do in this run
+        (by default: where the class keeps :class:`Loop`'s empty hook). A loop that
+        overrides this leaves out only hooks that would do nothing."""
+        cls = type(self)
+        start = None if cls.on_advance_start is Loop.on_advance_start else self.on_advance_start
+        end = None if cls.on_advance_end is Loop.on_advance_end else self.on_advance_end
+        return start, self.advance, end
+
+    def iteration_boundary(self) -> Callable[[], None] | None:
+        """What runs at every boundary between iterations (and before the first), right
+        before :attr:`done` is read, or None (the default). Asked once per run, with
+        :meth:`iteration_hooks`. The training loops run their stop control's check here,
+        so that ``done`` only reads."""
         return None
 
-    async def _iterate(self, ctx: Scope) -> None:
-        """The iterations of a run without the leak check (the hot path): one iteration
-        scope reused (emptied after each iteration), and the fused iteration where the
-        loop offers one and nobody subscribes to the iteration's start."""
-        await self._iterations(
-            ctx,
-            self.on_advance_start,
-            self.advance,
-            self.on_advance_end,
-            None,
-            None,
-            self.fused_iteration(),
-        )
-
-    async def _iterate_tracked(self, ctx: Scope, leak_check: LeakCheck) -> list[Suspect]:
-        """The iterations of a run with the leak check: each hook labels the scope with
-        its name first, and each iteration's values are verified one iteration later
-        (once the data source has moved on), the last ones by ``run``."""
+    async def _iterate(self, ctx: Scope, leak_check: LeakCheck) -> list[Suspect]:
+        """The iterations of a run. Without the leak check (the hot path) one iteration
+        scope is reused, emptied after each iteration. With it, each hook labels the
+        scope with its name first (so a leak names the hook that set the value), and each
+        iteration's values are verified one iteration later (once the data source has
+        moved on), the last ones by ``run``."""
+        hooks = self.iteration_hooks()
+        if leak_check is None:
+            await self._iterations(ctx, hooks, None, None)
+            return []
         checker = _IterationChecker(self.name, leak_check)
-        await self._iterations(
-            ctx,
-            _labelled(self.on_advance_start, "on_advance_start"),
-            _labelled(self.advance, "advance"),
-            _labelled(self.on_advance_end, "on_advance_end"),
-            checker.new_scope,
-            checker,
-            None,
+        names = ("on_advance_start", "advance", "on_advance_end")
+        labelled = tuple(
+            None if hook is None else _labelled(hook, name)
+            for hook, name in zip(hooks, names, strict=True)
         )
+        await self._iterations(ctx, labelled, checker.new_scope, checker)  # type: ignore[arg-type]
         return checker.suspects
 
     async def _iterations(
-        self,
-        ctx: Scope,
-        on_advance_start: Any,
-        advance: Any,
-        on_advance_end: Any,
-        make_scope: Any,
-        checker: _IterationChecker | None,
-        fused: Callable[[Scope], Awaitable[None]] | None,
+        self, ctx: Scope, hooks: _Hooks, make_scope: Any, checker: _IterationChecker | None
     ) -> None:
         """The iterations of a run. ``make_scope(ctx)`` makes each iteration's scope
-        (None: one plain scope, reused); ``fused`` (see :meth:`fused_iteration`) runs
-        instead of the three hooks when ``AdvanceStarted`` has no subscriber (looked up
-        at every iteration: a subscription made during one counts from the next, and
-        one made during the iteration still gets its ``AdvanceCompleted``)."""
+        (None: one plain scope, reused; it keeps its set of borrowed names, which only
+        the leak check reads). The bus is looked up at every iteration: a subscription
+        made during one counts from the next (one made during the iteration still gets
+        its ``AdvanceCompleted``)."""
+        on_advance_start, advance, on_advance_end = hooks
+        boundary = self.iteration_boundary()
         table = self.bus.table  # type: ignore[union-attr]
         deliver = self.bus.deliver  # type: ignore[union-attr]
         total = self.progress.total
@@ -427,37 +424,44 @@ class Loop(Generic[T]):
         adv_completed = self.events.advance_completed
         reused = plain_scope(ctx) if make_scope is None else None
         try:
+            if boundary is not None:
+                boundary()
             while not self.done:
                 it = reused if reused is not None else make_scope(ctx)
-                it_ok = False
                 try:
                     total.ready += 1
                     current.ready += 1
-                    if fused is not None and not table[adv_started]:
-                        await fused(it)
-                    else:
-                        await _advance_by_hooks(self, it, on_advance_start, advance, on_advance_end)
+                    if on_advance_start is not None:
+                        await on_advance_start(it)
+                    if table[adv_started]:
+                        event = self.make_event(adv_started, it, iteration=current.ready - 1)
+                        await deliver(table[adv_started], event)
+                    total.started += 1
+                    current.started += 1
+                    await advance(it)
+                    total.processed += 1
+                    current.processed += 1
+                    if on_advance_end is not None:
+                        await on_advance_end(it)
                     total.completed += 1
                     current.completed += 1
-                    entries = table[adv_completed]
-                    if entries:
-                        await deliver(
-                            entries,
-                            self.make_event(adv_completed, it, iteration=current.ready - 1),
-                        )
-                    it_ok = True
+                    if table[adv_completed]:
+                        event = self.make_event(adv_completed, it, iteration=current.ready - 1)
+                        await deliver(table[adv_completed], event)
                 except StopLoop:
-                    it_ok = True
+                    _iteration_ended(it, checker)
                     break
-                finally:
-                    if checker is not None and it_ok:
-                        checker.iteration_done(it)
-                    else:
-                        # A reused scope keeps its set of borrowed names: only the
-                        # leak check reads it, and it never runs on a reused scope.
-                        it.__dict__.clear()
+                except BaseException:
+                    it.__dict__.clear()
+                    raise
+                if checker is None:
+                    it.__dict__.clear()
+                else:
+                    checker.iteration_done(it)
                 if self._restarting:
                     self.restarting = False
+                if boundary is not None:
+                    boundary()
         except StopLoop:
             pass
 
@@ -504,26 +508,13 @@ class Loop(Generic[T]):
         return f"{type(self).__name__}(name={self.name!r}{', ' + kids if kids else ''})"
 
 
-async def _advance_by_hooks(
-    loop: Loop[Any], it: Scope, on_advance_start: Any, advance: Any, on_advance_end: Any
-) -> None:
-    """One iteration's hooks one by one, with ``AdvanceStarted`` between the first two
-    (the path when someone subscribes to it, or the loop offers no fused iteration)."""
-    total = loop.progress.total
-    current = loop.progress.current
-    await on_advance_start(it)
-    bus = loop.bus
-    assert bus is not None
-    adv_started = loop.events.advance_started
-    entries = bus.table[adv_started]
-    if entries:
-        await bus.deliver(entries, loop.make_event(adv_started, it, iteration=current.ready - 1))
-    total.started += 1
-    current.started += 1
-    await advance(it)
-    total.processed += 1
-    current.processed += 1
-    await on_advance_end(it)
+def _iteration_ended(it: Scope, checker: _IterationChecker | None) -> None:
+    """An iteration that ended (normally or by ``StopLoop``): its values are verified
+    (the leak check), or its scope emptied for the next."""
+    if checker is None:
+        it.__dict__.clear()
+    else:
+        checker.iteration_done(it)
 
 
 def _replacement(

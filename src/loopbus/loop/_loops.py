@@ -6,17 +6,19 @@ serves ``validate``/``test`` and ``PredictionLoop`` serves ``predict``.
 
 The loops iterate; they do not know the trainer. A stage gives them a :class:`LoopHost`
 (``loop.attach(host=...)``): the run state, the options, the batch sources, the steps,
-the records and the collective stop. That is all they read of the run.
+the records and the stop control. That is all they read of the run. They never decide
+a stop themselves: ``done`` reads ``state.stop_requested``; the stop control's check
+runs between two batches (:meth:`Loop.iteration_boundary`) and its settling after a
+validation and between epochs.
 
 Per-step work here is on the hot path: no allocation or call that is not needed.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 import warnings
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from anyio.lowlevel import checkpoint
@@ -30,8 +32,9 @@ from loopbus.checkpoint._rng import (
     set_sampler_epoch,
 )
 from loopbus.data._sources import Source, Sources
+from loopbus.distributed._stopping import StopControl
 from loopbus.state._runstate import RunState
-from loopbus.state._scope import Scope
+from loopbus.state._scope import Scope, TrackedScope
 from loopbus.state._stateful import is_stateful
 from loopbus.step._step import EvalStep, TrainStep, run_in_worker
 
@@ -59,36 +62,16 @@ from ..events import (
     ValidationCompleted,
     ValidationStarted,
 )
-from ._loop import Loop, LoopEvents
+from ._loop import IterationHook, Loop, LoopEvents
 
 __all__ = [
-    "CollectiveStop",
     "EvaluationLoop",
     "FitLoop",
     "LoopHost",
     "PredictionLoop",
     "SanityCheckLoop",
-    "StopNotice",
     "TrainEpochLoop",
 ]
-
-
-class CollectiveStop(Protocol):
-    """How stop requests become every process's (the strategy's business): one call at
-    each batch boundary, one at the rare ones (after a validation, between epochs). In a
-    single process both do nothing."""
-
-    def exchange_stop(self, state: RunState) -> None: ...
-
-    def settle_stop(self, state: RunState) -> None: ...
-
-
-class StopNotice(Protocol):
-    """Who hears, at the boundary where training stops on a stop request, that it stops
-    there (the run's preemption handling: it announces a preemption while the position is
-    still the one a checkpoint resumes from exactly)."""
-
-    async def stopping(self) -> None: ...
 
 
 class Records(Protocol):
@@ -147,10 +130,7 @@ class LoopHost(Protocol):
     def records(self) -> Records: ...
 
     @property
-    def collective(self) -> CollectiveStop: ...
-
-    @property
-    def stop_notice(self) -> StopNotice: ...
+    def stop(self) -> StopControl: ...
 
     def eval_step(self, stage: str) -> EvalStep:
         """The evaluation step of a pass of ``stage`` ("validate", "test", "predict")."""
@@ -217,7 +197,9 @@ class _DataLoop(_Hosted, Loop[Any]):
         source = sources.open(iterator, data if track else None)
         self._opened = source
         ctx.borrow("source", source)
-        self._borrow_batches = isinstance(data, Sequence)
+        # Batches from an in-memory sequence are owned by it, not by the scope: only the
+        # leak check (a tracked scope) needs to be told.
+        self._borrow_batches = isinstance(data, Sequence) and isinstance(ctx, TrackedScope)
         try:
             total = min(float(len(data)), self._limit)
         except TypeError:  # an iterable without len()
@@ -236,7 +218,6 @@ class _DataLoop(_Hosted, Loop[Any]):
     async def on_advance_start(self, ctx: Scope) -> None:
         batch = self.run_ctx.source.take()
         if self._borrow_batches:
-            # Batches from an in-memory sequence are owned by it, not by the scope.
             ctx.borrow("batch", batch)
         else:
             ctx.batch = batch
@@ -336,7 +317,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     _boundary: Callable[[], Any]
     _worker: Any
     _state: RunState
-    _collective: CollectiveStop
+    _stop: StopControl
     _max_steps: float
     _stop_window: int
     _val_every: int | None
@@ -355,10 +336,6 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     @property
     def done(self) -> bool:
         state = self._state
-        # One call at every batch boundary (after the batch's events): under DDP an
-        # asynchronous exchange, read at a later one, so a stop asked on any rank stops
-        # every rank at the same boundary.
-        self._collective.exchange_stop(state)
         if state.step >= self._max_steps:
             return True
         ready = self.progress.current.ready
@@ -379,7 +356,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         self._boundary = step.boundary
         self._worker = step.worker
         self._state = host.state
-        self._collective = host.collective
+        self._stop = host.stop
         self._max_steps = options.max_steps
         self._stop_window = step.stop_window
         self._val_every = options.val_check_interval
@@ -433,12 +410,16 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
             ctx.output = await run_in_worker(self._step, ctx, worker)
         await self._boundary()
 
-    def fused_iteration(self) -> Callable[[Scope], Awaitable[None]] | None:
-        cls = type(self)
-        for hook in ("on_advance_start", "advance", "on_advance_end"):
-            if getattr(cls, hook) is not getattr(TrainEpochLoop, hook):
-                return None  # a subclass changed a hook: run the hooks
-        return functools.partial(_fused_train_batch, self)
+    def iteration_hooks(self) -> tuple[IterationHook | None, IterationHook, IterationHook | None]:
+        start, advance, end = super().iteration_hooks()
+        if self._val_every is None and type(self).on_advance_end is TrainEpochLoop.on_advance_end:
+            end = None  # no validation inside the epoch: nothing to do after a batch
+        return start, advance, end
+
+    def iteration_boundary(self) -> Callable[[], None] | None:
+        # Between two batches, after the batch's events: under a distributed strategy
+        # the stop control's periodic exchange (None in one process).
+        return self._stop.boundary
 
     async def on_advance_end(self, ctx: Scope) -> None:
         every = self._val_every
@@ -449,7 +430,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         ):
             await self.val_loop.run(ctx.val_data, parent_ctx=ctx)
             # A stop asked by a validation handler takes effect at this boundary.
-            self._collective.settle_stop(self._state)
+            self._stop.settle()
 
     def _validation_enabled(self, ctx: Scope) -> bool:
         return (
@@ -461,7 +442,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     async def on_run_end(self, ctx: Scope) -> None:
         host = self.host
         if self._state.stop_requested:  # still inside the epoch: a checkpoint resumes here
-            await host.stop_notice.stopping()
+            await host.stop.stopping()
         options = host.options
         if (
             options.val_check_interval is None
@@ -473,31 +454,6 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         source = ctx.get("source")
         self._cut_short = source is not None and not source.exhausted()
         self._in_epoch = False
-
-
-async def _fused_train_batch(loop: TrainEpochLoop, it: Scope) -> None:
-    """One training batch as ``TrainEpochLoop``'s ``on_advance_start``, ``advance`` and
-    ``on_advance_end`` do it, in one call and without the leak check's bookkeeping (the
-    loop's fused iteration: nobody subscribes to ``TrainBatchStarted``). Keep the three
-    in step with it: tests compare the two paths bit for bit."""
-    progress = loop.progress
-    current = progress.current
-    it.batch = loop.run_ctx.source.take()
-    it.batch_idx = current.ready - 1
-    progress.total.started += 1
-    current.started += 1
-    worker = loop._worker
-    if worker is None:
-        it.output = loop._step(it.batch, it)
-    else:
-        it.output = await run_in_worker(loop._step, it, worker)
-    await loop._boundary()
-    progress.total.processed += 1
-    current.processed += 1
-    every = loop._val_every
-    if every is not None and current.ready % every == 0 and loop._validation_enabled(it):
-        await loop.val_loop.run(it.val_data, parent_ctx=it)
-        loop._collective.settle_stop(loop._state)
 
 
 class FitLoop(_Hosted, Loop[None]):
@@ -514,9 +470,6 @@ class FitLoop(_Hosted, Loop[None]):
     def done(self) -> bool:
         host = self.host
         state = host.state
-        # Once per epoch on every rank: agree on a stop asked for since the last step
-        # (by epoch-end handlers) before any rank starts another epoch.
-        host.collective.settle_stop(state)
         options = host.options
         return (
             state.stop_requested
@@ -527,6 +480,11 @@ class FitLoop(_Hosted, Loop[None]):
     async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
         ctx.borrow("train_data", train_data)
         ctx.borrow("val_data", val_data)
+
+    def iteration_boundary(self) -> Callable[[], None] | None:
+        # Before every epoch and after the last, on every rank: agree on a stop asked for
+        # since the last batch (by epoch-end handlers) before any rank starts another.
+        return self.host.stop.settle
 
     async def on_advance_start(self, ctx: Scope) -> None:
         state = self.host.state
@@ -551,7 +509,7 @@ class FitLoop(_Hosted, Loop[None]):
     async def on_run_end(self, ctx: Scope) -> None:
         host = self.host
         if host.state.stop_requested:  # a stop that came between epochs
-            await host.stop_notice.stopping()
+            await host.stop.stopping()
         await host.records.flush_pending()
 
     def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:

@@ -22,12 +22,14 @@ from loopbus import (
     Plugin,
     check_choice,
     check_int,
+    check_local_path,
     latest_checkpoint,
     on,
 )
 from loopbus.events import (
     EpochCompleted,
     FitCompleted,
+    FitStarted,
     PreemptionRequested,
     PutRecord,
     Subscription,
@@ -40,7 +42,7 @@ from ._checkpoint_files import CheckpointFiles
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["Checkpoint", "CheckpointSaved"]
 
@@ -49,8 +51,26 @@ _MODES = {"min": "lower is better", "max": "higher is better"}
 _OFF = "None turns it off"
 _ALL = "None keeps them all"
 
+#: The deprecated property names that warned already in this process: each warns once.
+_WARNED: set[str] = set()
+
+
+def _renamed(old: str, new: str) -> None:
+    """Warn, once per process, that ``Checkpoint.<old>`` is a deprecated alias of
+    ``Checkpoint.<new>`` (pointing at the caller of the property)."""
+    if old in _WARNED:
+        return
+    _WARNED.add(old)
+    warnings.warn(
+        f"Checkpoint.{old} (Lightning's name) is deprecated: read checkpoint.{new}, which "
+        "holds the same value.",
+        DeprecationWarning,
+        stacklevel=3,
+    )
+
 
 def _directory(dirpath: str | os.PathLike[str]) -> Path:
+    check_local_path("dirpath", dirpath, owner="Checkpoint")
     if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
         raise MisconfigurationError(
             f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
@@ -88,7 +108,7 @@ def _check_filename(filename: str) -> None:
         )
 
 
-def _agreed(trainer: Trainer, best: float | None) -> float | None:
+def _agreed(trainer: TrainerView, best: float | None) -> float | None:
     """Under DDP, rank 0's decision on every rank: the ranks save together, since saving
     gathers every rank's generators. Called at boundaries every rank reaches."""
     if trainer.world_size == 1:
@@ -97,11 +117,12 @@ def _agreed(trainer: Trainer, best: float | None) -> float | None:
     return agreed
 
 
-def _shards(trainer: Trainer, sharded: bool | None) -> bool:
+def _shards(trainer: TrainerView, sharded: bool | None) -> bool:
     """Whether this fit's checkpoints are sharded: as asked, else when the strategy shards
     the model's state (whose checkpoints cannot be anything else)."""
     if sharded is None:
-        return trainer.strategy.sharded_state
+        shards: bool = trainer.strategy.sharded_state
+        return shards
     if trainer.strategy.sharded_state and not sharded:
         raise MisconfigurationError(
             f"Checkpoint(sharded=False) under strategy {trainer.strategy.name!r}, which "
@@ -189,7 +210,43 @@ class CheckpointSaved(Event, frozen=True, kw_only=True):
     removed: tuple[str, ...] = ()
 
 
-class Checkpoint(Plugin):
+class _DeprecatedNames:
+    """``Checkpoint``'s deprecated names (Lightning's), each reading its new one."""
+
+    @property
+    def last_model_path(self: Any) -> Path | None:
+        """Deprecated: Lightning's name of :attr:`last_checkpoint_path` (as a plain path)."""
+        _renamed("last_model_path", "last_checkpoint_path")
+        path = latest_checkpoint(self.dirpath)
+        return None if path is None else Path(path)
+
+    @property
+    def best_model_path(self: Any) -> Path | None:
+        """Deprecated: Lightning's name of :attr:`best_checkpoint_path`."""
+        _renamed("best_model_path", "best_checkpoint_path")
+        path: Path | None = self.best_checkpoint_path
+        return path
+
+    @property
+    def best_model_score(self: Any) -> float | None:
+        """Deprecated: Lightning's name of :attr:`best_value`."""
+        _renamed("best_model_score", "best_value")
+        value: float | None = self.best_value
+        return value
+
+    @property
+    def monitor_mode(self: Any) -> Literal["min", "max"]:
+        """Deprecated: :attr:`mode`."""
+        warnings.warn(
+            "Checkpoint.monitor_mode is deprecated; read checkpoint.mode.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        mode: Literal["min", "max"] = self.mode
+        return mode
+
+
+class Checkpoint(_DeprecatedNames, Plugin):
     """Saves checkpoints of a ``fit`` into ``dirpath``.
 
     When (any combination; with none of them, every epoch):
@@ -240,6 +297,12 @@ class Checkpoint(Plugin):
     checkpoint a previous run left in ``dirpath``), the save is named ``<name>-v1.ckpt``
     (``-v2``, ... if that is taken too), as Lightning's ``ModelCheckpoint`` does.
 
+    ``dirpath`` is this run's: when ``fit`` starts, a folder that already holds
+    checkpoints (or a ``last.json``) that this plugin did not write is refused with a
+    ``MisconfigurationError``, before anything is written, unless the run resumes from
+    a checkpoint in it (``ckpt_path="last"`` or a path inside it) or ``exist_ok=True``
+    adds this run's checkpoints to the folder (with the ``-v1`` names above).
+
     Under DDP the plugin runs on every rank (its saves gather every rank's random
     generators, so all ranks decide to save at the same boundaries; a monitored value
     is rank 0's), and rank 0 alone writes the files.
@@ -266,6 +329,7 @@ class Checkpoint(Plugin):
         background: bool | None = None,
         save_on_end: bool = True,
         sharded: bool | None = None,
+        exist_ok: bool = False,
     ) -> None:
         # How the checkpoints are written (see _checkpoint_files); when, decided here.
         self._files = CheckpointFiles(_directory(dirpath))
@@ -284,7 +348,12 @@ class Checkpoint(Plugin):
         self.sharded = None if sharded is None else bool(sharded)
         self._background = background
         self.save_on_end = bool(save_on_end)
+        self.exist_ok = bool(exist_ok)
         self._sharded_now = False
+        # The folder this plugin has claimed (see _claim), and whether a resume loaded
+        # this plugin's state in the running fit.
+        self._claimed: Path | None = None
+        self._loaded = False
 
         # Checkpointed state (see state_dict).
         self._kept = _Kept()
@@ -294,7 +363,7 @@ class Checkpoint(Plugin):
         self._validated = False
 
         # Per stage.
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._task_group: TaskGroup | None = None
         self._record_sub: Subscription | None = None
         self._saw_validation = False
@@ -303,6 +372,7 @@ class Checkpoint(Plugin):
         # taken: a preemption at the boundary of the last save has nothing more to save.
         self._batches = 0
         self._saved_after: int | None = None
+        self._ready = False
 
     def __repr__(self) -> str:
         return f"Checkpoint(dirpath={str(self.dirpath)!r})"
@@ -343,14 +413,9 @@ class Checkpoint(Plugin):
         return None if path is None else _CallablePath(path)
 
     @property
-    def last_model_path(self) -> Path | None:
-        """Lightning's name of :attr:`last_checkpoint_path`."""
-        path = latest_checkpoint(self.dirpath)
-        return None if path is None else Path(path)
-
-    @property
     def best_checkpoint_path(self) -> Path | None:
-        """The checkpoint with the best monitored value so far, or None."""
+        """The checkpoint with the best monitored value so far, or None: the file that
+        ``trainer.test(..., ckpt_path="best")`` (and ``validate``, ``predict``) loads."""
         best = self._kept.best
         return self.dirpath / best[0][1] if best else None
 
@@ -360,19 +425,8 @@ class Checkpoint(Plugin):
         best = self._kept.best
         return best[0][0] if best else None
 
-    @property
-    def best_model_path(self) -> Path | None:
-        """Lightning's name of :attr:`best_checkpoint_path`: the file that
-        ``trainer.test(..., ckpt_path="best")`` (and ``validate``, ``predict``) loads."""
-        return self.best_checkpoint_path
-
-    @property
-    def best_model_score(self) -> float | None:
-        """Lightning's name of :attr:`best_value`."""
-        return self.best_value
-
     # ------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         if stage != "fit":
             return
         self._trainer = trainer
@@ -382,8 +436,7 @@ class Checkpoint(Plugin):
         self._preempted = False
         self._batches = 0
         self._saved_after = None
-        if trainer.is_global_zero:  # rank 0 alone writes
-            self._files.prepare()
+        self._loaded = self._ready = False  # the folder is claimed at FitStarted
         if self.monitor is not None:
             self._record_sub = trainer.subscribe(
                 PutRecord,
@@ -392,14 +445,14 @@ class Checkpoint(Plugin):
                 owner=f"{type(self).__name__}._on_record",
             )
 
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         self._task_group = task_group
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         await self._files.wait_idle()
         self._files.unannounced = None  # the bus has stopped delivering
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         if self._record_sub is not None:
             self._record_sub.unsubscribe()
             self._record_sub = None
@@ -407,16 +460,6 @@ class Checkpoint(Plugin):
         self._task_group = None
 
     # ------------------------------------------------------------ state
-    @property
-    def monitor_mode(self) -> Literal["min", "max"]:
-        """Deprecated: :attr:`mode`."""
-        warnings.warn(
-            "Checkpoint.monitor_mode is deprecated; read checkpoint.mode.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return self.mode
-
     def state_dict(self) -> dict[str, Any]:
         return {
             **self._kept.state_dict(),
@@ -429,6 +472,7 @@ class Checkpoint(Plugin):
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._loaded = True
         same = state_dict.get("monitor") == self.monitor and state_dict.get("mode") == self.mode
         # Best values of another metric (or order) mean nothing here: start afresh.
         self._kept.load_state_dict(state_dict, best=same)
@@ -440,6 +484,22 @@ class Checkpoint(Plugin):
         self._validated = bool(state_dict.get("validated", False))
 
     # ------------------------------------------------------------ events
+    @on(FitStarted, mode="inline", priority=2000)
+    def _claim(self, event: FitStarted | None = None) -> None:
+        """Before the first write (and before the loggers open): refuse a folder holding
+        another run's checkpoints, unless the run resumes from them or ``exist_ok``."""
+        trainer = self._trainer
+        if trainer is None or self._ready:
+            return
+        plan = trainer.state.resume
+        # Resumed from this folder: the checkpoint is in it, or (with several Checkpoint
+        # plugins, "last" is the newest of theirs) the state it loaded names ones in it.
+        files, kept = self._files, self._kept.names()
+        here = plan is not None and (files.holds(plan.source) or (self._loaded and files.has(kept)))
+        own = self.exist_ok or self._claimed == self.dirpath
+        files.claim(trainer, resumes_here=here, exist_ok=own)
+        self._claimed, self._ready = self.dirpath, True
+
     def _on_record(self, record: PutRecord) -> None:
         if record.name == self.monitor:
             self._monitor_value = float(record.value)
@@ -547,6 +607,7 @@ class Checkpoint(Plugin):
     async def _save(self, kind: str, *, periodic: bool, best: float | None) -> None:
         trainer = self._trainer
         assert trainer is not None
+        self._claim()  # a save before FitStarted (a preemption)
         files = self._files
         await files.wait_idle()
         await files.announce(trainer)
@@ -588,8 +649,7 @@ class _CallablePath(type(Path())):  # type: ignore[misc]
     def __call__(self) -> Path:
         warnings.warn(
             "Checkpoint.last_checkpoint_path is a property now, like best_checkpoint_path: "
-            "write checkpoint.last_checkpoint_path (or Lightning's last_model_path) without "
-            "the call.",
+            "write checkpoint.last_checkpoint_path without the call.",
             DeprecationWarning,
             stacklevel=2,
         )

@@ -18,8 +18,10 @@ import anyio.to_thread
 from loopbus import (
     CheckpointError,
     Event,
+    MisconfigurationError,
     ShardedCheckpointWriter,
     ShardedSave,
+    is_sharded_checkpoint,
     remove_checkpoint,
     remove_stale_temporaries,
     write_checkpoint,
@@ -28,9 +30,14 @@ from loopbus import (
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["CheckpointFiles"]
+
+#: The names of checkpoint files (others count when they have a completeness marker).
+_SUFFIXES = (".ckpt", ".pt", ".pth")
+_MARKER = ".complete"
+_POINTER = "last.json"
 
 
 class CheckpointFiles:
@@ -68,7 +75,58 @@ class CheckpointFiles:
             ) from exc
         remove_stale_temporaries(self.dirpath)
 
-    def free_name(self, trainer: Trainer, stem: str, known: set[str]) -> str:
+    def claim(self, trainer: TrainerView, *, resumes_here: bool, exist_ok: bool) -> None:
+        """Before this plugin writes into ``dirpath`` for the first time: refuse (a
+        ``MisconfigurationError``, nothing written) when it holds checkpoints of another
+        run, unless the run resumes from them or ``exist_ok``; then :meth:`prepare`.
+        Rank 0 looks; every rank raises the same."""
+        refusal: str | None = None
+        if trainer.is_global_zero and not (resumes_here or exist_ok):
+            refusal = self._refusal()
+        if trainer.world_size > 1:
+            refusal = trainer.strategy.broadcast_object(refusal)
+        if refusal is not None:
+            raise MisconfigurationError(refusal)
+        if trainer.is_global_zero:  # rank 0 alone writes
+            self.prepare()
+
+    def holds(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` (a checkpoint file or sharded directory) is in ``dirpath``."""
+        try:
+            return Path(os.fspath(path)).resolve().parent == self.dirpath.resolve()
+        except (OSError, ValueError):
+            return False
+
+    def has(self, names: set[str]) -> bool:
+        """Whether ``dirpath`` holds a checkpoint of one of these ``names``."""
+        return any(os.path.lexists(self.dirpath / name) for name in names)
+
+    def found(self) -> list[Path]:
+        """The checkpoints (files, sharded directories, ``last.json``) in ``dirpath``."""
+        try:
+            entries = sorted(self.dirpath.iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as exc:
+            raise CheckpointError(f"Checkpoint cannot list {self.dirpath}: {exc}") from exc
+        return [e for e in entries if not e.name.startswith(".") and _is_checkpoint(e)]
+
+    def _refusal(self) -> str | None:
+        found = self.found()
+        if not found:
+            return None
+        checkpoints = [p for p in found if p.name != _POINTER] or found
+        newest = max(checkpoints, key=_mtime).name
+        d = str(self.dirpath)
+        return (
+            f"Checkpoint({d!r}) will not start: {d} already holds {len(checkpoints)} "
+            f"checkpoint(s) of another run (newest: {newest}), which this run's would be "
+            "mixed with (and its last.json replaced). Resume that run: "
+            "trainer.fit(..., ckpt_path='last'); or add this run's checkpoints to the "
+            f"folder: Checkpoint({d!r}, exist_ok=True); or choose another folder."
+        )
+
+    def free_name(self, trainer: TrainerView, stem: str, known: set[str]) -> str:
         """``<stem>.ckpt``, or ``<stem>-v<N>.ckpt`` with the smallest N whose name is free:
         a save never replaces a checkpoint (in ``dirpath``, or one of the ``known`` names
         the plugin recorded). Rank 0 looks (the previous save is complete there); every
@@ -98,7 +156,7 @@ class CheckpointFiles:
                 f"{type(error).__name__}: {error}"
             ) from error
 
-    async def announce(self, trainer: Trainer | None) -> None:
+    async def announce(self, trainer: TrainerView | None) -> None:
         """Publish the announcement of the last background save, once."""
         saved, self.unannounced = self.unannounced, None
         if saved is not None and trainer is not None:
@@ -106,7 +164,7 @@ class CheckpointFiles:
 
     async def save(
         self,
-        trainer: Trainer,
+        trainer: TrainerView,
         name: str,
         evicted: list[str],
         saved: Event,
@@ -140,7 +198,7 @@ class CheckpointFiles:
 
     async def _save_sharded(
         self,
-        trainer: Trainer,
+        trainer: TrainerView,
         name: str,
         evicted: list[str],
         saved: Event,
@@ -202,3 +260,21 @@ class CheckpointFiles:
             self._error = exc
         finally:
             done.set()
+
+
+def _is_checkpoint(entry: Path) -> bool:
+    name = entry.name
+    if name.endswith(_MARKER):
+        return False
+    if entry.is_dir():
+        return is_sharded_checkpoint(entry)
+    if name == _POINTER or entry.suffix in _SUFFIXES:
+        return True
+    return entry.with_name(name + _MARKER).exists()
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.lstat().st_mtime
+    except OSError:
+        return 0.0

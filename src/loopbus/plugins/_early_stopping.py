@@ -18,7 +18,7 @@ from loopbus import (
 from loopbus.events import EpochCompleted, FitCompleted, ValidationCompleted
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["EarlyStopping"]
 
@@ -99,7 +99,7 @@ class EarlyStopping(Plugin):
         self.stopped_step = -1
         #: Records of ``monitor`` checked so far.
         self.checks = 0
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._fitting = False
         self._validated = False
 
@@ -114,12 +114,12 @@ class EarlyStopping(Plugin):
         """Includes the monitor and mode, so several early stoppings can be checkpointed."""
         return f"EarlyStopping{{'monitor': {self.monitor!r}, 'mode': {self.mode!r}}}"
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._trainer = trainer
         self._fitting = stage == "fit"
         self._validated = False
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         self._trainer = None
         self._fitting = False
 

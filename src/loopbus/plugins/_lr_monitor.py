@@ -12,7 +12,7 @@ from loopbus import Plugin, check_choice, on
 from loopbus.events import TrainBatchStarted, TrainEpochStarted
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["LearningRateMonitor"]
 
@@ -49,18 +49,18 @@ class LearningRateMonitor(Plugin):
             (destinations,) if isinstance(destinations, str) else tuple(destinations)
         )
         self._names: list[tuple[Any, list[str], list[str]]] = []
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._names = []
         if stage == "fit":
             self._trainer = trainer
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         self._names = []
         self._trainer = None
 
-    def _prepare(self, optimizers: list[torch.optim.Optimizer]) -> None:
+    def _prepare(self, optimizers: Iterable[torch.optim.Optimizer]) -> None:
         seen: Counter[str] = Counter()
         for opt in optimizers:
             cls = type(opt).__name__

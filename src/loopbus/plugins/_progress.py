@@ -26,7 +26,7 @@ from loopbus.events import EpochCompleted, FitCompleted, RunCompleted, RunStarte
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["ProgressBar"]
 
@@ -201,7 +201,7 @@ class ProgressBar(Plugin):
         self.results_table = results_table
         self._file = file
         self._console = console
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._stage = ""
         self._loops: dict[str, Loop[Any]] = {}
         self._running: dict[str, _Run] = {}
@@ -243,7 +243,7 @@ class ProgressBar(Plugin):
         out.flush()
 
     # ------------------------------------------------------------ stage
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._trainer = trainer
         self._stage = stage
         self._loops = {}
@@ -260,7 +260,7 @@ class ProgressBar(Plugin):
 
         walk(trainer.loops[stage])
 
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         if not self.is_interactive:
             return
         progress = Progress(
@@ -294,14 +294,14 @@ class ProgressBar(Plugin):
                 await anyio.sleep(interval)
                 self.refresh()
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         self._close_live()
         if self.results_table and stage in ("validate", "test") and self._ended:
             table = self.results(trainer, stage)
             if table is not None:
                 self.console.print(table)
 
-    def results(self, trainer: Trainer, stage: str) -> Table | None:
+    def results(self, trainer: TrainerView, stage: str) -> Table | None:
         """The results table of a ``validate`` or ``test`` stage: the last value of each
         record it put, by name (None if it put none). Printed when the stage ends, unless
         ``results_table=False``."""
@@ -317,7 +317,7 @@ class ProgressBar(Plugin):
             table.add_row(name, f"{value:.6g}" if isinstance(value, float) else str(value))
         return table
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         self._close_live()
         self._trainer = None
         self._loops = {}

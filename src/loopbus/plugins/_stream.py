@@ -34,7 +34,7 @@ from loopbus.stream import (
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["ServerStarted", "StreamServer"]
 
@@ -223,7 +223,7 @@ class StreamServer(Plugin):
         return repr(self._server)
 
     # ------------------------------------------------------------ lifecycle
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         server = self._server
         opened = not server.serving
         if opened:
@@ -252,7 +252,7 @@ class StreamServer(Plugin):
             )
         await trainer.publish(ServerStarted(address=address, addresses=server.addresses, stage=stage))
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         if self.scope == "stage":
             await self._server.aclose(f"the {stage} stage ended")
 

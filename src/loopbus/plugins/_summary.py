@@ -16,7 +16,7 @@ from rich.table import Table
 from loopbus import Delivery, MisconfigurationError, Plugin
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["LayerSummary", "ModelSummary", "Summary", "summarize"]
 
@@ -119,7 +119,7 @@ class ModelSummary(Plugin):
         #: The summary printed at the start of the last ``fit`` (None before one).
         self.summary: Summary | None = None
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         if stage != "fit" or not trainer.enable_model_summary or trainer.module is None:
             return
         self.summary = summarize(trainer.module)

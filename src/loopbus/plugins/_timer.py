@@ -16,7 +16,7 @@ from loopbus.events import EpochCompleted
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["Timer"]
 
@@ -90,7 +90,7 @@ class Timer(Plugin):
         self._started: dict[str, float] = {}
         self._alarm: anyio.CancelScope | None = None
         self._changed: anyio.Event | None = None
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
 
     def __repr__(self) -> str:
         return f"Timer(duration={self.duration!r}, interval={self.interval!r})"
@@ -122,12 +122,12 @@ class Timer(Plugin):
         )
 
     # ------------------------------------------------------------ stage
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._trainer = trainer
         self._started[stage] = time.monotonic()
         self._elapsed.setdefault(stage, 0.0)
 
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         if stage != "fit" or self.duration is None:
             return
         if self.expired:
@@ -137,7 +137,7 @@ class Timer(Plugin):
             scope = self._alarm = anyio.CancelScope()
             task_group.start_soon(self._sleep_then_stop, scope, trainer, name="Timer alarm")
 
-    async def _sleep_then_stop(self, scope: anyio.CancelScope, trainer: Trainer) -> None:
+    async def _sleep_then_stop(self, scope: anyio.CancelScope, trainer: TrainerView) -> None:
         with scope:
             while True:
                 remaining = self.time_remaining("fit")
@@ -154,13 +154,13 @@ class Timer(Plugin):
         if self.interval == "epoch" and self._trainer is not None and self.expired:
             self._trainer.request_stop(self._reason())
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         if self._alarm is not None:
             self._alarm.cancel()
             self._alarm = None
         self._changed = None
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         if self._alarm is not None:
             self._alarm.cancel()
             self._alarm = None

@@ -1,19 +1,25 @@
 """The recorder: the trainer's pending put records (and published events), their
-resolution and delivery, and the latest record of each name.
+routing and delivery, and the latest record of each name.
 
-The recorder flushes pending records at step and hook boundaries: it reads tensor values
-on the host (one read per dtype; on CUDA, a step's values are copied to the host without
-blocking and delivered a few steps later, see :meth:`Recorder.flush_step`), builds a
-:class:`PutRecord` of each and routes it to the bus's subscribers whose role its
-destinations name. Records nobody listens to are kept unread, as the latest of their
-name, until someone asks for them.
+Records flow one way, from ``put`` to the subscribers: ``put`` queues a typed entry
+(``_entries``), and the recorder flushes the pending entries at step and hook
+boundaries: it reads tensor values on the host (one read per dtype; on CUDA, a step's
+values are copied to the host without blocking and delivered a few steps later, see
+:meth:`Recorder.flush_step`), builds a :class:`PutRecord` of each and routes it to the
+bus's subscribers whose role its destinations name. Records nobody listens to are kept
+unread, as the latest of their name, until someone asks for them.
+
+The bus holds the subscriptions and never calls the recorder: a trainer's bus is the
+recorder's own :class:`RecordingBus`, whose inline delivery flushes what a handler put
+before the next handler of the same event runs.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sized
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any, cast
 
 import msgspec
@@ -21,26 +27,24 @@ import torch
 
 from loopbus.data import _device
 
+from .._exceptions import HandlerError, StopLoop
 from ..events import CustomEvent, Event, EventBus, PutRecord
+from ..events._handlers import handler_error
+from ..events._subscription import Entry
 from ._checks import STRIDED, described
+from ._entries import PendingEvent, PendingPut, Unread
 
 if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
 
-__all__ = ["EVENT_ENTRY", "Pending", "Publication", "Recorder"]
+__all__ = ["Publication", "Recorder", "RecordingBus"]
 
 _Tensor = torch.Tensor
 
-#: What ``put`` appends: ``(name, value, destinations, source)``; or, for an event that
-#: ``trainer.publish`` queued, ``("", event, EVENT_ENTRY, "")``.
-Pending = tuple[str, Any, tuple[str, ...], str]
-#: The destinations of a pending entry that is an event published with
-#: ``trainer.publish`` (its value), not a record: delivered in put order by ``flush``.
-EVENT_ENTRY: tuple[str, ...] = ("\x00event",)
-#: A record nobody has listened to yet, kept as the latest of its name with its value
-#: unread: ``(name, value, step, epoch, source, destinations)``; turned into a
-#: :class:`PutRecord` when someone asks for it (:meth:`Recorder.stage_records`).
-Unread = tuple[str, Any, int, int, str, tuple[str, ...]]
+#: A pending entry and the record subscribers it goes to: None for a published event
+#: (delivered through the bus's dispatch table), ``()`` for a record that follows an
+#: earlier one of its name to nobody (so that it is the latest of its name, as put).
+_Routed = tuple[PendingPut | PendingEvent, Any]
 
 
 def _resolve(values: list[Any]) -> list[Any]:
@@ -92,7 +96,7 @@ class _Deferred:
 
     def __init__(
         self,
-        routed: list[tuple[Pending, Any]],
+        routed: list[_Routed],
         step: int,
         epoch: int,
         readback: _device.Readback | None,
@@ -102,28 +106,30 @@ class _Deferred:
         self.epoch = epoch
         self._values: list[Any] | None = None
         self._reading: _device.Reading | None = None
-        # The items whose values are read back from the device.
+        # The records whose values are read back from the device.
         self._indices = (
             []
             if readback is None
             else [
                 i
-                for i, ((_, value, _, _), _) in enumerate(routed)
-                if isinstance(value, _Tensor) and value.device.type == readback.device_type
+                for i, (item, _) in enumerate(routed)
+                if type(item) is PendingPut
+                and isinstance(item.value, _Tensor)
+                and item.value.device.type == readback.device_type
             ]
         )
         if readback is not None and self._indices:
-            self._reading = readback.start([routed[i][0][1] for i in self._indices])
+            self._reading = readback.start([_value(routed[i][0]) for i in self._indices])
 
     def ready(self) -> bool:
         reading = self._reading
         return reading is None or reading.ready()
 
     def values(self) -> list[Any]:
-        """The items' values as Python numbers (events as they are)."""
+        """The records' values as Python numbers (None for the events)."""
         if self._values is not None:
             return self._values
-        raw = [item[1] for item, _ in self.routed]
+        raw = _values(self.routed)
         reading = self._reading
         if reading is not None:
             for i, number in zip(self._indices, reading.values(), strict=True):
@@ -132,40 +138,62 @@ class _Deferred:
         return self._values
 
 
-class Recorder:
-    """The trainer's pending put records (and published events), and the latest record
-    of each name.
+def _value(item: PendingPut | PendingEvent) -> Any:
+    """The value of a pending record (None for an event)."""
+    return item.value if type(item) is PendingPut else None
 
-    ``latest`` holds the records of the running (or last) stage; ``earlier`` those of
-    earlier stages whose names this stage has not put (yet). A stage's start moves
-    ``latest`` into ``earlier``; :meth:`latest_records` is both, so a name keeps its last
-    value across stages until a record of the same name replaces it.
+
+def _values(routed: list[_Routed]) -> list[Any]:
+    """The values of the routed records as put (None for the events)."""
+    return [item.value if type(item) is PendingPut else None for item, _ in routed]
+
+
+class Recorder:
+    """The trainer's pending put records (and published events), their routing and
+    delivery, and the latest record of each name.
+
+    What is pending is the recorder's own: ``put`` queues through :attr:`enqueue`,
+    compiled code through :meth:`queue_put`, ``trainer.publish`` through
+    :meth:`queue_event`; others read :attr:`has_pending` (and tests :meth:`peek`).
+
+    The latest records of the running (or last) stage are :meth:`stage_records`;
+    ``earlier`` holds those of earlier stages whose names this stage has not put (yet). A
+    stage's start moves the stage's records into ``earlier``; :meth:`latest_records` is
+    both, so a name keeps its last value across stages until a record of the same name
+    replaces it. Whoever reads them gets :class:`PutRecord` s, values read on the host.
     """
 
     __slots__ = (
         "_delivering",
+        "_latest",
+        "_pending",
         "bus",
         "compiled",
         "earlier",
+        "enqueue",
         "inflight",
         "lag",
-        "latest",
-        "pending",
         "readback",
         "state",
         "stepping",
         "traced",
     )
 
-    def __init__(self, state: RunState, bus: EventBus, lag: int = 4) -> None:
+    def __init__(self, state: RunState, bus: EventBus | None = None, lag: int = 4) -> None:
         #: The run state whose step and epoch the records carry.
         self.state = state
-        self.bus = bus
-        #: What was put or published since the last flush, in order. ``put`` appends to
-        #: it and the recorder's methods take from it; others only read it (the step
-        #: boundary, to skip a flush when nothing waits).
-        self.pending: list[Pending] = []
-        self.latest: dict[str, PutRecord | Unread] = {}
+        #: What the records and published events are delivered through: ``bus``, or
+        #: without one a :class:`RecordingBus` of this recorder's (a trainer's bus).
+        self.bus: EventBus = RecordingBus(self) if bus is None else bus
+        # What was put or published since the last flush, in order: one list for the
+        # recorder's life (a flush takes its items out), so that ``enqueue`` stays bound.
+        self._pending: list[PendingPut | PendingEvent] = []
+        #: Queue a pending entry (what the eager ``put`` calls): the pending list's own
+        #: ``append``, so a put costs no Python frame of the recorder's.
+        self.enqueue = self._pending.append
+        # The latest of each name this stage: a PutRecord, or an Unread entry for a
+        # record nobody has listened to (turned into a PutRecord when read).
+        self._latest: dict[str, PutRecord | Unread] = {}
         self.earlier: dict[str, PutRecord] = {}
         #: How many step flushes whose device values are still being copied to the
         #: host may wait before the oldest is read anyway (waiting for its copy).
@@ -180,9 +208,44 @@ class Recorder:
         self.compiled = False
         #: Whether a compiled step runs (see :meth:`run_compiled`), and what its puts
         #: handed out: one list, empty whenever a step starts (compiled code guards on
-        #: the length of a list it appends to; this one's never varies).
+        #: the length of a list it appends to; this one's never varies). A put is kept
+        #: there as a plain ``(name, value, destinations, source)`` tuple, which compiled
+        #: code builds without a graph break, and typed when the step returns.
         self.stepping = False
-        self.traced: list[Pending] = []
+        self.traced: list[tuple[str, Any, tuple[str, ...], str] | PendingEvent] = []
+
+    if TYPE_CHECKING:
+
+        @property
+        def has_pending(self) -> Sized:
+            """Truthy while something is pending (not to be changed)."""
+            ...
+
+    else:
+        #: Truthy while something is pending: what the step boundary and the recording
+        #: bus read, every step; a getter without a Python frame.
+        has_pending = property(attrgetter("_pending"))
+
+    @property
+    def pending_count(self) -> int:
+        """How many entries are pending (``put_dict`` marks where its items start)."""
+        return len(self._pending)
+
+    def retract(self, count: int) -> None:
+        """Drop the pending entries after the first ``count`` (the items a ``put_dict``
+        put before one of its items was refused)."""
+        del self._pending[count:]
+
+    def peek(self) -> list[Any]:
+        """What is pending, in order, for inspection: each put as its ``(name, value,
+        destinations, source)`` tuple, each published event as itself. A new list:
+        changing it changes nothing."""
+        return [
+            (item.name, item.value, item.destinations, item.source)
+            if type(item) is PendingPut
+            else item.event
+            for item in self._pending
+        ]
 
     def use_device(self, device: Any, compiled: bool = False) -> None:
         """Set the stage's device (on CUDA, :meth:`flush_step` reads put values back
@@ -191,11 +254,14 @@ class Recorder:
         self.readback = _device.readback_for(device)
         self.compiled = compiled
 
-    @property
-    def buffer(self) -> list[Pending]:
-        """Where what is put or published now goes: the pending records, or while a
-        compiled step runs its step buffer (:attr:`traced`, see :meth:`run_compiled`)."""
-        return self.traced if self.stepping else self.pending
+    def queue_put(self, name: str, value: Any, destinations: tuple[str, ...], source: str) -> None:
+        """Queue a checked put (what the compiled ``put`` calls, also while compiled
+        code traces it): while a compiled step runs, into its step buffer
+        (:attr:`traced`, see :meth:`run_compiled`); otherwise with the pending records."""
+        if self.stepping:
+            self.traced.append((name, value, destinations, source))
+        else:
+            self._pending.append(PendingPut(name, value, destinations, source))
 
     def run_compiled(self, fn: Callable[[Any, Any], Any], batch: Any, ctx: Any) -> Any:
         """``fn(batch, ctx)``, a compiled step: the puts it makes go to :attr:`traced`
@@ -209,29 +275,31 @@ class Recorder:
             self.stepping = False
             traced = self.traced
             if traced:
-                self.pending += traced
+                self._pending.extend(
+                    item if type(item) is PendingEvent else PendingPut(*item) for item in traced
+                )
                 traced.clear()
 
     def reset(self) -> None:
         """Start a stage: nothing pending; the last records so far become earlier ones
         (they stay until a record of the same name replaces them)."""
-        self.pending.clear()
+        self._pending.clear()
         self.inflight.clear()
-        if self.latest:
+        if self._latest:
             earlier = self.earlier
             for name, record in self.stage_records().items():
                 earlier.pop(name, None)  # keep the order in which names were last put
                 earlier[name] = record
-            self.latest.clear()
+            self._latest.clear()
 
     def discard_pending(self) -> None:
         """Drop what was put or published but not flushed (a cancelled or failed stage)."""
-        self.pending.clear()
+        self._pending.clear()
         self.inflight.clear()
 
     async def flush_pending(self) -> None:
         """:meth:`flush` if anything waits (a rare boundary: an epoch's or a pass's end)."""
-        if self.pending or self.inflight:
+        if self._pending or self.inflight:
             await self.flush()
 
     def publish(self, event: Event) -> Publication:
@@ -263,7 +331,7 @@ class Recorder:
         """Queue ``event`` for delivery at the next flush, after what is pending (during
         a compiled step, after what the step has put so far: its puts join the pending
         records only when it returns, see :meth:`run_compiled`)."""
-        self.buffer.append(("", event, EVENT_ENTRY, ""))
+        (self.traced if self.stepping else self._pending).append(PendingEvent(event))
         return Publication(self)
 
     # The latest records are part of a checkpoint (a resumed run's monitors see them).
@@ -283,7 +351,7 @@ class Recorder:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        latest = self.latest
+        latest = self._latest
         for name, r in state.items():
             try:
                 latest[name] = PutRecord(
@@ -306,14 +374,17 @@ class Recorder:
         if inflight and not self._delivering:
             while inflight:
                 await self._deliver_deferred(inflight.popleft())
-        pending = self.pending
+        pending = self._pending
         if not pending:
             return
-        self.pending = []
+        items = pending[:]  # what handlers put while these are delivered waits its turn
+        del pending[:]
         state = self.state
-        routed = self._route(pending, state.step, state.epoch)
+        routed = self._route(items, state.step, state.epoch)
         if routed:
-            values = _resolve([item[1] for item, _ in routed])
+            values = _resolve(
+                [item.value if type(item) is PendingPut else None for item, _ in routed]
+            )
             await self._deliver(routed, values, state.step, state.epoch)
 
     async def flush_step(self) -> None:
@@ -325,13 +396,14 @@ class Recorder:
         first, so records always arrive in the order they were put, with the step and
         epoch of their step. On the CPU this is :meth:`flush`."""
         inflight = self.inflight
-        pending = self.pending
+        pending = self._pending
         readback = self.readback
         if pending:
-            self.pending = []
+            items = pending[:]
+            del pending[:]
             state = self.state
             step, epoch = state.step, state.epoch
-            routed = self._route(pending, step, epoch)
+            routed = self._route(items, step, epoch)
             if routed:
                 inflight.append(_Deferred(routed, step, epoch, readback))
         while inflight and (len(inflight) > self.lag or inflight[0].ready()):
@@ -345,63 +417,68 @@ class Recorder:
             self._delivering -= 1
 
     def _settle_inflight(self) -> None:
-        """Read the values of the waiting step flushes into ``latest`` (not delivered:
-        their handlers still get them, in order, at the next flush)."""
-        latest = self.latest
+        """Read the values of the waiting step flushes into the latest records (not
+        delivered: their handlers still get them, in order, at the next flush)."""
+        latest = self._latest
         for batch in self.inflight:
-            for ((name, _, destinations, source), entries), value in zip(
-                batch.routed, batch.values(), strict=True
-            ):
-                if entries is not None:
-                    latest[name] = (name, value, batch.step, batch.epoch, source, destinations)
+            for (item, _), value in zip(batch.routed, batch.values(), strict=True):
+                if type(item) is PendingPut:
+                    latest[item.name] = Unread(
+                        item.name, value, batch.step, batch.epoch, item.source, item.destinations
+                    )
 
-    def _route(self, pending: list[Pending], step: int, epoch: int) -> list[tuple[Pending, Any]]:
-        """The entries each pending item goes to; records nobody listens to are kept
-        unread in ``latest`` (read when someone asks: :meth:`latest_records`)."""
+    def _route(
+        self, pending: list[PendingPut | PendingEvent], step: int, epoch: int
+    ) -> list[_Routed]:
+        """The subscribers each pending entry goes to; records nobody listens to are
+        kept unread as the latest of their name (read when someone asks:
+        :meth:`latest_records`)."""
         bus = self.bus
         routes = bus.routes
-        latest = self.latest
-        routed: list[tuple[Pending, Any]] = []
+        latest = self._latest
+        routed: list[_Routed] = []
         for item in pending:
-            destinations = item[2]
+            if type(item) is PendingEvent:
+                routed.append((item, None))
+                continue
+            destinations = item.destinations
             try:  # a subscript, not routes.get: no call where the route is cached
                 entries = routes[destinations]
             except KeyError:
                 entries = bus.route(destinations)
             if entries:
                 routed.append((item, entries))
-            elif destinations is EVENT_ENTRY:
-                routed.append((item, None))
-            elif routed and any(earlier[0] == item[0] for earlier, _ in routed):
+            elif routed and any(
+                type(earlier) is PendingPut and earlier.name == item.name for earlier, _ in routed
+            ):
                 # A record of this name goes out first (to other destinations): this
                 # one follows it to nobody, so the latest is this one, as put.
                 routed.append((item, ()))
             else:  # nobody listens: kept unread until someone asks (latest_records)
-                name, value, _, source = item
-                latest[name] = (name, value, step, epoch, source, destinations)
+                name = item.name
+                latest[name] = Unread(name, item.value, step, epoch, item.source, destinations)
         return routed
 
-    async def _deliver(
-        self, routed: list[tuple[Pending, Any]], values: list[Any], step: int, epoch: int
-    ) -> None:
+    async def _deliver(self, routed: list[_Routed], values: list[Any], step: int, epoch: int) -> None:
         now = 0.0
         bus = self.bus
         deliver = bus.deliver_record
-        latest = self.latest
-        for ((name, _, destinations, source), entries), value in zip(routed, values, strict=True):
-            if entries is None:  # an event from trainer.publish
-                await bus.publish(value)
+        latest = self._latest
+        for (item, entries), value in zip(routed, values, strict=True):
+            if type(item) is PendingEvent:  # an event from trainer.publish
+                await bus.publish(item.event)
                 continue
             if not now:
                 now = time.time()
+            name = item.name
             record = PutRecord(
                 name=name,
                 value=value,
                 step=step,
                 epoch=epoch,
                 time=now,
-                source=source,
-                destinations=destinations,
+                source=item.source,
+                destinations=item.destinations,
             )
             latest[name] = record
             await deliver(entries, record)
@@ -411,13 +488,19 @@ class Recorder:
         running step and not delivered yet (a tensor is read on the host: on an
         accelerator, a sync). For a step-interval scheduler that monitors a record the
         step puts."""
-        for item in reversed(self.pending):
-            if item[0] == name and item[2] is not EVENT_ENTRY:
-                value = item[1]
+        for item in reversed(self._pending):
+            if type(item) is PendingPut and item.name == name:
+                value = item.value
                 return value.item() if isinstance(value, _Tensor) else value
         self._settle_inflight()  # values on their way from the device, read now
         record = self.latest_records().get(name)
         return None if record is None else record.value
+
+    @property
+    def latest(self) -> dict[str, PutRecord]:
+        """The last record of each name put during the running (or last) stage: see
+        :meth:`stage_records`."""
+        return self.stage_records()
 
     def latest_records(self) -> dict[str, PutRecord]:
         """The last record of each name, of this stage or an earlier one (values read on
@@ -433,21 +516,53 @@ class Recorder:
     def stage_records(self) -> dict[str, PutRecord]:
         """The last record of each name put during the running (or last) stage (values
         still unread are read on the host now: one read per dtype)."""
-        latest = self.latest
-        unread = [item for item in latest.values() if not isinstance(item, PutRecord)]
+        latest = self._latest
+        unread = [item for item in latest.values() if type(item) is Unread]
         if unread:
             now = time.time()
-            values = _resolve([item[1] for item in unread])
-            for (name, _, step, epoch, source, destinations), value in zip(
-                unread, values, strict=True
-            ):
-                latest[name] = PutRecord(
-                    name=name,
+            values = _resolve([item.value for item in unread])
+            for item, value in zip(unread, values, strict=True):
+                latest[item.name] = PutRecord(
+                    name=item.name,
                     value=value,
-                    step=step,
-                    epoch=epoch,
+                    step=item.step,
+                    epoch=item.epoch,
                     time=now,
-                    source=source,
-                    destinations=destinations,
+                    source=item.source,
+                    destinations=item.destinations,
                 )
         return cast("dict[str, PutRecord]", dict(latest))
+
+
+class RecordingBus(EventBus):
+    """The bus of a :class:`Recorder` made without one (a trainer's: ``trainer.bus``):
+    an :class:`EventBus` whose inline delivery keeps the records in put order.
+
+    What a handler put or published is flushed by the recorder before the next handler
+    of the same event runs, so later handlers see it (``trainer.latest``) and record
+    subscribers get it first; only when something is pending, and never after the last
+    handler (the loops flush at their boundaries, in batches). Records are delivered as
+    on any bus: what a record handler puts waits for the next flush."""
+
+    def __init__(self, recorder: Recorder) -> None:
+        super().__init__()
+        self._recorder = recorder
+
+    async def deliver(self, entries: tuple[Entry, ...], event: Any) -> None:
+        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`), flushing
+        what each handler left pending before the next one runs."""
+        recorder = self._recorder
+        settle = False
+        for fn, is_async, sub in entries:
+            if settle and recorder.has_pending:
+                await recorder.flush()
+            try:
+                if is_async:
+                    await fn(event)
+                else:
+                    fn(event)
+            except (HandlerError, StopLoop):
+                raise
+            except Exception as exc:
+                raise handler_error(sub.owner, event, exc) from exc
+            settle = True

@@ -2,9 +2,9 @@
 trainer's recorder.
 
 ``put`` checks the name, value and destinations at the call site (see ``_checks``; each
-distinct name once) and appends to the recorder's pending records; nothing is converted
-or delivered there. The recorder flushes them at step and hook boundaries (see
-``_recorder``).
+distinct name once) and queues a typed entry (``_entries.PendingPut``) with the
+recorder's pending records; nothing is converted or delivered there. The recorder
+flushes them at step and hook boundaries (see ``_recorder``).
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from ._checks import (
     validate_name,
 )
 from ._destinations import ALL, checked_destinations, normalize_destinations
+from ._entries import PendingPut
 
 if TYPE_CHECKING:
     from ._recorder import Recorder
@@ -88,13 +89,14 @@ class PutMixin:
         code does after its graph has run (the tensors are the graph's outputs). The
         recorder moves them to the pending records when the step returns
         (:meth:`Recorder.run_compiled`), and the step boundary flushes them as in eager
-        mode.
+        mode. Both paths run the same checks (``_checks.checked`` is the whole check;
+        the eager path inlines its common cases and falls back to the same functions).
         """
         recorder = self._loopbus_recorder
         if recorder is not None and recorder.compiled:
             value = checked(name, value)
             routed = ALL if destinations is None else checked_destinations(destinations)
-            recorder.buffer.append((name, value, routed, self._loopbus_source))
+            recorder.queue_put(name, value, routed, self._loopbus_source)
             return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
@@ -123,7 +125,7 @@ class PutMixin:
                 f"{type(self).__name__}.put({name!r}, ...) was called outside a Trainer stage; "
                 "call it from a step or an event handler while fit/validate/test/predict runs."
             )
-        recorder.pending.append((name, value, destinations, self._loopbus_source))
+        recorder.enqueue(PendingPut(name, value, destinations, self._loopbus_source))
 
     def put_dict(self, values: Mapping[str, Any], destinations: Any = None) -> None:
         """``put`` every item of ``values``: all of them, or (when one is refused) none."""
@@ -133,7 +135,7 @@ class PutMixin:
             )
         recorder = self._loopbus_recorder
         if recorder is not None and recorder.compiled:
-            # Every entry checked before any is appended: nothing reads the pending list
+            # Every entry checked before any is queued: nothing reads the pending list
             # (whose length would be a guard of compiled code).
             source = self._loopbus_source
             entries = [
@@ -145,15 +147,15 @@ class PutMixin:
                 )
                 for name, value in values.items()
             ]
-            recorder.buffer.extend(entries)
+            for entry in entries:
+                recorder.queue_put(*entry)
             return
-        pending = recorder.pending if recorder is not None else None
-        mark = len(pending) if pending is not None else 0
+        mark = recorder.pending_count if recorder is not None else 0
         try:
             for name, value in values.items():
                 self.put(name, value, destinations)
         except BaseException:
-            if pending is not None:
-                del pending[mark:]  # the items put before the refused one
+            if recorder is not None:
+                recorder.retract(mark)  # the items put before the refused one
             raise
 

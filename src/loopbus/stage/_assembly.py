@@ -27,12 +27,14 @@ from loopbus.checkpoint._parts import (
 from loopbus.data._device import CudaBatchSource, pin_batch
 from loopbus.data._sampler import ElasticDistributedSampler, SamplerPart
 from loopbus.data._sources import Sources
+from loopbus.distributed._stopping import StopControl, StopNotice
 from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
-from loopbus.loop._loops import CollectiveStop, Records, StopNotice, TrainEpochLoop
+from loopbus.loop._loops import Records, TrainEpochLoop
 from loopbus.records._recorder import Recorder
 from loopbus.state._runstate import RunState
 from loopbus.state._stateful import Stateful
+from loopbus.step._compile import prepare_compiled
 from loopbus.step._module import Module
 from loopbus.step._optim import LRSchedulers
 from loopbus.step._precision import Precision
@@ -65,18 +67,16 @@ __all__ = [
 class StageHost:
     """What a stage gives its loops (the ``LoopHost`` they read): the run state, the
     options, the batch sources, the training step (``fit`` only), the evaluation steps,
-    the records, the collective stop and who hears where a stop took effect. Built once
-    per stage by :func:`build_host`."""
+    the records and the stop control. Built once per stage by :func:`build_host`."""
 
     __slots__ = (
         "_eval_step",
         "_train_step",
-        "collective",
         "options",
         "records",
         "sources",
         "state",
-        "stop_notice",
+        "stop",
     )
 
     def __init__(
@@ -86,17 +86,15 @@ class StageHost:
         options: TrainerOptions,
         sources: Sources,
         records: Records,
-        collective: CollectiveStop,
-        stop_notice: StopNotice,
+        stop: StopControl,
         train_step: TrainStep | None,
         eval_step: Callable[[str], EvalStep],
     ) -> None:
         self.state = state
-        self.stop_notice = stop_notice
         self.options = options
         self.sources = sources
         self.records = records
-        self.collective = collective
+        self.stop = stop
         self._train_step = train_step
         self._eval_step = eval_step
 
@@ -157,14 +155,17 @@ def build_host(
     strategy: Strategy,
     optimizers: list[torch.optim.Optimizer],
     schedulers: LRSchedulers,
+    stop: StopControl,
     stop_notice: StopNotice,
     train_loop: str = "train",
 ) -> StageHost:
     """Everything the loops of ``stage`` run with, chosen once: where steps run (inline,
     or a worker thread under ``executor="thread"``), the batch sources, the step
-    boundary, and for ``fit`` the training step (its forward through the strategy)."""
+    boundary, and for ``fit`` the training step (its forward through the strategy) and
+    stop requests agreed across ranks (the strategy's stop transport)."""
     worker, emit = _step_runner(options, bus)
-    boundary = StepBoundary(recorder, options.yield_interval)
+    prepare_compiled(module, options.compile)  # undone when the stage ends
+    boundary = StepBoundary(recorder, options.responsiveness.yield_interval_s)
     train_step = None
     if stage == "fit":
         train_step = build_train_step(
@@ -187,13 +188,13 @@ def build_host(
             compile=options.compile,
             compile_optimizer=options.compile_optimizer,
         )
+    stop.begin(strategy.stop_transport() if stage == "fit" else None, stop_notice)
     return StageHost(
         state=state,
         options=options,
         sources=build_sources(options),
         records=recorder,
-        collective=strategy,
-        stop_notice=stop_notice,
+        stop=stop,
         train_step=train_step,
         eval_step=_eval_steps(module, options, recorder, precision, boundary, worker),
     )

@@ -255,7 +255,7 @@ async def sanity_check(
     steps = options.num_sanity_val_steps
     if not steps or options.limit_val_batches == 0 or resuming:
         return
-    leak_check, drain_timeout = options.leak_check, options.drain_timeout
+    leak_check, drain_timeout = options.leak_check, options.drain_timeout_s
     await recorder.flush_pending()  # what was put before belongs to the run
     loop = SanityCheckLoop(math.inf if steps == -1 else steps)
     bus = EventBus()

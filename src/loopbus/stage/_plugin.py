@@ -15,8 +15,7 @@ from .._validate import check_choice, check_int
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    # The public type, for the public signatures (as a user's plugin names it).
-    from loopbus import Trainer
+    from loopbus.step._trainer_view import TrainerView
 
 __all__ = ["Delivery", "Plugin"]
 
@@ -174,18 +173,18 @@ class Plugin(PutMixin):
             "priority": d.priority,
         }
 
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         """Called when a stage (``"fit"``, ``"validate"``, ...) starts, before any event."""
 
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         """Called after ``setup`` inside the stage's task group, for plugins that run
         services (a server, a watcher). Tasks started in ``task_group`` must return after
         :meth:`stop`."""
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         """Called at the end of the stage, after the last event and the queue drain."""
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         """Called last, however the stage ended."""
 
     def state_dict(self) -> dict[str, Any]:

@@ -62,8 +62,8 @@ class Ranks(Protocol):
 class Preemption:
     """A trainer's handling of the preemption signals (see ``Trainer(preemption=...)``).
 
-    The signal handler records the signal (its number and time) and asks the run state to
-    stop (:meth:`RunState.request_stop`, collective under DDP): nothing else, so it is safe
+    The signal handler records the signal (its number and time) and asks the run's stop
+    control to stop (``request_stop``, collective under DDP): nothing else, so it is safe
     whatever the main thread was doing. A second signal (or ``grace`` seconds after the
     first, from a watchdog thread) ends the process at once with the exit status; the
     atomic checkpoint writer leaves no half-written file behind.
@@ -72,16 +72,18 @@ class Preemption:
     def __init__(
         self,
         state: RunState,
+        request_stop: Callable[[str | None], None],
         ranks: Ranks,
         publish: Callable[[Event], Awaitable[Any]],
         options: TrainerOptions,
     ) -> None:
         self._state = state
+        self._request_stop = request_stop
         self._ranks = ranks
         self._publish = publish
         self._mode: bool | Literal["auto"] = options.preemption
         self._exit_code = options.preemption_exit_code
-        self._grace = options.preemption_grace
+        self._grace = options.preemption_grace_s
         # Written by the signal handler only: (signal number, time.time()).
         self._received: tuple[int, float] | None = None
         # What the ranks agreed on at the stop: (signal number, rank, deadline).
@@ -167,7 +169,7 @@ class Preemption:
             finally:
                 self._end_now(signum, b"loopbus: a second preemption signal; exiting now\n")
         self._received = (signum, time.time())
-        self._state.request_stop(self._reasons.get(signum))
+        self._request_stop(self._reasons.get(signum))
         self._chain(signum, frame)
 
     def _chain(self, signum: int, frame: FrameType | None) -> None:

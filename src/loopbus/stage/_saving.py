@@ -12,11 +12,13 @@ from typing import TYPE_CHECKING, Any
 import anyio.to_thread
 
 from loopbus.checkpoint._parts import CheckpointMismatch, collect_state, load_state
+from loopbus.checkpoint._registry import CheckpointRegistry
 from loopbus.checkpoint._sharded_save import no_full_state, save_sharded, save_sharded_async
 from loopbus.checkpoint._write import write_checkpoint
 from loopbus.state._runstate import ResumePlan
 from loopbus.state._stateful import Stateful
 
+from .._validate import check_local_path
 from ._assembly import build_registry, check_registration
 
 if TYPE_CHECKING:
@@ -78,6 +80,20 @@ class CheckpointMethods:
             return dict(self._parts)
         return self._build_parts()
 
+    def checkpoint_registry(self) -> CheckpointRegistry:
+        """What a checkpoint of the run is saved from, now: the parts of
+        :meth:`stateful_parts`, the module and optimizers, how far the run is, and the
+        strategy whose ranks and collectives saving uses. A new value each call;
+        ``ShardedCheckpointWriter.save`` takes it (or the trainer, which it asks)."""
+        return CheckpointRegistry(
+            parts=self.stateful_parts(),
+            module=self.module,
+            optimizers=self.optimizers,
+            global_step=self.state.step,
+            epoch=self.state.epoch,
+            strategy=self.strategy,
+        )
+
     def _build_parts(self) -> dict[str, Any]:
         return build_registry(
             state=self.state,
@@ -101,7 +117,7 @@ class CheckpointMethods:
         tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
         if self.strategy.sharded_state:
             raise no_full_state(self.strategy.name)
-        return collect_state(self, self.stateful_parts(), to_host=to_host)  # type: ignore[arg-type]
+        return collect_state(self.checkpoint_registry(), to_host=to_host)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
         """Load a checkpoint dict into this run (module and optimizers must be set up:
@@ -122,8 +138,9 @@ class CheckpointMethods:
         Under DDP every rank must call it (the state holds every rank's generators):
         rank 0 writes, and all ranks return once the file is there. Under FSDP ``path``
         is a sharded checkpoint directory, every rank writing its shards."""
+        check_local_path("path", path, owner="save_checkpoint")
         if self.strategy.sharded_state:
-            return save_sharded(self, path)  # type: ignore[arg-type]
+            return save_sharded(self.checkpoint_registry(), path)
         state = self.state_dict()
         target = Path(os.fspath(path))
         if self.strategy.is_global_zero:
@@ -136,8 +153,9 @@ class CheckpointMethods:
         return once it is durable; the event loop stays free meanwhile. Under DDP, as
         :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
         every rank its shards, staged first, then written in the background)."""
+        check_local_path("path", path, owner="save_checkpoint_async")
         if self.strategy.sharded_state:
-            return await save_sharded_async(self, path)  # type: ignore[arg-type]
+            return await save_sharded_async(self.checkpoint_registry(), path)
         state = self.state_dict(to_host=True)
         target = Path(os.fspath(path))
         if self.strategy.is_global_zero:

@@ -10,7 +10,7 @@ import logging
 import os
 from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import anyio
 import anyio.to_thread
@@ -19,6 +19,7 @@ import torch
 from loopbus.checkpoint._load import load_weights
 from loopbus.checkpoint._locate import resolve_weights_path
 from loopbus.distributed._resolve import resolve_strategy
+from loopbus.distributed._stopping import StopControl
 from loopbus.distributed._strategy import Strategy, StrategyName
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -26,11 +27,13 @@ from loopbus.records._recorder import Publication, Recorder
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import LeakCheck
 from loopbus.state._stateful import Stateful
+from loopbus.step._compile import restore_compiled
 from loopbus.step._module import Module
 from loopbus.step._optim import LRSchedulers, SchedulerConfig, parse_optimizers
 from loopbus.step._precision import Precision, resolve_precision
 
 from .._exceptions import MisconfigurationError
+from .._renamed import RENAMED
 from ..events import Event, EventBus, Subscription
 from ._assembly import (
     StageHost,
@@ -41,6 +44,7 @@ from ._lifecycle import resume_from, running_stage, sanity_check, subscribed
 from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._preemption import Preemption
+from ._run import lightning_arguments, stage_method
 from ._saving import CheckpointMethods
 from ._views import RunViews
 
@@ -52,7 +56,7 @@ _DEFAULT_PLUGINS: list[Callable[[], Plugin]] = []
 
 
 def set_default_plugins(factories: Iterable[Callable[[], Plugin]]) -> None:
-    """Set what ``Trainer(plugins=None)`` uses (``loopbus.plugins`` sets a progress bar)."""
+    """Set what ``Trainer(plugins=None)`` uses (``loopbus.plugins`` sets a progress bar and a model summary)."""
     _DEFAULT_PLUGINS[:] = list(factories)
 
 
@@ -75,14 +79,17 @@ def _check_data(data: Any, name: str) -> None:
 class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     """Runs a :class:`Module` through ``fit``, ``validate``, ``test`` and ``predict``.
 
-    Every stage is a coroutine: ``await trainer.fit(module, train_data, val_data)``, or
-    from synchronous code ``loopbus.run(trainer.fit, module, train_data, val_data)``.
+    Every stage is a coroutine in async code (``await trainer.fit(module, train_data,
+    val_data)``, also in a notebook) and runs to completion when called from synchronous
+    code (``trainer.fit(module, train_data, val_data)``, as ``loopbus.run`` does).
 
     Its options (all keyword-only: ``max_epochs``, ``max_steps``, ``precision``,
     ``plugins``, ``executor``, ``device``, ``strategy``, ...) are validated into one
     frozen :class:`TrainerOptions` (``trainer.options``; each is also an attribute,
-    ``trainer.max_epochs``), whose docstring says what each one does. ``plugins`` are
-    the plugins of every stage (None: the default set, a progress bar; ``[]``: none);
+    ``trainer.max_epochs``), held in typed groups whose docstrings say what each one
+    does. Times in seconds end in ``_s`` (``yield_interval_s``); their earlier names
+    (``yield_interval``, ...) are deprecated aliases that warn once. ``plugins`` are
+    the plugins of every stage (None: the default set, a progress bar and a model summary; ``[]``: none);
     ``precision`` is ``"32"`` (default) or a registered name such as ``"bf16-mixed"``.
 
     The trainer is a facade: the loops iterate, a :class:`TrainStep` built per stage
@@ -109,45 +116,45 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         device: str | torch.device | None = "auto",
         precision: str | int | Precision | None = "32",
         leak_check: LeakCheck | Literal["env"] = "env",
-        yield_interval: float = 0.005,
-        drain_timeout: float = 10.0,
+        yield_interval_s: float = 0.005,
+        drain_timeout_s: float = 10.0,
         prefetch: int = 0,
         device_prefetch: int = 1,
         put_lag: int = 4,
         strategy: StrategyName | Strategy = "auto",
-        process_group_timeout: float = 1800.0,
-        stop_check_interval: float = 0.05,
+        process_group_timeout_s: float = 1800.0,
+        stop_check_interval_s: float = 0.05,
         num_sanity_val_steps: int = 2,
         fast_dev_run: bool | int = False,
         enable_model_summary: bool = True,
         preemption: bool | Literal["auto"] = "auto",
         preemption_exit_code: int | None = None,
-        preemption_grace: float | None = None,
+        preemption_grace_s: float | None = None,
         compile: bool | Mapping[str, Any] = False,
         **unknown: Any,
     ) -> None:
-        if unknown:
-            known = [p for p in inspect.signature(Trainer).parameters if p != "unknown"]
-            raise unknown_options(unknown, known)
         given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
         #: The validated options (read them as ``trainer.max_epochs`` and so on).
-        self.options = options = TrainerOptions.parse(**given)
+        self.options = options = _parse_options(given, unknown)
+        distribution = options.distribution
         self.precision = resolve_precision(precision)
         #: How the run is spread over processes (one, DDP, FSDP): DDP's wrapper, FSDP's shards.
         self.strategy: Strategy = resolve_strategy(
-            options.strategy, options.process_group_timeout, options.stop_check_interval
+            distribution.strategy,
+            distribution.process_group_timeout_s,
+            distribution.stop_check_interval_s,
         )
-        self.strategy.setup_environment(options.device)
+        self.strategy.setup_environment(distribution.device)
         if self.strategy.is_global_zero:
             _notices(options)
         self.plugins: list[Plugin] = _plugins(plugins)
-        self.bus = EventBus()
         #: The run's state (step, epoch, stage, stop request, resume plan): read it here
         #: or through the properties below; the trainer and its loops advance it.
         self.state = RunState()
-        self.recorder = Recorder(self.state, self.bus, options.put_lag)
-        self.bus.attach_records(self.recorder)
-        self._preemption = Preemption(self.state, self.strategy, self.recorder.publish, options)
+        #: The run's records (pending puts and published events, their delivery, the
+        #: latest of each name); the bus is the one it delivers through.
+        self.recorder = Recorder(self.state, lag=options.put_lag)
+        self.bus: EventBus = self.recorder.bus
         self._init_loops(options.leak_check)
         self._init_run_parts()
 
@@ -161,7 +168,12 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             loop.attach(bus=self.bus, trainer=self, leak_check=leak_check)
 
     def _init_run_parts(self) -> None:
-        """What a stage sets up: the module and its optimizers, the registry of parts."""
+        """What a stage sets up: the module and its optimizers, the registry of parts;
+        where it stops (the stop control, the preemption signals' handling)."""
+        self._stop = StopControl(self.state)
+        self._preemption = Preemption(
+            self.state, self._stop.request, self.strategy, self.recorder.publish, self.options
+        )
         self.module: Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self._schedulers = LRSchedulers([], self.state, self.recorder)
@@ -210,7 +222,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         """Ask the running stage to stop at the next step boundary (under DDP and FSDP: at
         the accumulation window's end), without an exception (validation inside ``fit``
         finishes its pass first). Safe to call from any task and from other threads."""
-        self.state.request_stop(reason)
+        self._stop.request(reason)
 
     def subscribe(self, event_type: Any, handler: Any, **options: Any) -> Subscription:
         """Shortcut for ``trainer.bus.subscribe``."""
@@ -237,14 +249,18 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         return self.recorder.publish(event)
 
     # ------------------------------------------------------------ stages
+    # Each stage method returns a coroutine when an event loop runs in this thread
+    # (``await trainer.fit(...)``) and runs to completion from synchronous code.
+    @stage_method
     async def fit(
         self,
-        module: Module,
-        train_data: Any,
+        module: Module | None = None,
+        train_data: Any = None,
         val_data: Any = None,
         *,
         ckpt_path: str | os.PathLike[str] | None = None,
         ckpt_strict: bool = True,
+        **lightning: Any,
     ) -> None:
         """Train ``module`` on ``train_data``, validating on ``val_data`` when given.
 
@@ -254,10 +270,12 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         a fresh start if there is none yet). ``ckpt_strict=False`` loads what matches the
         current run and warns about the rest (see ``docs/checkpointing.md``).
         """
+        if lightning:
+            raise lightning_arguments("fit", lightning)
         _check_data(train_data, "train_data")
         if val_data is not None:
             _check_data(val_data, "val_data")
-        _check_module(module, "fit", "training_step")
+        module = _check_module(module, "fit", "training_step")
         if val_data is not None:
             _check_module(module, "fit with val_data", "validation_step")
         train_data = self.strategy.prepare_train_data(train_data)
@@ -283,32 +301,56 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
                 )
             await self.fit_loop.run(train_data, val_data)
 
+    @stage_method
     async def validate(
-        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        module: Module | None = None,
+        data: Any = None,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        **lightning: Any,
     ) -> dict[str, float | int | bool]:
         """One pass of ``validation_step`` over ``data``; returns the last value of each
         record put during it. ``ckpt_path`` loads the module's weights first (see
         :meth:`test`)."""
+        module, data = self._module_and_data("validate", module, data, lightning)
         return await self._evaluate("validate", self.validate_loop, module, data, ckpt_path)
 
+    @stage_method
     async def test(
-        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        module: Module | None = None,
+        data: Any = None,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        **lightning: Any,
     ) -> dict[str, float | int | bool]:
         """One pass of ``test_step`` over ``data``; returns the last value of each record.
 
         ``ckpt_path`` loads the module's weights (only those: not the optimizers or the
         loops' state) before the pass: ``"best"`` is the best checkpoint of the
-        ``Checkpoint`` plugin that monitors a record (its ``best_model_path``; an error
+        ``Checkpoint`` plugin that monitors a record (its ``best_checkpoint_path``; an error
         without such a plugin or before it saved one), ``"last"`` the newest checkpoint
         (as for ``fit``; an error if none was written), anything else a checkpoint file
-        or directory. None (default) uses the module as it is."""
+        or directory. None (default) uses the module as it is.
+
+        Without a module (``trainer.test(data, ckpt_path="best")``) the module of the
+        trainer's last stage (the one ``fit`` trained) is used."""
+        module, data = self._module_and_data("test", module, data, lightning)
         return await self._evaluate("test", self.test_loop, module, data, ckpt_path)
 
+    @stage_method
     async def predict(
-        self, module: Module, data: Any, *, ckpt_path: str | os.PathLike[str] | None = None
+        self,
+        module: Module | None = None,
+        data: Any = None,
+        *,
+        ckpt_path: str | os.PathLike[str] | None = None,
+        **lightning: Any,
     ) -> list[Any]:
         """``predict_step`` over ``data``; returns the outputs in order. ``ckpt_path``
         loads the module's weights first (see :meth:`test`)."""
+        module, data = self._module_and_data("predict", module, data, lightning)
         _check_data(data, "data")
         _check_module(module, "predict", None)
         async with self._stage("predict", module):
@@ -316,6 +358,24 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
                 await self._load_weights(ckpt_path, module)
             result: list[Any] = await self.predict_loop.run(data)
         return result
+
+    def _module_and_data(
+        self, stage: str, module: Any, data: Any, lightning: dict[str, Any]
+    ) -> tuple[Module, Any]:
+        """The module and data of an evaluation stage: ``trainer.test(data)`` (no module)
+        takes the module of the last stage."""
+        if lightning:
+            raise lightning_arguments(stage, lightning)
+        if data is None and module is not None and not isinstance(module, torch.nn.Module):
+            module, data = None, module
+        if module is None:
+            module = self.module
+            if module is None:
+                raise MisconfigurationError(
+                    f"{stage} needs a module: trainer.{stage}(module, data). Without one it "
+                    "uses the module of the trainer's last stage, and none has run yet."
+                )
+        return module, data
 
     async def _evaluate(
         self,
@@ -359,15 +419,17 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
                     start=lambda plugin, tg: plugin.start(self, stage, tg),
                     stop=lambda plugin: plugin.stop(self, stage),
                     loops=self.loops,
-                    drain_timeout=self.options.drain_timeout,
+                    drain_timeout=self.options.responsiveness.drain_timeout_s,
                     preemption=self._preemption,
                 ):
                     yield
         finally:
+            restore_compiled(module)
             module.bind_recorder(None)
             module.bind_trainer(None)
             self._parts = None
             self._schedulers.resumed_at(None)
+            self._stop.end()
             self.state.end_stage()
 
     def _prepare(self, stage: str, module: Module) -> None:
@@ -395,6 +457,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             strategy=self.strategy,
             optimizers=self.optimizers,
             schedulers=self._schedulers,
+            stop=self._stop,
             stop_notice=self._preemption,
             train_loop=self.fit_loop.epoch_loop.name,
         )
@@ -414,6 +477,20 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
 
 # Trainer.__init__'s arguments that are not options.
 _NOT_OPTIONS = frozenset({"self", "unknown", "plugins", "precision"})
+
+
+def _parse_options(named: dict[str, Any], unknown: dict[str, Any]) -> TrainerOptions:
+    """``Trainer(...)``'s options: ``named`` are its keywords as bound (one left out is
+    the very default object of the signature, so only those passed are handed on),
+    ``unknown`` the others: the deprecated old names of renamed options, or mistakes
+    (explained)."""
+    mistakes = {name: value for name, value in unknown.items() if name not in RENAMED}
+    if mistakes:
+        known = [p for p in inspect.signature(Trainer).parameters if p != "unknown"]
+        raise unknown_options(mistakes, known)
+    defaults = Trainer.__init__.__kwdefaults__ or {}
+    passed = {name: value for name, value in named.items() if value is not defaults[name]}
+    return TrainerOptions.parse(**passed, **unknown)
 
 
 def _notices(options: TrainerOptions) -> None:
@@ -446,7 +523,7 @@ def _plugins(plugins: Iterable[Plugin] | None) -> list[Plugin]:
     return chosen
 
 
-def _check_module(module: Any, stage: str, method: str | None) -> None:
+def _check_module(module: Any, stage: str, method: str | None) -> Module:
     if not isinstance(module, Module):
         extra = ""
         if isinstance(module, torch.nn.Module):
@@ -461,3 +538,13 @@ def _check_module(module: Any, stage: str, method: str | None) -> None:
         raise MisconfigurationError(
             f"{stage} needs {type(module).__name__}.{method}(self, batch, ctx); define it."
         )
+    return module
+
+
+if TYPE_CHECKING:
+    from loopbus.step._trainer_view import TrainerView
+
+    def _viewed(trainer: Trainer) -> TrainerView:
+        """Modules, loops and plugins see the trainer as a ``TrainerView``: ``mypy``
+        checks here that ``Trainer`` satisfies the protocol."""
+        return trainer

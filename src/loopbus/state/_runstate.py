@@ -47,7 +47,9 @@ class RunState:
     """Step, epoch, stage, stop request and resume plan of a trainer's runs.
 
     Read-only for users and plugins (use :meth:`Trainer.request_stop` to stop a run);
-    the trainer and its loops advance it through its methods. Stateful: its
+    the trainer and its loops advance it through its methods. Its stop fields record
+    what the run's stop control (``loopbus.distributed._stopping.StopControl``, the
+    only caller of the stopping methods below) decided. Stateful: its
     ``state_dict`` (step and epoch) is part of every checkpoint.
     """
 
@@ -142,9 +144,9 @@ class RunState:
 
     # ------------------------------------------------------------ stopping
     def request_stop(self, reason: str | None = None) -> None:
-        """Ask the running stage to stop at the next step boundary. Safe from any task
-        or thread. In a collective stage (DDP) the request is pending until the ranks
-        exchange their requests at the next step boundary (see :meth:`confirm_stop`)."""
+        """Record a request to stop the running stage at the next step boundary. Safe
+        from any task or thread. In a collective stage (DDP, FSDP) the request is pending
+        until the stop control has the ranks agree (see :meth:`confirm_stop`)."""
         reason = reason if reason is not None else "stop requested"
         if self._collective:
             if self._pending_stop is None:

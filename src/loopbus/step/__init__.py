@@ -1,5 +1,6 @@
 """One step: the user's ``Module``, its optimizers and schedulers, precision (autocast,
-grad scaling), and the train and eval steps that run them (eager or compiled).
+grad scaling), and the train and eval steps that run them (eager or compiled); and
+``TrainerView``, the protocol that modules, loops and plugins see the trainer through.
 
 Imports ``loopbus.records``, ``loopbus.data``, ``loopbus.state``, ``loopbus.events``.
 """
@@ -10,10 +11,12 @@ from ._module import Module as Module
 from ._optim import SchedulerConfig as SchedulerConfig
 from ._precision import Precision as Precision
 from ._precision import register_precision as register_precision
+from ._trainer_view import TrainerView as TrainerView
 
 __all__ = [
     "Module",
     "Precision",
     "SchedulerConfig",
+    "TrainerView",
     "register_precision",
 ]

@@ -2,30 +2,33 @@
 
 from __future__ import annotations
 
+import ast
 import copy
+import difflib
 import inspect
+import itertools
+import linecache
 import os
-from collections.abc import Iterable, Mapping
-from types import FrameType, MappingProxyType
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Iterable, Iterator, Mapping
+from types import FrameType
+from typing import TYPE_CHECKING, Any, NoReturn, TypeVar
 
 import torch
 
+from loopbus.events import DESTINATIONS
 from loopbus.records._records import PutMixin
 from loopbus.state._scope import Scope
 
 from .._exceptions import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
-    # The public type, for the public signatures (as a user's module names it).
-    from loopbus import Trainer
+    from ._trainer_view import TrainerView
 
-__all__ = ["Module", "check_hparams"]
+__all__ = ["Hparams", "Module", "check_hparams"]
 
 M = TypeVar("M", bound="Module")
 
 _PLAIN = (type(None), bool, int, float, str)
-_NO_HPARAMS: Mapping[str, Any] = MappingProxyType({})
 
 
 def _plain_problem(value: Any, where: str) -> str | None:
@@ -88,6 +91,216 @@ def _frame_arguments(frame: FrameType) -> dict[str, Any]:
     return args
 
 
+class Hparams(Mapping[str, Any]):
+    """The hyperparameters kept by :meth:`Module.save_hyperparameters`: a read-only
+    mapping whose keys read as attributes too (``hparams.lr`` is ``hparams["lr"]``; a key
+    named like a mapping method, ``hparams["items"]``, reads with brackets only). It
+    compares equal to a dict with the same items; it can be copied and pickled."""
+
+    __slots__ = ("_owner", "_values")
+    _owner: str
+    _values: dict[str, Any]
+
+    def __init__(self, values: Mapping[str, Any] | None = None, owner: str = "Module") -> None:
+        object.__setattr__(self, "_values", dict(values or {}))
+        object.__setattr__(self, "_owner", owner)
+
+    def __getitem__(self, name: str) -> Any:
+        return self._values[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._values)
+
+    def __len__(self) -> int:
+        return len(self._values)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __getattr__(self, name: str) -> Any:
+        values = object.__getattribute__(self, "_values")
+        if name in values:
+            return values[name]
+        if name.startswith("__"):  # copy, pickle and friends probing for a hook
+            raise AttributeError(name)
+        owner = object.__getattribute__(self, "_owner")
+        if not values:
+            raise AttributeError(
+                f"{owner}.hparams has no {name!r}: it is empty. Call "
+                f"self.save_hyperparameters() in {owner}.__init__ to keep its arguments."
+            )
+        close = difflib.get_close_matches(name, list(values), n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise AttributeError(
+            f"{owner}.hparams has no {name!r}{hint}; it holds {sorted(values)!r}."
+        )
+
+    def __setattr__(self, name: str, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"{self._owner}.hparams is read-only (it holds the arguments "
+            f"save_hyperparameters() kept, as checkpoints save them); keep {name!r} as an "
+            f"attribute of the module instead: self.{name} = ..."
+        )
+
+    def __delattr__(self, name: str) -> NoReturn:
+        raise AttributeError(f"{self._owner}.hparams is read-only; {name!r} cannot be deleted.")
+
+    def __dir__(self) -> list[str]:
+        return sorted({*super().__dir__(), *(k for k in self._values if k.isidentifier())})
+
+    def __repr__(self) -> str:
+        return f"Hparams({self._values!r})"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self._values, self._owner))
+
+
+# -- Lightning's self.log and self.log_dict: errors that show the put line to write instead
+_LOG_OPTIONS = (  # Lightning's, in the order of its positional parameters
+    "prog_bar",
+    "logger",
+    "on_step",
+    "on_epoch",
+    "reduce_fx",
+    "enable_graph",
+    "sync_dist",
+    "sync_dist_group",
+    "add_dataloader_idx",
+    "batch_size",
+    "metric_attribute",
+    "rank_zero_only",
+)
+_LOG_DICT_OPTIONS = tuple(o for o in _LOG_OPTIONS if o != "metric_attribute")
+_MISSING: Any = object()
+
+
+def _call_in(frame: FrameType | None, method: str) -> tuple[str, ast.Call] | None:
+    """The source text and syntax tree of the call that ``frame`` is making, the caller's
+    ``self.log(...)`` expression (``method`` named), or None where it cannot be read."""
+    if frame is None:
+        return None
+    try:
+        first, last, start, end = list(frame.f_code.co_positions())[frame.f_lasti // 2]
+        if first is None or last is None or start is None or end is None:
+            return None
+        filename = frame.f_code.co_filename
+        lines = [linecache.getline(filename, n).encode() for n in range(first, last + 1)]
+        lines[-1] = lines[-1][:end]  # offsets count UTF-8 bytes
+        lines[0] = lines[0][start:]
+        text = b"".join(lines).decode()
+        node = ast.parse(text, mode="eval").body
+    except (IndexError, SyntaxError, ValueError):  # UnicodeDecodeError is a ValueError
+        return None
+    if not isinstance(node, ast.Call) or getattr(node.func, "attr", None) != method:
+        return None
+    return text, node
+
+
+def _argument(call: tuple[str, ast.Call] | None, index: int, keyword: str) -> ast.expr | None:
+    """The expression passed as argument ``index`` (or as ``keyword=``) in ``call``."""
+    if call is None:
+        return None
+    args, keywords = call[1].args, call[1].keywords
+    if any(isinstance(a, ast.Starred) for a in args[: index + 1]):
+        return None
+    if index < len(args):
+        return args[index]
+    return next((k.value for k in keywords if k.arg == keyword), None)
+
+
+def _shown(call: tuple[str, ast.Call] | None, node: ast.expr | None, value: Any) -> str:
+    """How the put line writes an argument: its source text, else the value when short."""
+    text = ast.get_source_segment(call[0], node) if call and node else None
+    if text is not None:
+        return text
+    if isinstance(value, str):
+        return _quoted(value)
+    if isinstance(value, (bool, int, float)) and len(repr(value)) < 32:
+        return repr(value)
+    return "value"
+
+
+def _quoted(key: Any) -> str:
+    """``key`` as a literal, in double quotes like the examples (``repr`` where needed)."""
+    if isinstance(key, str) and key.isprintable() and '"' not in key and "\\" not in key:
+        return f'"{key}"'
+    return repr(key)
+
+
+def _log_options(
+    args: tuple[Any, ...], kwargs: dict[str, Any], names: tuple[str, ...]
+) -> dict[str, Any]:
+    """Lightning's options of a log call, by name (positional ones named in order)."""
+    return {**dict(zip(names, args, strict=False)), **kwargs}
+
+
+def _destinations_argument(options: Mapping[str, Any]) -> str:
+    """``, destinations=(...)`` for ``prog_bar=False`` / ``logger=False`` ("" for all)."""
+    dropped = {"progress_bar": options.get("prog_bar") is False}
+    dropped["loggers"] = options.get("logger") is False
+    roles = [role for role in DESTINATIONS if not dropped.get(role)]
+    if len(roles) == len(DESTINATIONS):
+        return ""
+    return ", destinations=(" + ", ".join(f'"{role}"' for role in roles) + ")"
+
+
+def _put_lines(
+    call: tuple[str, ast.Call] | None,
+    node: ast.expr | None,
+    values: Any,
+    holder: str,
+    destinations: str,
+) -> list[str]:
+    """One ``self.put(key, ...)`` line per item of ``values`` (three, then "..."): the
+    value's source where ``node`` is a dict display, else ``holder[key]``."""
+    if not isinstance(values, Mapping):
+        return []
+    shown: dict[Any, ast.expr] = {}
+    if isinstance(node, ast.Dict):
+        for key, value in zip(node.keys, node.values, strict=True):
+            if isinstance(key, ast.Constant):
+                shown.setdefault(key.value, value)
+    lines = []
+    for key in itertools.islice(values, 3):
+        text = _shown(call, shown[key], _MISSING) if key in shown else f"{holder}[{_quoted(key)}]"
+        lines.append(f"    self.put({_quoted(key)}, {text}{destinations})")
+    if len(values) > 3:
+        lines.append("    ...")
+    return lines
+
+
+def _log_advice(name: str, options: Mapping[str, Any]) -> str:
+    """What a put does not do that Lightning's log did, and where to do it instead."""
+    event = "TrainEpochCompleted"
+    if "val" in name:
+        event = "ValidationCompleted"
+    elif "test" in name:
+        event = "TestCompleted"
+    reduced = " (torchmetrics also reduces across ranks, as sync_dist=True did)"
+    return (
+        "Records are not aggregated: a put is one value at the current step. For a value "
+        "over the epoch (on_epoch=True), update a torchmetrics metric in the step "
+        "(self.metric.update(...)) and put what it computes in an epoch-end handler"
+        f"{reduced if options.get('sync_dist') else ''}:\n"
+        f"    @loopbus.on(loopbus.events.{event})\n"
+        "    def put_epoch_metrics(self, event):\n"
+        f"        self.put({name}, self.metric.compute())\n"
+        "        self.metric.reset()\n"
+        "put sends a record to every destination by default "
+        f"({', '.join(_quoted(d) for d in DESTINATIONS)}); prog_bar= and logger= become "
+        'destinations=: leave out "progress_bar" for prog_bar=False and "loggers" for '
+        "logger=False."
+    )
+
+
+def _run_counter_is_read_only(module: Module, name: str) -> str:
+    return (
+        f"{type(module).__name__}.{name} is read-only: it is the running trainer's "
+        f"{name} (the trainer counts it, and a resume restores it); keep a count of your "
+        "own under another name."
+    )
+
+
 class Module(PutMixin, torch.nn.Module):
     """Subclass it, define ``training_step`` and ``configure_optimizers``, and hand it to
     :meth:`Trainer.fit`. Methods decorated with :func:`loopbus.on` are subscribed for the
@@ -139,13 +352,15 @@ class Module(PutMixin, torch.nn.Module):
         if names:
             args = {name: args[name] for name in names}
         kept = {name: value for name, value in args.items() if name not in ignored}
-        self.__dict__["_loopbus_hparams"] = MappingProxyType(check_hparams(kept, owner))
+        self.__dict__["_loopbus_hparams"] = Hparams(check_hparams(kept, owner), owner)
 
     @property
-    def hparams(self) -> Mapping[str, Any]:
-        """The hyperparameters kept by :meth:`save_hyperparameters` (read-only; empty if
-        it was never called)."""
-        return self.__dict__.get("_loopbus_hparams", _NO_HPARAMS)  # type: ignore[no-any-return]
+    def hparams(self) -> Hparams:
+        """The hyperparameters kept by :meth:`save_hyperparameters`: a read-only
+        :class:`Hparams` mapping, its keys readable as attributes (``self.hparams.lr``);
+        empty if it was never called."""
+        hparams: Hparams | None = self.__dict__.get("_loopbus_hparams")
+        return hparams if hparams is not None else Hparams({}, type(self).__name__)
 
     @classmethod
     def load_from_checkpoint(
@@ -225,19 +440,95 @@ class Module(PutMixin, torch.nn.Module):
             "optimizer, e.g. `return torch.optim.SGD(self.parameters(), lr=0.1)`."
         )
 
+    # -- Lightning's log: an error that shows the put to write
+    def log(self, name: Any, value: Any = _MISSING, *args: Any, **kwargs: Any) -> NoReturn:
+        """Lightning's ``self.log`` is ``self.put`` here: it raises a
+        :class:`MisconfigurationError` showing the put line for the arguments given (and
+        where an ``on_epoch=True`` value is computed instead). Nothing is logged."""
+        frame = inspect.currentframe()
+        call = _call_in(frame.f_back if frame is not None else None, "log")
+        del frame
+        options = _log_options(args, kwargs, _LOG_OPTIONS)
+        shown_name = _shown(call, _argument(call, 0, "name"), name)
+        shown_value = _shown(call, _argument(call, 1, "value"), value)
+        raise MisconfigurationError(
+            f"{type(self).__name__}.log() is Lightning's; loopbus publishes a record with "
+            f"put:\n    self.put({shown_name}, {shown_value}{_destinations_argument(options)})"
+            f"\n{_log_advice(shown_name, options)}"
+        )
+
+    def log_dict(self, dictionary: Any, *args: Any, **kwargs: Any) -> NoReturn:
+        """Lightning's ``self.log_dict`` is ``self.put_dict`` (or one ``self.put`` per
+        item) here: it raises a :class:`MisconfigurationError` showing those lines for the
+        arguments given. Nothing is logged."""
+        frame = inspect.currentframe()
+        call = _call_in(frame.f_back if frame is not None else None, "log_dict")
+        del frame
+        options = _log_options(args, kwargs, _LOG_DICT_OPTIONS)
+        destinations = _destinations_argument(options)
+        node = _argument(call, 0, "dictionary")
+        source = _shown(call, node, None)
+        holder = "values" if source == "value" else source
+        lines = _put_lines(call, node, dictionary, holder, destinations)
+        each = "\nor one put per item:\n" + "\n".join(lines) if lines else ""
+        keys = list(dictionary) if isinstance(dictionary, Mapping) else []
+        raise MisconfigurationError(
+            f"{type(self).__name__}.log_dict() is Lightning's; loopbus publishes records "
+            f"with put_dict (all of them or, when one is refused, none):\n"
+            f"    self.put_dict({holder}{destinations}){each}\n"
+            + _log_advice(_quoted(keys[0]) if keys else "name", options)
+        )
+
     # -- access to the run
-    def bind_trainer(self, trainer: Trainer | None) -> None:
+    def bind_trainer(self, trainer: TrainerView | None) -> None:
         """Attach the module to the trainer running it (None: detach). Called by the
         trainer when a stage starts and ends; :attr:`trainer` reads it."""
         # Its own attribute, set past nn.Module.__setattr__ (the trainer is no submodule).
         self.__dict__["_loopbus_trainer"] = trainer
 
     @property
-    def trainer(self) -> Trainer:
+    def trainer(self) -> TrainerView:
+        """The trainer running this module (a :class:`~loopbus.TrainerView` of it)."""
         trainer = self.__dict__.get("_loopbus_trainer")
         if trainer is None:
             raise RuntimeError(f"{type(self).__name__} is not attached to a running Trainer.")
         return trainer  # type: ignore[no-any-return]
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the module's first parameter (or buffer); the CPU for a module
+        with neither. Read-only: move the module with ``.to(device)``."""
+        for tensor in itertools.chain(self.parameters(), self.buffers()):
+            return tensor.device
+        return torch.device("cpu")
+
+    @device.setter
+    def device(self, value: Any) -> NoReturn:
+        raise AttributeError(
+            f"{type(self).__name__}.device is read-only: it is where the module's parameters "
+            "are; move them with module.to(device), or keep yours under another name."
+        )
+
+    @property
+    def current_epoch(self) -> int:
+        """The trainer's ``current_epoch`` while a stage runs; 0 outside a stage."""
+        trainer: TrainerView | None = self.__dict__.get("_loopbus_trainer")
+        return 0 if trainer is None else trainer.current_epoch
+
+    @current_epoch.setter
+    def current_epoch(self, value: Any) -> NoReturn:
+        raise AttributeError(_run_counter_is_read_only(self, "current_epoch"))
+
+    @property
+    def global_step(self) -> int:
+        """The trainer's ``global_step`` (optimizer steps taken) while a stage runs; 0
+        outside a stage."""
+        trainer: TrainerView | None = self.__dict__.get("_loopbus_trainer")
+        return 0 if trainer is None else trainer.global_step
+
+    @global_step.setter
+    def global_step(self, value: Any) -> NoReturn:
+        raise AttributeError(_run_counter_is_read_only(self, "global_step"))
 
     def optimizers(self) -> Any:
         """The configured optimizer, or the list of them when there are several."""

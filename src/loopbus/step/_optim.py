@@ -13,8 +13,6 @@ from .._exceptions import MisconfigurationError
 if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
 
-    from ._module import Module
-
 __all__ = ["LRSchedulers", "SchedulerConfig", "parse_optimizers"]
 
 
@@ -76,7 +74,9 @@ def parse_scheduler(item: Any) -> SchedulerConfig:
     return SchedulerConfig(item)
 
 
-def parse_optimizers(value: Any, module: Module) -> tuple[list[Any], list[SchedulerConfig]]:
+def parse_optimizers(
+    value: Any, module: torch.nn.Module
+) -> tuple[list[Any], list[SchedulerConfig]]:
     what = f"{type(module).__name__}.configure_optimizers()"
     if isinstance(value, torch.optim.Optimizer):
         return [value], []

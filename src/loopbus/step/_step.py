@@ -7,7 +7,8 @@ A stage builds them once, from explicit inputs (:func:`build_train_step`,
 (plain, general, manual) is chosen at build time from the options, so the per-step path
 pays only for what is configured. A compiled step (``Trainer(compile=...)``) is chosen
 there too: the step's forward (the module's ``training_step``, the loss included) is
-compiled once per stage, so no step asks whether it is. CUDA-graph steps plug in here; a
+compiled once per stage, so no step asks whether it is (what is compiled, and what stays
+eager, is in ``_compile``). CUDA-graph steps plug in here; a
 strategy changes the step only through the ``StepStrategy`` seam (the gradient-sync
 context of accumulation, clipping).
 
@@ -18,8 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sized
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from time import perf_counter
@@ -32,10 +32,10 @@ from anyio.lowlevel import checkpoint
 
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope
-from loopbus.step._params import has_sharded_parameters
 
 from .._exceptions import MisconfigurationError
 from ..events import AfterBackward, BeforeOptimizerStep
+from ._compile import compiled, optimizer_step_for
 from ._precision import Precision
 
 __all__ = [
@@ -47,6 +47,7 @@ __all__ = [
     "build_eval_step",
     "build_train_step",
     "compiled",
+    "optimizer_step_for",
     "run_in_worker",
 ]
 
@@ -57,7 +58,8 @@ StepFn = Callable[[Any, Scope], Any]
 class FlushingRecorder(Protocol):
     """What a step boundary asks of the recorder."""
 
-    pending: list[Any]
+    @property
+    def has_pending(self) -> Sized: ...
 
     @property
     def inflight(self) -> Any: ...
@@ -116,7 +118,7 @@ class StepBoundary:
 
     async def __call__(self) -> None:
         recorder = self.recorder
-        if recorder.pending or recorder.inflight:
+        if recorder.has_pending or recorder.inflight:
             await self._flush()
         if perf_counter() >= self._next_yield:
             await checkpoint()
@@ -409,88 +411,6 @@ def _choose_variant(
     ):
         return "plain"
     return "general"
-
-
-class TracedPuts(Protocol):
-    """What a compiled step asks of the recorder: run it so that what its puts hand out
-    joins the pending records when it returns."""
-
-    def run_compiled(self, fn: StepFn, batch: Any, ctx: Scope) -> Any: ...
-
-
-def compiled(fn: StepFn, options: Mapping[str, Any] | None, records: TracedPuts) -> StepFn:
-    """``fn`` compiled by ``torch.compile(fn, **options)``, run through
-    ``records.run_compiled`` (its puts are collected apart, then pending); ``fn`` itself
-    when ``options`` is None (eager). The module itself is not wrapped, so its state
-    dict keeps its own keys (no ``_orig_mod.``): checkpoints load either way."""
-    if options is None:
-        return fn
-    return functools.partial(records.run_compiled, torch.compile(fn, **options))
-
-
-def optimizer_step_for(
-    optimizer: torch.optim.Optimizer,
-    *,
-    compile: Mapping[str, Any] | None,
-    policy: bool | str,
-    scaler: Any,
-    schedulers: SchedulerStepper,
-) -> Callable[[], Any]:
-    """The function the training step calls for the optimizer's step: ``optimizer.step``,
-    or (``compile`` given, ``policy`` ``"auto"`` or True) a function compiled with the
-    step's ``backend``, ``mode`` and ``options`` that calls it. It stays eager where it
-    cannot be compiled; with ``policy=True`` that raises, saying why."""
-    step = optimizer.step
-    if compile is None or policy is False:
-        return step
-    why, surprising, forcible = _optimizer_stays_eager(optimizer, scaler, schedulers)
-    if why is not None and not (forcible and policy is True):
-        if policy is True:
-            raise MisconfigurationError(
-                f"compile={{'optimizer': True}}: the optimizer step cannot be compiled: "
-                f"{why}. Leave 'optimizer' out (or 'auto') to keep it eager."
-            )
-        if surprising:
-            warnings.warn(f"the optimizer step stays eager: {why}.", UserWarning, stacklevel=2)
-        return step
-    options = {k: v for k, v in compile.items() if k in ("backend", "mode", "options")}
-
-    def optimizer_step() -> Any:
-        return step()
-
-    return torch.compile(optimizer_step, **options)
-
-
-def _optimizer_stays_eager(
-    optimizer: torch.optim.Optimizer, scaler: Any, schedulers: SchedulerStepper
-) -> tuple[str | None, bool, bool]:
-    """Why ``"auto"`` keeps the optimizer step eager (None: it compiles it), whether
-    that is worth a warning (a change to the user's code would compile it), and whether
-    ``compile={"optimizer": True}`` compiles it anyway."""
-    if scaler is not None:
-        return (
-            "the grad scaler ('16-mixed') reads its inf check on the host before the step; "
-            "use 'bf16-mixed', which has no scaler",
-            False,
-            False,
-        )
-    if has_sharded_parameters(p for group in optimizer.param_groups for p in group["params"]):
-        return "its parameters are DTensors (FSDP)", False, False
-    if schedulers.configured and any(
-        not isinstance(group.get("lr"), torch.Tensor) for group in optimizer.param_groups
-    ):
-        return (
-            "its learning rate is a Python number that an LR scheduler changes, and "
-            "compiled code would be compiled again at every change; build the optimizer "
-            "with a tensor learning rate (lr=torch.tensor(0.01)) to compile it",
-            True,
-            False,
-        )
-    if not type(optimizer).__module__.startswith("torch.optim"):
-        # torch's compiler knows torch's optimizers; another one (a library's fused or
-        # 8-bit optimizer, a subclass) may call what it cannot trace.
-        return f"{type(optimizer).__qualname__} is not one of torch.optim's", False, True
-    return None, False, False
 
 
 def _no_optimizer_step() -> None:

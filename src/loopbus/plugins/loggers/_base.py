@@ -39,7 +39,7 @@ from loopbus.events import FitStarted
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["Logger"]
 
@@ -99,7 +99,7 @@ class Logger(Plugin):
         self._in_flight: Future[None] | None = None
         self._due = -math.inf
         self._timer: anyio.CancelScope | None = None
-        self._trainer: Trainer | None = None
+        self._trainer: TrainerView | None = None
         self._stage: str | None = None
         self._hparams: Mapping[str, Any] = _NO_HPARAMS
         self._resume_step: int | None = None
@@ -154,7 +154,7 @@ class Logger(Plugin):
         or the calling thread when a stage is torn down before it could stop)."""
 
     # ------------------------------------------------------------ machinery
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         self._trainer = trainer
         self._stage = stage
         self._hparams = getattr(trainer.module, "hparams", _NO_HPARAMS)
@@ -264,7 +264,7 @@ class Logger(Plugin):
                 ):
                     self._submit()
 
-    async def stop(self, trainer: Trainer, stage: str) -> None:
+    async def stop(self, trainer: TrainerView, stage: str) -> None:
         # The bus drained the queue: every record it accepted is in a batch or written.
         if self._timer is not None:
             self._timer.cancel()
@@ -278,7 +278,7 @@ class Logger(Plugin):
         future.result()
         self._raise_if_failed()
 
-    def teardown(self, trainer: Trainer, stage: str) -> None:
+    def teardown(self, trainer: TrainerView, stage: str) -> None:
         # After stop() this finds nothing left to do; if the stage ended before stop()
         # could run, the same path finishes here.
         executor, self._executor = self._executor, None

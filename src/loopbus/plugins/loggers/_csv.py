@@ -13,11 +13,19 @@ from typing import TYPE_CHECKING, Any, Literal
 import anyio
 import anyio.to_thread
 
-from loopbus import PutRecord, check_choice, naming_errors, replace_atomically
+from loopbus import (
+    PutRecord,
+    check_choice,
+    check_local_path,
+    naming_errors,
+    replace_atomically,
+)
 
 from ._base import Logger
 from ._files import (
     _FILE_MODES,
+    DEFAULT_NAME,
+    VersionedDir,
     _complete_text,
     _continue_after,
     _prepare_file,
@@ -27,7 +35,7 @@ from ._files import (
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["CSVLogger", "read_csv"]
 
@@ -55,10 +63,12 @@ def _csv_step_time(line: bytes) -> tuple[int, float] | None:
         return None
 
 
-class CSVLogger(Logger):
+class CSVLogger(VersionedDir, Logger):
     """Writes one row per step: the records put at that step, a column per name.
 
-    ``CSVLogger("runs/exp1")`` writes ``runs/exp1/metrics.csv`` with the columns
+    ``CSVLogger("runs")`` writes ``runs/loopbus_logs/version_0/metrics.csv`` (the next
+    run ``version_1``, and so on: see :attr:`log_dir`; ``name=""`` and ``version=""``
+    write straight into ``save_dir``) with the columns
     ``step``, ``epoch``, ``time`` (of the row's first record), then one column per record
     name in the order the names first appeared. A row is closed when a record of another
     step arrives or when a name repeats within the step (a per-batch validation loss, for
@@ -81,6 +91,8 @@ class CSVLogger(Logger):
         save_dir: str | os.PathLike[str],
         *,
         filename: str = "metrics.csv",
+        name: str = DEFAULT_NAME,
+        version: int | str | None = None,
         mode: Literal["w", "a"] = "w",
         flush_interval: float = 0.5,
         buffer: int = 1024,
@@ -88,7 +100,9 @@ class CSVLogger(Logger):
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="CSVLogger")
-        self.path = Path(save_dir) / filename
+        root = Path(check_local_path("save_dir", save_dir, owner="CSVLogger"))
+        self._init_dir("CSVLogger", root, name, version)
+        self.filename = filename
         self.mode = mode
         self._opened = False
         self._file: io.TextIOWrapper | None = None
@@ -100,9 +114,14 @@ class CSVLogger(Logger):
         self._row_time = 0.0
 
     def __repr__(self) -> str:
-        return f"CSVLogger({str(self.path)!r})"
+        return f"CSVLogger({str(self.save_dir)!r}, name={self.name!r})"
 
-    async def start(self, trainer: Trainer, stage: str, task_group: TaskGroup) -> None:
+    @property
+    def path(self) -> Path:
+        """The CSV file: ``filename`` in :attr:`log_dir`."""
+        return self.log_dir / self.filename
+
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         if not self._opened and self.mode == "a":
             # Refuse another program's file before the stage runs (nothing written yet).
             await anyio.to_thread.run_sync(self._read_header)

@@ -136,3 +136,88 @@ def write_hparams_file(directory: str | os.PathLike[str], hparams: Mapping[str, 
         path, data = directory / "hparams.json", msgspec.json.format(msgspec.json.encode(plain))
     replace_atomically(path, lambda f: f.write(data))
     return path
+
+
+#: The folder under ``save_dir`` that the file loggers write their versions into.
+DEFAULT_NAME = "loopbus_logs"
+
+
+def _check_level(owner: str, option: str, value: Any, *, allow_int: bool) -> None:
+    ok = isinstance(value, str) or (
+        allow_int and isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    )
+    if not ok or (isinstance(value, str) and (value in (".", "..") or "\0" in value)):
+        what = "a folder name, a number >= 0 or None" if allow_int else "a folder name"
+        raise ValueError(f"{owner}({option}=...) must be {what}, got {value!r}.")
+
+
+def _versions(parent: Path) -> list[int]:
+    """The N of the ``version_N`` folders in ``parent``."""
+    try:
+        names = [entry.name for entry in parent.iterdir() if entry.is_dir()]
+    except OSError:
+        return []
+    prefix = "version_"
+    return [int(n[len(prefix) :]) for n in names if n.startswith(prefix) and n[len(prefix) :].isdigit()]
+
+
+class VersionedDir:
+    """Lightning's layout of a file logger's output: ``save_dir/name/version_N``.
+
+    ``version=None`` takes the next free N (0, 1, ...) when the logger first needs its
+    folder, or the newest existing one when it continues a history (``mode="a"``, or a
+    resumed ``fit``); an int N is ``version_N``, a string is the folder's name; ``""``
+    for ``name`` or ``version`` drops that level. A version is taken when it holds this
+    kind of logger's output (:meth:`_holds_output`), so the CSV and JSONL loggers of one
+    run given the same folder write side by side into one ``version_N``."""
+
+    _root: Path
+    _name: str
+    _version: int | str | None
+    #: The file this logger writes in its folder (what marks a version as taken).
+    filename: str = ""
+
+    def _init_dir(
+        self, owner: str, save_dir: Path, name: str, version: int | str | None
+    ) -> None:
+        _check_level(owner, "name", name, allow_int=False)
+        if version is not None:
+            _check_level(owner, "version", version, allow_int=True)
+        self._root, self._name, self._version = save_dir, name, version
+
+    def _continues(self) -> bool:
+        """Whether the logger continues an earlier history (its newest version)."""
+        return getattr(self, "mode", "w") == "a" or getattr(self, "resume_step", None) is not None
+
+    def _holds_output(self, folder: Path) -> bool:
+        """Whether ``folder`` (a ``version_N``) holds this logger's output already."""
+        return (folder / self.filename).exists()
+
+    @property
+    def save_dir(self) -> Path:
+        """The folder the versions are written under (``name`` inside it)."""
+        return self._root
+
+    @property
+    def name(self) -> str:
+        """The experiment's folder inside :attr:`save_dir` (``""``: none)."""
+        return self._name
+
+    @property
+    def version(self) -> int | str:
+        """This logger's version: chosen when first needed (see the class docstring)."""
+        if self._version is None:
+            parent = self._root / self._name
+            taken = [n for n in _versions(parent) if self._holds_output(parent / f"version_{n}")]
+            if not taken:
+                self._version = 0
+            else:
+                self._version = max(taken) if self._continues() else max(taken) + 1
+        return self._version
+
+    @property
+    def log_dir(self) -> Path:
+        """The folder this logger writes into: ``save_dir/name/version_N``."""
+        version = self.version
+        level = f"version_{version}" if isinstance(version, int) else version
+        return self._root / self._name / level

@@ -12,11 +12,19 @@ from typing import Any, Literal
 
 import msgspec
 
-from loopbus import PutRecord, check_choice, check_json_nesting, naming_errors
+from loopbus import (
+    PutRecord,
+    check_choice,
+    check_json_nesting,
+    check_local_path,
+    naming_errors,
+)
 
 from ._base import Logger
 from ._files import (
     _FILE_MODES,
+    DEFAULT_NAME,
+    VersionedDir,
     _complete_text,
     _continue_after,
     _prepare_file,
@@ -37,9 +45,10 @@ def _wire(record: PutRecord) -> PutRecord:
     return record
 
 
-class JSONLLogger(Logger):
+class JSONLLogger(VersionedDir, Logger):
     """Writes each put record as one line of JSON (msgspec-encoded :class:`PutRecord`,
-    tagged ``"type": "PutRecord"``) to ``save_dir/records.jsonl``.
+    tagged ``"type": "PutRecord"``) to ``records.jsonl`` in :attr:`log_dir`
+    (``save_dir/loopbus_logs/version_N``, as for :class:`CSVLogger`).
 
     Non-finite floats, which JSON cannot represent, are written as the strings ``"nan"``,
     ``"inf"`` and ``"-inf"``. :func:`read_jsonl` decodes the file back into
@@ -55,6 +64,8 @@ class JSONLLogger(Logger):
         save_dir: str | os.PathLike[str],
         *,
         filename: str = "records.jsonl",
+        name: str = DEFAULT_NAME,
+        version: int | str | None = None,
         mode: Literal["w", "a"] = "w",
         flush_interval: float = 0.5,
         buffer: int = 1024,
@@ -62,14 +73,21 @@ class JSONLLogger(Logger):
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="JSONLLogger")
-        self.path = Path(save_dir) / filename
+        root = Path(check_local_path("save_dir", save_dir, owner="JSONLLogger"))
+        self._init_dir("JSONLLogger", root, name, version)
+        self.filename = filename
         self.mode = mode
         self._opened = False
         self._file: io.BufferedWriter | None = None
         self._encoder = msgspec.json.Encoder()
 
     def __repr__(self) -> str:
-        return f"JSONLLogger({str(self.path)!r})"
+        return f"JSONLLogger({str(self.save_dir)!r}, name={self.name!r})"
+
+    @property
+    def path(self) -> Path:
+        """The JSON lines file: ``filename`` in :attr:`log_dir`."""
+        return self.log_dir / self.filename
 
     def open(self, stage: str) -> None:
         resume = self.resume_step

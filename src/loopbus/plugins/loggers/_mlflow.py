@@ -18,7 +18,7 @@ from ._base import Logger
 from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["MLflowLogger"]
 
@@ -156,7 +156,7 @@ class MLflowLogger(TrackedRun, Logger):
             self._end_run("FINISHED")
 
     # ------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._params = run_params(trainer) if self.log_params else {}
         self._status = "FINISHED"
 

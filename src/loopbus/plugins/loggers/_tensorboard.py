@@ -8,9 +8,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from loopbus import PutRecord
+from loopbus import PutRecord, check_local_path
 
 from ._base import Logger
+from ._files import DEFAULT_NAME, VersionedDir
 
 __all__ = ["TensorBoardLogger"]
 
@@ -30,9 +31,11 @@ def _flatten(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
-class TensorBoardLogger(Logger):
+class TensorBoardLogger(VersionedDir, Logger):
     """Writes every put record as a TensorBoard scalar (tag = record name, x = step,
-    wall time = the record's time) to event files in ``log_dir``::
+    wall time = the record's time) to event files in :attr:`log_dir`,
+    ``log_dir/loopbus_logs/version_N`` (the layout of :class:`CSVLogger`; ``name=""``
+    and ``version=""`` write straight into the given folder)::
 
         trainer = Trainer(plugins=[ProgressBar(), TensorBoardLogger("runs/exp1")])
         # then: tensorboard --logdir runs
@@ -52,6 +55,8 @@ class TensorBoardLogger(Logger):
         self,
         log_dir: str | os.PathLike[str],
         *,
+        name: str = DEFAULT_NAME,
+        version: int | str | None = None,
         flush_interval: float = 0.5,
         buffer: int = 1024,
         overflow: Literal["block", "drop"] = "block",
@@ -62,21 +67,26 @@ class TensorBoardLogger(Logger):
                 "Install it with: pip install 'loopbus[tensorboard]'"
             )
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        self.log_dir = Path(log_dir)
+        root = Path(check_local_path("log_dir", log_dir, owner="TensorBoardLogger"))
+        self._init_dir("TensorBoardLogger", root, name, version)
         self._writer: Any = None
 
+    def _holds_output(self, folder: Path) -> bool:
+        return any(folder.glob("events.out.tfevents.*"))
+
     def __repr__(self) -> str:
-        return f"TensorBoardLogger({str(self.log_dir)!r})"
+        return f"TensorBoardLogger({str(self.save_dir)!r}, name={self.name!r})"
 
     def open(self, stage: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
-        self.log_dir.mkdir(parents=True, exist_ok=True)
+        log_dir = self.log_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
         resume = self.resume_step
         # TensorBoard hides the earlier events of steps >= purge_step: those after the
         # checkpoint's step, which the resumed run writes again.
         purge_step = None if resume is None else resume + 1
-        self._writer = SummaryWriter(log_dir=str(self.log_dir), purge_step=purge_step)
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summaries

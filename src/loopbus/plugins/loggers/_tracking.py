@@ -9,7 +9,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["as_number", "flatten", "run_params"]
 
@@ -73,7 +73,7 @@ def flatten(mapping: Mapping[Any, Any], prefix: str = "", sep: str = "/") -> dic
     return out
 
 
-def run_params(trainer: Trainer) -> dict[str, Any]:
+def run_params(trainer: TrainerView) -> dict[str, Any]:
     """The module's hyperparameters (``module.hparams``, if it has that mapping) and the
     trainer's main options (under ``trainer/``), as a flat dict of plain values."""
     params: dict[str, Any] = {}

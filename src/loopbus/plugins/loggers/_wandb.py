@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import anyio.to_thread
 
-from loopbus import MisconfigurationError, PutRecord, check_choice, on
+from loopbus import MisconfigurationError, PutRecord, check_choice, check_local_path, on
 from loopbus.events import FitStarted, Teardown
 
 from .._checkpoint import CheckpointSaved
@@ -19,7 +19,7 @@ from ._base import Logger
 from ._tracking import TrackedRun, as_number, run_params
 
 if TYPE_CHECKING:
-    from loopbus import Trainer
+    from loopbus import TrainerView
 
 __all__ = ["WandbLogger"]
 
@@ -155,7 +155,7 @@ class WandbLogger(TrackedRun, Logger):
         )
         self.project = project
         self.name = name
-        self.dir = None if dir is None else Path(os.fspath(dir))
+        self.dir = None if dir is None else Path(check_local_path("dir", dir, owner="WandbLogger"))
         self.mode = mode
         self.group = group
         self.tags = None if tags is None else list(tags)
@@ -179,7 +179,7 @@ class WandbLogger(TrackedRun, Logger):
             self._finish_run()
 
     # ------------------------------------------------------------ lifecycle
-    def setup(self, trainer: Trainer, stage: str) -> None:
+    def setup(self, trainer: TrainerView, stage: str) -> None:
         self._params = run_params(trainer) if self.log_params else {}
         self._failed = False
 

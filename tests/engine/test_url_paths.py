@@ -1,0 +1,96 @@
+"""A URL is never taken for a path by accident: until remote storage lands, every option
+and function that takes a local path refuses ``s3://``, ``gs://``, ``http://``,
+``file://`` and the like with an error that says what is supported, before anything is
+written (no local folder named ``s3:``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import loopbus
+from loopbus import MisconfigurationError, Trainer
+from loopbus.plugins import Checkpoint, CSVLogger, JSONLLogger
+from tests.helpers import TinyModule, make_loader
+
+Call = Callable[[str], Any]
+
+
+def _tensorboard(url: str) -> Any:
+    if importlib.util.find_spec("tensorboard") is None:
+        pytest.skip("tensorboard is not installed")
+    from loopbus.plugins import TensorBoardLogger
+
+    return TensorBoardLogger(url)
+
+
+def _wandb(url: str) -> Any:
+    if importlib.util.find_spec("wandb") is None:
+        pytest.skip("wandb is not installed")
+    from loopbus.plugins import WandbLogger
+
+    return WandbLogger(project="p", dir=url, mode="offline")
+
+
+CALLS: dict[str, tuple[Call, str]] = {
+    "Checkpoint": (lambda url: Checkpoint(url), r"Checkpoint\(dirpath="),
+    "CSVLogger": (lambda url: CSVLogger(url), r"CSVLogger\(save_dir="),
+    "JSONLLogger": (lambda url: JSONLLogger(url), r"JSONLLogger\(save_dir="),
+    "TensorBoardLogger": (_tensorboard, r"TensorBoardLogger\(log_dir="),
+    "WandbLogger": (_wandb, r"WandbLogger\(dir="),
+    "load_checkpoint": (lambda url: loopbus.load_checkpoint(url), r"load_checkpoint\(path="),
+    "checkpoint_info": (lambda url: loopbus.checkpoint_info(url), r"checkpoint_info\(path="),
+    "consolidate_checkpoint in": (
+        lambda url: loopbus.consolidate_checkpoint(url, "out.ckpt"),
+        r"consolidate_checkpoint\(path=",
+    ),
+    "consolidate_checkpoint out": (
+        lambda url: loopbus.consolidate_checkpoint("in", url),
+        r"consolidate_checkpoint\(out=",
+    ),
+    "load_from_checkpoint": (lambda url: TinyModule.load_from_checkpoint(url), r"load_checkpoint\(path="),
+    "save_checkpoint": (
+        lambda url: Trainer(plugins=[], device="cpu").save_checkpoint(url),
+        r"save_checkpoint\(path=",
+    ),
+}
+
+
+@pytest.mark.parametrize("url", ["s3://bucket/run", "gs://bucket/run", "https://host/run", "file:///tmp/run"])
+@pytest.mark.parametrize("what", sorted(CALLS))
+def test_a_url_is_refused_naming_the_option_and_what_works(
+    what: str, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    call, named = CALLS[what]
+    with pytest.raises(MisconfigurationError, match=named) as caught:
+        call(url)
+    message = str(caught.value)
+    assert url in message
+    assert "local paths only" in message
+    assert f"{url.split('://')[0]}://" in message
+    assert os.listdir(tmp_path) == []  # nothing written, no folder named "s3:"
+
+
+@pytest.mark.parametrize("stage", ["fit", "validate", "test", "predict"])
+async def test_a_url_as_ckpt_path_is_refused_before_anything_runs(
+    stage: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    trainer = Trainer(max_steps=1, plugins=[], device="cpu")
+    data = make_loader(32, 16) if stage != "predict" else [b[0] for b in make_loader(32, 16)]
+    with pytest.raises(MisconfigurationError, match=r"ckpt_path='s3://bucket/run/last'"):
+        await getattr(trainer, stage)(TinyModule(), data, ckpt_path="s3://bucket/run/last")
+    assert trainer.global_step == 0
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("path", ["runs/s3:", "C:/runs/one", "s3:/single-slash", "a://"])
+def test_paths_that_only_look_like_urls_are_paths(path: str) -> None:
+    assert loopbus.check_local_path("dirpath", path) == path
+    assert loopbus.check_local_path("dirpath", Path("runs") / "x") == Path("runs") / "x"

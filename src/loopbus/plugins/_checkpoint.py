@@ -437,6 +437,8 @@ class Checkpoint(_DeprecatedNames, Plugin):
         self._batches = 0
         self._saved_after = None
         self._loaded = self._ready = False  # the folder is claimed at FitStarted
+        if trainer.is_global_zero:  # rank 0 alone writes, and cleans up dead writers
+            self._files.remove_stale()
         if self.monitor is not None:
             self._record_sub = trainer.subscribe(
                 PutRecord,

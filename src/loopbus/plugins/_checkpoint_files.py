@@ -75,6 +75,13 @@ class CheckpointFiles:
             ) from exc
         remove_stale_temporaries(self.dirpath)
 
+    def remove_stale(self) -> None:
+        """Remove the temporaries that dead writers left in ``dirpath``, if it exists (a
+        stage's start, on rank 0, before anything is decided about the folder: they were
+        never checkpoints)."""
+        if self.dirpath.is_dir():
+            remove_stale_temporaries(self.dirpath)
+
     def claim(self, trainer: TrainerView, *, resumes_here: bool, exist_ok: bool) -> None:
         """Before this plugin writes into ``dirpath`` for the first time: refuse (a
         ``MisconfigurationError``, nothing written) when it holds checkpoints of another

@@ -99,10 +99,7 @@ def prepare_compiled(module: torch.nn.Module, options: Mapping[str, Any] | None)
     restore_compiled(module)  # a stage that ended without its cleanup
     undo = _UNDO[module] = []
     targets = [_submodule(module, name) for name in compile_target(options)]
-    for target in targets:
-        previous = target._compiled_call_impl
-        target._compiled_call_impl = _compiled_call(target, options)
-        undo.append(functools.partial(setattr, target, "_compiled_call_impl", previous))
+    undo.extend(_compile_forward(target, options) for target in targets)
     metric_types = _metric_types()
     if metric_types:
         for sub in module.modules():
@@ -110,17 +107,31 @@ def prepare_compiled(module: torch.nn.Module, options: Mapping[str, Any] | None)
                 undo.extend(_keep_eager(sub))
 
 
-def _compiled_call(module: torch.nn.Module, options: Mapping[str, Any]) -> Callable[..., Any]:
-    """``module``'s call compiled, for its ``_compiled_call_impl`` (what
-    ``nn.Module.compile`` sets). The compiled function is this file's, not torch's
-    ``_call_impl``: torch's compiler skips frames that start in torch's own modules, so
-    ``nn.Module.compile`` leaves a torch layer (``nn.Linear``, ``nn.Sequential``) eager."""
-    call_impl: Callable[..., Any] = module._call_impl
+def _compile_forward(module: torch.nn.Module, options: Mapping[str, Any]) -> Callable[[], None]:
+    """Give ``module`` (this instance only) a compiled ``forward``: a call of its own
+    ``forward`` through a function of this file, compiled. torch's compiler skips frames
+    that start in torch's own modules, so compiling ``nn.Linear.forward`` or
+    ``nn.Module.compile`` would leave a torch layer (``nn.Linear``, ``nn.Sequential``)
+    eager. Returns what puts the instance back as it was."""
+    own = vars(module).get("forward", _NONE)
+    forward = module.forward
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        return call_impl(*args, **kwargs)
+        return forward(*args, **kwargs)
 
-    return torch.compile(call, **_torch_options(options))
+    module.forward = torch.compile(call, **_torch_options(options))
+
+    def restore() -> None:
+        if own is _NONE:
+            del module.forward
+        else:
+            module.forward = own
+
+    return restore
+
+
+#: No instance attribute of that name.
+_NONE = object()
 
 
 def restore_compiled(module: torch.nn.Module) -> None:

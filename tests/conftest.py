@@ -73,12 +73,14 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 # Variables a library sets (or removes) for itself while it runs: pytest's current test,
-# torch's inductor's process-wide settings, the OpenMP runtime's (set when scikit-learn
+# torch's inductor's process-wide settings (and, on CUDA, the ptxas it points Triton
+# at), the OpenMP runtime's (set when scikit-learn
 # or torch load it), wandb's service address, MLflow's telemetry session: theirs to keep,
 # not a test's leak.
 _LIBRARY_VARIABLES = (
     "PYTEST_CURRENT_TEST",
     "_TORCHINDUCTOR_",
+    "TRITON_PTXAS_PATH",
     "KMP_",
     "WANDB_SERVICE",
     "_MLFLOW_",

@@ -18,6 +18,8 @@ from . import test_cuda_put_gpu
 pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
     # torch warns once per process that the sync debug mode is a prototype.
+    # inductor's advice (TF32 matmuls, online softmax) depends on the card: not ours.
+    pytest.mark.filterwarnings("ignore::UserWarning:torch._inductor"),
     pytest.mark.filterwarnings("ignore:Synchronization debug mode is a prototype:UserWarning"),
 ]
 

@@ -228,6 +228,7 @@ def main() -> None:
         "--loader", choices=["plain", "stateful"], default="plain", help="training loader"
     )
     parser.add_argument("--compile", default="", help="compile the steps with this backend")
+    parser.add_argument("--compile-target", default="", help="compile this target only")
     parser.add_argument("--sharded", action="store_true", help="sharded checkpoints (DCP)")
     parser.add_argument("--sync-save", action="store_true", help="no asynchronous save")
     parser.add_argument("--kill-in-save", type=int, default=-1, help="SIGKILL in that save")
@@ -282,7 +283,13 @@ def main() -> None:
         process_group_timeout_s=args.timeout,
         stop_check_interval_s=args.stop_check_interval,
         strategy=args.strategy,
-        compile={"backend": args.compile} if args.compile else False,
+        compile=(
+            False
+            if not args.compile
+            else {"backend": args.compile, "target": args.compile_target}
+            if args.compile_target
+            else {"backend": args.compile}
+        ),
     )
     loopbus.run(trainer.fit, module, train, val, ckpt_path="last" if args.resume else None)
     stop_reason, step = trainer.stop_reason, trainer.global_step

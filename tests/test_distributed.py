@@ -229,6 +229,31 @@ def test_a_compiled_step_trains_under_ddp(tmp_path: Path) -> None:
     assert not [key for key in weights if "_orig_mod" in key or "module." in key]
 
 
+def test_a_compiled_forward_target_trains_as_eager_under_ddp(tmp_path: Path) -> None:
+    # compile={"target": "forward"}: the module's call compiled inside the DDP wrapper,
+    # the step, the loss and the optimizer step eager.
+    target, plain = tmp_path / "target", tmp_path / "plain"
+    args = ("--epochs", "1", "--compile", "aot_eager", "--compile-target", "forward")
+    _ok(_launch(target, *args, timeout=300))
+    _ok(_launch(plain, "--epochs", "1"))
+    compiled = _weights(target, 0)
+    assert _same(compiled, _weights(target, 1))
+    assert not [key for key in compiled if "_orig_mod" in key or "module." in key]
+    for key, value in _weights(plain, 0).items():
+        torch.testing.assert_close(compiled[key], value, rtol=1e-5, atol=1e-6, msg=key)
+
+
+def test_a_rerun_into_a_shared_checkpoint_folder_is_refused_on_every_rank(tmp_path: Path) -> None:
+    # The ranks' shards share one folder: a second run that does not resume from it is
+    # refused (not allowed to overwrite the first run's checkpoints), on every rank, and
+    # the job comes down at once rather than when a collective times out.
+    args = ("--epochs", "1", "--ckpt", "8", "--sharded", "--timeout", "600")
+    _ok(_launch(tmp_path, *args))
+    proc = _launch(tmp_path, *args, timeout=120)
+    assert proc.returncode != 0
+    assert "exist_ok=True" in proc.stdout + proc.stderr
+
+
 def test_a_failing_rank_brings_the_job_down(tmp_path: Path) -> None:
     # The process group's timeout is longer than the launch's deadline: a job that came
     # down only once the other rank's collective timed out would miss the deadline. The

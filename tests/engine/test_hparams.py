@@ -147,7 +147,7 @@ async def test_file_loggers_write_them_beside_their_files(
     # A module that saved none: no file.
     trainer = Trainer(max_steps=1, plugins=[CSVLogger(tmp_path / "none", name="", version="")], device="cpu")
     await trainer.fit(TinyModule(), make_loader(n=16))
-    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["metrics.csv"]
+    assert sorted(p.name for p in (tmp_path / "none").iterdir()) == ["metrics.csv", "run.json"]
 
 
 async def test_tensorboard_shows_them_in_the_same_run(tmp_path: Path) -> None:

@@ -132,7 +132,7 @@ async def test_a_failed_header_rewrite_leaves_the_file_and_no_temporary(
 ) -> None:
     logger = CSVLogger(tmp_path, flush_interval=0, buffer=1, name="", version="")
     path = logger.path
-    disk.full = lambda p: p.parent == tmp_path and p.name.endswith(".tmp")  # the rewrite's
+    disk.full = lambda p: p.parent == tmp_path and p.name.startswith(".metrics.csv.")  # the rewrite's
     trainer = Trainer(max_steps=STEPS, plugins=[logger], device="cpu", enable_model_summary=False)
     with pytest.raises(
         (HandlerError, RuntimeError),
@@ -140,7 +140,7 @@ async def test_a_failed_header_rewrite_leaves_the_file_and_no_temporary(
     ):
         await trainer.fit(NewColumnAtStep3(), make_loader(n=16 * STEPS))
     assert disk.failed
-    assert _names(tmp_path) == ["metrics.csv"]
+    assert _names(tmp_path) == ["metrics.csv", "run.json"]
     rows = read_csv(path)
     assert [row["step"] for row in rows] == [1, 2][: len(rows)]
     assert all("b" not in row for row in rows)

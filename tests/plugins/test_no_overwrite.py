@@ -12,7 +12,14 @@ import pytest
 
 import loopbus
 from loopbus import HandlerError, MisconfigurationError, Plugin, Trainer
-from loopbus.plugins import Checkpoint, CSVLogger, JSONLLogger, read_csv
+from loopbus.plugins import (
+    Checkpoint,
+    CSVLogger,
+    JSONLLogger,
+    TensorBoardLogger,
+    read_csv,
+    read_run_info,
+)
 from tests.engine._ckpt_scenario import Net, make_data
 
 
@@ -163,7 +170,17 @@ async def test_the_loggers_of_one_run_share_its_version_folder(tmp_path: Path) -
         trainer, net, train = build(csv, jsonl)
         await trainer.fit(net, train)
         assert csv.version == jsonl.version == expected
-        assert sorted(p.name for p in csv.log_dir.iterdir()) == ["metrics.csv", "records.jsonl"]
+        assert sorted(p.name for p in csv.log_dir.iterdir()) == [
+            "metrics.csv",
+            "records.jsonl",
+            "run.json",
+        ]
+        info = read_run_info(csv.log_dir)
+        assert info["name"] == "loopbus_logs"
+        assert info["version"] == expected
+        assert info["stage"] == "fit"
+        assert info["resumed_from_step"] is None
+        assert info["loopbus"] == loopbus.__version__
 
 
 async def test_an_explicit_version_or_name(tmp_path: Path) -> None:
@@ -194,4 +211,32 @@ async def test_a_resumed_fit_continues_the_newest_version(tmp_path: Path) -> Non
     trainer, net, train = build(Checkpoint(tmp_path / "ckpt"), resumed, max_epochs=2)
     await trainer.fit(net, train, ckpt_path="last")
     assert resumed.version == 0
+    assert read_run_info(resumed.log_dir)["resumed_from_step"] == 4
     assert {r["step"] for r in read_csv(resumed.path)} >= {4, 8}
+
+
+async def test_tensorboard_names_its_version_in_run_json(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    board = TensorBoardLogger(tmp_path, flush_interval=0)
+    trainer, net, train = build(board)
+    await trainer.fit(net, train)
+    assert board.log_dir == tmp_path / "loopbus_logs" / "version_0"
+    assert read_run_info(board.log_dir)["version"] == 0
+
+
+def test_tensorboard_takes_save_dir_and_log_dir_is_its_deprecated_name(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard")
+    assert TensorBoardLogger(save_dir=tmp_path).save_dir == tmp_path
+    with pytest.warns(DeprecationWarning, match=r"TensorBoardLogger\(save_dir=\.\.\.\)"):
+        old = TensorBoardLogger(log_dir=tmp_path)
+    assert old.save_dir == tmp_path
+    with pytest.raises(TypeError, match="not both"):
+        TensorBoardLogger(tmp_path, log_dir=tmp_path)
+
+
+def test_read_run_info_names_a_folder_that_is_not_a_version(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="not a logger's version folder"):
+        read_run_info(tmp_path)
+    (tmp_path / "run.json").write_text("[1")
+    with pytest.raises(ValueError, match="not the run information"):
+        read_run_info(tmp_path)

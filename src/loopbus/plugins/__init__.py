@@ -25,6 +25,7 @@ from .loggers import WandbLogger as WandbLogger
 from .loggers import decode_records as decode_records
 from .loggers import read_csv as read_csv
 from .loggers import read_jsonl as read_jsonl
+from .loggers import read_run_info as read_run_info
 
 __all__: list[str] = [
     "CSVLogger",
@@ -46,6 +47,7 @@ __all__: list[str] = [
     "decode_records",
     "read_csv",
     "read_jsonl",
+    "read_run_info",
 ]
 
 # Trainer(precision="16-mixed" | "bf16-mixed") builds a MixedPrecision.

@@ -11,6 +11,7 @@ from __future__ import annotations
 from ._base import Logger as Logger
 from ._csv import CSVLogger as CSVLogger
 from ._csv import read_csv as read_csv
+from ._files import read_run_info as read_run_info
 from ._jsonl import JSONLLogger as JSONLLogger
 from ._jsonl import decode_records as decode_records
 from ._jsonl import read_jsonl as read_jsonl
@@ -27,5 +28,6 @@ __all__ = [
     "WandbLogger",
     "decode_records",
     "read_csv",
+    "read_run_info",
     "read_jsonl",
 ]

@@ -153,6 +153,11 @@ class Logger(Plugin):
         """Flush and release the destination at the end of the stage (worker thread,
         or the calling thread when a stage is torn down before it could stop)."""
 
+    def write_run_info(self, stage: str, resume_step: int | None) -> None:
+        """Record which run the destination's records belong to, when it opens (worker
+        thread). The loggers with a ``version_N`` folder write ``run.json`` there;
+        others need nothing (a tracker has its own run)."""
+
     # ------------------------------------------------------------ machinery
     async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         self._trainer = trainer
@@ -195,6 +200,7 @@ class Logger(Plugin):
     def _open(self, stage: str) -> None:
         self.open(stage)
         self._is_open = True
+        self.write_run_info(stage, self._resume_step)
         if self._hparams:
             self.write_hparams(self._hparams)
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from loopbus import replace_atomically
+from loopbus import __version__, replace_atomically
 
-__all__ = ["write_hparams_file"]
+__all__ = ["read_run_info", "write_hparams_file"]
 
 _FILE_MODES = {"w": "start a new file", "a": "append to an existing one"}
 
@@ -221,3 +221,42 @@ class VersionedDir:
         version = self.version
         level = f"version_{version}" if isinstance(version, int) else version
         return self._root / self._name / level
+
+    def write_run_info(self, stage: str, resume_step: int | None) -> None:
+        """Write :data:`RUN_INFO` in :attr:`log_dir`: which experiment and version the
+        records beside it belong to (worker thread, when the destination opens). The
+        loggers of one run that share a folder write the same facts."""
+        info = {
+            "name": self._name,
+            "version": self.version,
+            "stage": stage,
+            "resumed_from_step": resume_step,
+            "loopbus": __version__,
+        }
+        folder = self.log_dir
+        folder.mkdir(parents=True, exist_ok=True)
+        data = msgspec.json.format(msgspec.json.encode(info))
+        replace_atomically(folder / RUN_INFO, lambda f: f.write(data + b"\n"))
+
+
+#: The file in a logger's version folder that names the experiment and the version.
+RUN_INFO = "run.json"
+
+
+def read_run_info(log_dir: str | os.PathLike[str]) -> dict[str, Any]:
+    """What :meth:`VersionedDir.write_run_info` wrote in ``log_dir``: the experiment's
+    ``name``, the ``version``, the ``stage``, ``resumed_from_step`` and the ``loopbus``
+    version that wrote the records there."""
+    path = Path(log_dir) / RUN_INFO
+    try:
+        info = msgspec.json.decode(path.read_bytes())
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"{path} does not exist: {os.fspath(log_dir)!r} is not a logger's version "
+            "folder (save_dir/name/version_N), or no run has opened it yet."
+        ) from None
+    except msgspec.DecodeError as exc:
+        raise ValueError(f"{path} is not the run information a logger writes: {exc}") from None
+    if not isinstance(info, dict):
+        raise ValueError(f"{path} is not the run information a logger writes: not an object.")
+    return info

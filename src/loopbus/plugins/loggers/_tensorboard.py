@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -34,7 +35,7 @@ def _flatten(hparams: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 class TensorBoardLogger(VersionedDir, Logger):
     """Writes every put record as a TensorBoard scalar (tag = record name, x = step,
     wall time = the record's time) to event files in :attr:`log_dir`,
-    ``log_dir/loopbus_logs/version_N`` (the layout of :class:`CSVLogger`; ``name=""``
+    ``save_dir/loopbus_logs/version_N`` (the layout of :class:`CSVLogger`; ``name=""``
     and ``version=""`` write straight into the given folder)::
 
         trainer = Trainer(plugins=[ProgressBar(), TensorBoardLogger("runs/exp1")])
@@ -53,8 +54,9 @@ class TensorBoardLogger(VersionedDir, Logger):
 
     def __init__(
         self,
-        log_dir: str | os.PathLike[str],
+        save_dir: str | os.PathLike[str] | None = None,
         *,
+        log_dir: str | os.PathLike[str] | None = None,
         name: str = DEFAULT_NAME,
         version: int | str | None = None,
         flush_interval: float = 0.5,
@@ -66,8 +68,24 @@ class TensorBoardLogger(VersionedDir, Logger):
                 "TensorBoardLogger needs the tensorboard package, which is not installed. "
                 "Install it with: pip install 'loopbus[tensorboard]'"
             )
+        if log_dir is not None:
+            if save_dir is not None:
+                raise TypeError(
+                    "TensorBoardLogger takes save_dir, not both save_dir and log_dir "
+                    "(log_dir is its old name)."
+                )
+            warnings.warn(
+                "TensorBoardLogger(log_dir=...) is deprecated: the folder is save_dir, as "
+                "for the other loggers and Lightning's (logger.log_dir is the version "
+                "folder inside it). Write TensorBoardLogger(save_dir=...).",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            save_dir = log_dir
+        if save_dir is None:
+            raise TypeError("TensorBoardLogger needs save_dir: the folder to write the versions into.")
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        root = Path(check_local_path("log_dir", log_dir, owner="TensorBoardLogger"))
+        root = Path(check_local_path("save_dir", save_dir, owner="TensorBoardLogger"))
         self._init_dir("TensorBoardLogger", root, name, version)
         self._writer: Any = None
 

@@ -22,7 +22,8 @@ from typing import Any
 
 import msgspec
 
-from loopbus import __version__, replace_atomically
+import loopbus
+from loopbus import replace_atomically
 
 __all__ = ["read_run_info", "write_hparams_file"]
 
@@ -231,7 +232,7 @@ class VersionedDir:
             "version": self.version,
             "stage": stage,
             "resumed_from_step": resume_step,
-            "loopbus": __version__,
+            "loopbus": loopbus.__version__,
         }
         folder = self.log_dir
         folder.mkdir(parents=True, exist_ok=True)

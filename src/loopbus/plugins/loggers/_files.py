@@ -22,7 +22,6 @@ from typing import Any
 
 import msgspec
 
-import loopbus
 from loopbus import replace_atomically
 
 __all__ = ["read_run_info", "write_hparams_file"]
@@ -232,7 +231,6 @@ class VersionedDir:
             "version": self.version,
             "stage": stage,
             "resumed_from_step": resume_step,
-            "loopbus": loopbus.__version__,
         }
         folder = self.log_dir
         folder.mkdir(parents=True, exist_ok=True)
@@ -246,8 +244,8 @@ RUN_INFO = "run.json"
 
 def read_run_info(log_dir: str | os.PathLike[str]) -> dict[str, Any]:
     """What :meth:`VersionedDir.write_run_info` wrote in ``log_dir``: the experiment's
-    ``name``, the ``version``, the ``stage``, ``resumed_from_step`` and the ``loopbus``
-    version that wrote the records there."""
+    ``name``, the ``version``, the ``stage`` and ``resumed_from_step`` of the run that
+    wrote the records there."""
     path = Path(log_dir) / RUN_INFO
     try:
         info = msgspec.json.decode(path.read_bytes())

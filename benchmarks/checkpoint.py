@@ -16,6 +16,12 @@ The figure is the median over the saves of blocked / host copy, for a background
 (``background=True``: host copy on the step, write in a worker thread) and, for scale, a
 synchronous one (the step waits for the write and its fsyncs).
 
+Then the same background save to object storage: ``Checkpoint("s3://...")`` against moto's
+S3 server, started in this process on a free port of 127.0.0.1 (``pip install
+'loopbus[test]'``; skipped without moto), file checkpoints, uploaded by the worker
+(object, marker, ``last.json``). Its figure is its median blocked time over the local
+background save's (the target: within 1.2x).
+
     ./dev bench checkpoint
     ./dev bench checkpoint --saves 30 --width 2048
 """
@@ -24,9 +30,12 @@ from __future__ import annotations
 
 import argparse
 import copy
+import importlib.util
+import logging
 import statistics
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,9 +44,10 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
-from loopbus import Module, Plugin, Trainer, on
+from loopbus import Module, Plugin, RemotePath, Trainer, on
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
+from loopbus.storage import Store
 
 torch.set_num_threads(1)
 
@@ -69,12 +79,12 @@ class Stopwatch(Plugin):
     """Checkpoint's handler has priority -100: ``before`` runs just ahead of it, ``after``
     just behind it."""
 
-    def __init__(self, directory: Path, every: int) -> None:
+    def __init__(self, directory: Path | RemotePath, every: int) -> None:
         self.directory = directory
         self.every = every
         self.blocked: list[float] = []
         self.host_copy: list[float] = []
-        self.previous: Path | None = None
+        self.previous: Path | RemotePath | None = None
         self.t0 = 0.0
         self.trainer: Trainer | None = None
 
@@ -84,17 +94,23 @@ class Stopwatch(Plugin):
     def _settled(self) -> bool:
         if self.previous is None:
             return True
-        return (
-            loopbus.latest_checkpoint(self.directory) == self.previous
-            and len(list(self.directory.glob("*.ckpt"))) == 1
-        )
+        if isinstance(self.directory, RemotePath):
+            files = [n for n in Store(self.directory).listing() if n.endswith(".ckpt")]
+        else:
+            files = [p.name for p in self.directory.glob("*.ckpt")]
+        # Polled while a save is written: the warning about a half-written one is expected.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            latest = loopbus.latest_checkpoint(self.directory)
+        return latest == self.previous and len(files) == 1
 
     @on(TrainBatchCompleted, priority=-99)
     async def before(self, event: TrainBatchCompleted) -> None:
         if event.step % self.every:
             return
+        poll = 0.01 if isinstance(self.directory, RemotePath) else 0.002
         while not self._settled():  # noqa: ASYNC110 - polling files: there is no event
-            await anyio.sleep(0.002)
+            await anyio.sleep(poll)
         assert self.trainer is not None
         assert self.trainer.module is not None
         module, optimizer = self.trainer.module, self.trainer.optimizers[0]
@@ -115,23 +131,64 @@ class Stopwatch(Plugin):
 
 
 def measure(
-    background: bool, width: int, saves: int, every: int
+    background: bool, width: int, saves: int, every: int, remote: RemotePath | None = None
 ) -> tuple[list[float], list[float]]:
+    """The step's blocked time and the hand-written host copy's, per save: into a
+    temporary folder, or to the URL ``remote``."""
     torch.manual_seed(0)
     x = torch.randn(32 * every * saves, 32)
     y = torch.randint(0, 10, (len(x),))
     data = DataLoader(TensorDataset(x, y), batch_size=32)
     with tempfile.TemporaryDirectory() as tmp:
-        directory = Path(tmp)
+        directory = Path(tmp) if remote is None else remote
         watch = Stopwatch(directory, every)
         checkpoint = Checkpoint(
-            directory, every_n_steps=every, keep_last=1, background=background, save_on_end=False
+            directory,
+            every_n_steps=every,
+            keep_last=1,
+            background=background,
+            save_on_end=False,
+            exist_ok=True,
         )
         trainer = Trainer(max_epochs=1, plugins=[checkpoint, watch], device="cpu")
         loopbus.run(trainer.fit, Wide(width), data)
         written = loopbus.load_checkpoint(directory)  # complete when fit returned
         assert written["loopbus"]["global_step"] == every * saves
     return watch.blocked, watch.host_copy
+
+
+def s3_server() -> tuple[Any, RemotePath] | None:
+    """moto's S3 server on a free port of 127.0.0.1 and a bucket's URL on it (with the
+    storage options that reach it); None without moto, s3fs or boto3."""
+    if not all(importlib.util.find_spec(m) for m in ("moto", "s3fs", "boto3")):
+        return None
+    import boto3
+    from _harness import free_port
+    from moto.server import ThreadedMotoServer
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # no line per request
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=free_port(), verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    credentials = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench"}
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1", **credentials)
+    client.create_bucket(Bucket="loopbus-bench")
+    options = {
+        "key": "bench",
+        "secret": "bench",
+        "client_kwargs": {"endpoint_url": endpoint, "region_name": "us-east-1"},
+    }
+    return server, RemotePath("s3://loopbus-bench/checkpoint", options)
+
+
+def report(kind: str, blocked: list[float], host: list[float]) -> None:
+    ratios = [b / h for b, h in zip(blocked, host, strict=True)]
+    print(
+        f"{kind:>12} save: step blocked {statistics.median(blocked) * 1e3:7.1f} ms, "
+        f"hand-written host copy {statistics.median(host) * 1e3:6.1f} ms, "
+        f"ratio {statistics.median(ratios):5.2f} (median of {len(ratios)})"
+    )
 
 
 def main() -> None:
@@ -145,15 +202,25 @@ def main() -> None:
         f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB, and as much "
         f"momentum); {args.saves} saves, every {args.every} steps"
     )
+    local: list[float] = []
     for background in (True, False):
         blocked, host = measure(background, args.width, args.saves, args.every)
-        ratios = [b / h for b, h in zip(blocked, host, strict=True)]
-        kind = "background" if background else "synchronous"
-        print(
-            f"{kind:>12} save: step blocked {statistics.median(blocked) * 1e3:7.1f} ms, "
-            f"hand-written host copy {statistics.median(host) * 1e3:6.1f} ms, "
-            f"ratio {statistics.median(ratios):5.2f} (median of {len(ratios)})"
-        )
+        report("background" if background else "synchronous", blocked, host)
+        local = local or blocked
+    found = s3_server()
+    if found is None:
+        print("      remote save: skipped (needs moto, s3fs and boto3: pip install 'loopbus[test]')")
+        return
+    server, url = found
+    try:
+        blocked, host = measure(True, args.width, args.saves, args.every, remote=url)
+    finally:
+        server.stop()
+    report("remote (s3)", blocked, host)
+    print(
+        f"remote / local background save, step blocked: "
+        f"{statistics.median(blocked) / statistics.median(local):5.2f} (target: within 1.2)"
+    )
 
 
 if __name__ == "__main__":

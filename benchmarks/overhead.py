@@ -10,6 +10,11 @@ DataLoader over in-memory tensors or from a list of pre-built batches. loopbus a
   same alternation, for reference.
 * ``subscribers``: the same with one inline and one queued PutRecord subscriber.
 * ``plugins``: progress bar and CSV logger.
+* ``tools``: the tuning tools that stay in a run: ``ThroughputMonitor`` (records every 10
+  steps) with ``WeightAveraging`` (an EMA updated every 10 steps), and ``Profiler``
+  present but outside its window (its schedule starts after the run ends), each against
+  the run without plugins measured just before it: the per-step cost they add (the
+  ratio of the two runs' ratios to the hand-written loop, and the calls per step).
 
 Runs alternate (hand-written first, then the others in a rotating order) in one
 process; each figure is the median of the per-round ratios to the hand-written loop.
@@ -274,8 +279,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--backends", nargs="+", default=["asyncio", "trio"])
     parser.add_argument("--skip-calls", action="store_true", help="skip the call count")
     parser.add_argument(
-        "--cases", nargs="+", default=["core", "subscribers", "plugins"],
-        choices=["core", "subscribers", "plugins"],
+        "--cases", nargs="+", default=["core", "subscribers", "plugins", "tools"],
+        choices=["core", "subscribers", "plugins", "tools"],
     )
     parser.add_argument("--no-ignite", action="store_true", help="skip the Ignite reference")
     parser.add_argument(
@@ -335,6 +340,46 @@ def main(argv: list[str] | None = None) -> None:
                             flush=True,
                         )
                     ratio_case(label, backend, loader, args.steps, args.repeats, plugins=make)
+        if "tools" in args.cases:
+            tools_case(backend, loader, args.steps, args.repeats, calls=not args.skip_calls)
+
+
+def tools_factory(folder: str) -> list[tuple[str, PluginFactory]]:
+    """The 'tools' case: the tuning tools that stay in a run, and the profiler idle."""
+    from loopbus.plugins.tuning import Profiler, ThroughputMonitor, WeightAveraging
+
+    def monitor_and_ema() -> list[loopbus.Plugin]:
+        return [ThroughputMonitor(every_n_steps=10), WeightAveraging.ema(decay=0.999, every_n_steps=10)]
+
+    def idle_profiler() -> list[loopbus.Plugin]:
+        # Its window would open after 10**9 batches: present, never profiling.
+        return [Profiler(folder, skip_first=10**9)]
+
+    return [
+        ("ThroughputMonitor + WeightAveraging(every 10)", monitor_and_ema),
+        ("Profiler outside its window", idle_profiler),
+    ]
+
+
+def tools_case(backend: str, loader: Any, steps: int, repeats: int, *, calls: bool) -> None:
+    """Each tool's run against the run without plugins measured just before it: the
+    ratio of their ratios to the hand-written loop, the difference of their medians per
+    step, and the calls per step."""
+    with tempfile.TemporaryDirectory() as folder:
+        bare = ratio_case("put, no plugins (tools' baseline)", backend, loader, steps, repeats)
+        if calls:
+            base_calls = extra_calls_per_step(backend, subscribers=False)
+        for label, make in tools_factory(folder):
+            result = ratio_case(label, backend, loader, steps, repeats, plugins=make)
+            cost_us = (result["loopbus_s"] - bare["loopbus_s"]) / steps * 1e6
+            line = (
+                f"  {label}: {result['loopbus_ratio'] / bare['loopbus_ratio']:.3f}x the run "
+                f"without plugins, {cost_us:+.1f} us a step"
+            )
+            if calls:
+                extra = extra_calls_per_step(backend, subscribers=False, plugins=make)
+                line += f"; Python calls per step {extra:.1f} (without plugins {base_calls:.1f})"
+            print(line, flush=True)
 
 
 def plugins_factory() -> list[tuple[str, PluginFactory]] | None:

@@ -4,6 +4,9 @@
     python examples/digits.py --epochs 30 --backend trio
     python examples/digits.py --serve --epochs 300   # then, elsewhere: loopbus watch 8765
     python examples/digits.py --compile              # steps and optimizer step compiled
+    python examples/digits.py --find-lr              # sweep the learning rate, train at it
+    python examples/digits.py --profile runs/prof    # torch.profiler traces of a few batches
+    python examples/digits.py --throughput --ema     # throughput records; EMA weights
 
 Shows the pieces a newcomer needs: a ``Module`` with ``training_step`` /
 ``validation_step``, torchmetrics for accuracy (aggregation is user code), ``put`` for
@@ -112,24 +115,60 @@ def main(argv: list[str] | None = None) -> float:
         help="serve the records to other processes (`loopbus watch ADDRESS`); "
         "default address tcp://127.0.0.1:8765",
     )
+    parser.add_argument(
+        "--find-lr", action="store_true", help="sweep the learning rate first and train at it"
+    )
+    parser.add_argument(
+        "--profile", metavar="DIR", help="profile training batches 2-4 into DIR (torch.profiler)"
+    )
+    parser.add_argument(
+        "--throughput", action="store_true", help="put samples/s and FLOPs every 10 steps"
+    )
+    parser.add_argument(
+        "--ema", action="store_true", help="validate an exponential moving average of the weights"
+    )
     args = parser.parse_args(argv)
 
     loopbus.seed_everything(args.seed)
     train, val = digits_loaders(seed=args.seed)
     module = DigitsNet(epochs=args.epochs, tensor_lr=args.compile)
     plugins = None  # the default: a progress bar
-    if args.serve:
+    tools = tuning_plugins(args)
+    if args.serve or tools:
         from loopbus.plugins import ProgressBar, StreamServer
 
-        plugins = [StreamServer.from_address(args.serve), ProgressBar()]
+        plugins = [ProgressBar(), *tools]
+        if args.serve:
+            plugins.insert(0, StreamServer.from_address(args.serve))
     trainer = Trainer(
         max_epochs=args.epochs, executor=args.executor, plugins=plugins, compile=args.compile
     )
+    if args.find_lr:
+        from loopbus.plugins.tuning import find_lr
+
+        found = loopbus.run(find_lr, trainer, module, train, update_attr=True, backend=args.backend)
+        print(f"learning-rate finder: suggests {found.suggestion:.3g} (module.lr set to it)")
     loopbus.run(trainer.fit, module, train, val, backend=args.backend)
 
     accuracy = float(trainer.latest["val/acc"].value)
     print(f"validation accuracy after {trainer.current_epoch + 1} epochs: {accuracy:.2%}")
     return accuracy
+
+
+def tuning_plugins(args: argparse.Namespace) -> list[loopbus.Plugin]:
+    """The tuning tools the command line asked for (see docs/tuning.md)."""
+    if not (args.profile or args.throughput or args.ema):
+        return []
+    from loopbus.plugins.tuning import Profiler, ThroughputMonitor, WeightAveraging
+
+    tools: list[loopbus.Plugin] = []
+    if args.profile:
+        tools.append(Profiler(args.profile, wait=1, warmup=1, active=3))
+    if args.throughput:
+        tools.append(ThroughputMonitor(every_n_steps=10))
+    if args.ema:
+        tools.append(WeightAveraging.ema(decay=0.99))
+    return tools
 
 
 if __name__ == "__main__":

@@ -91,6 +91,7 @@ LAYERS = (
     "records",
     "step",
     "distributed",
+    "storage",
     "checkpoint",
     "loop",
     "stage",

@@ -6,6 +6,7 @@ The packages, each importing only those below it (a test enforces it):
     stage                        Trainer, options, assembly, lifecycle, preemption
     loop                         the Loop contract and the built-in loops
     checkpoint                   parts, file format, sharded checkpoints, RNG states
+    storage                      URLs and object stores (fsspec, imported on use)
     distributed                  strategies: one process, DDP, FSDP2
     step                         Module, optimizers, precision, train/eval steps
     records                      put, the recorder
@@ -93,12 +94,15 @@ if TYPE_CHECKING:
     from .stage import set_default_plugins as set_default_plugins
     from .state import Scope as Scope
     from .state import Stateful as Stateful
+    from .state import profiling_ranges as profiling_ranges
     from .state import seed_everything as seed_everything
     from .step import Module as Module
     from .step import Precision as Precision
     from .step import SchedulerConfig as SchedulerConfig
     from .step import TrainerView as TrainerView
     from .step import register_precision as register_precision
+    from .storage import RemotePath as RemotePath
+    from .storage import is_url as is_url
 
 
 #: The engine's public names, each with the package that defines it; imported on first
@@ -125,6 +129,7 @@ _ENGINE_NAMES = {
     "PredictionLoop": "loop",
     "Progress": "loop",
     "Publication": "records",
+    "RemotePath": "storage",
     "SchedulerConfig": "step",
     "Scope": "state",
     "SingleProcess": "distributed",
@@ -134,8 +139,10 @@ _ENGINE_NAMES = {
     "Trainer": "stage",
     "TrainerOptions": "stage",
     "TrainerView": "step",
+    "is_url": "storage",
     "latest_checkpoint": "checkpoint",
     "load_checkpoint": "checkpoint",
+    "profiling_ranges": "state",
     "register_destination": "records",
     "register_precision": "step",
     "remove_checkpoint": "checkpoint",
@@ -178,6 +185,7 @@ __all__ = [
     "Progress",
     "Publication",
     "PutRecord",
+    "RemotePath",
     "SchedulerConfig",
     "Scope",
     "ScopeLeakError",
@@ -198,6 +206,7 @@ __all__ = [
     "check_json_nesting",
     "check_local_path",
     "fsync_dir",
+    "is_url",
     "naming_errors",
     "replace_atomically",
     "check_number",
@@ -207,6 +216,7 @@ __all__ = [
     "load_checkpoint",
     "on",
     "plugins",
+    "profiling_ranges",
     "register_destination",
     "register_precision",
     "remove_checkpoint",

@@ -15,19 +15,29 @@ import os
 import shutil
 from pathlib import Path
 
-from ._format import _TMP_TAG, PathLike, _host_tag, _temp_writer, marker_path
+from ..storage import Store, is_url, remote_path
+from ._format import _TMP_TAG, MARKER_SUFFIX, PathLike, _host_tag, _temp_writer, marker_path
 
 __all__ = ["remove_checkpoint", "remove_stale_temporaries"]
 
 
-def remove_checkpoint(path: PathLike) -> None:
+def remove_checkpoint(path: PathLike, *, retries: int = 0) -> None:
     """Delete a checkpoint and its completeness marker (the marker first, so that a crash
     in between never leaves a marker without its file): a file, or a sharded checkpoint's
     whole directory. Missing files are ignored.
 
     A symbolic link is removed as a link: what it points to (a checkpoint of another run,
     say) is never touched. The marker inside a linked directory belongs to that
-    checkpoint, which may be the one its own directory's ``last.json`` names."""
+    checkpoint, which may be the one its own directory's ``last.json`` names.
+
+    A URL's objects are deleted in the same order (each deletion tried again up to
+    ``retries`` times), so that a checkpoint half deleted is never taken as complete."""
+    if is_url(path):
+        remote = remote_path(path)
+        store = Store(remote.parent, retries=retries)
+        store.remove(remote.name + MARKER_SUFFIX)
+        store.remove(remote.name)
+        return
     target = Path(os.fspath(path))
     if target.is_symlink() and target.is_dir():
         target.unlink(missing_ok=True)
@@ -50,6 +60,8 @@ def remove_stale_temporaries(directory: PathLike) -> list[Path]:
     run writes there. A name without a host (written by an earlier loopbus) is taken to
     come from this host."""
     removed: list[Path] = []
+    if is_url(directory):
+        return removed  # a remote checkpoint is uploaded under its own name
     d = Path(directory)
     if not d.is_dir():
         return removed

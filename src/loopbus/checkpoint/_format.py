@@ -32,6 +32,7 @@ from .._exceptions import CheckpointError
 from .._untrusted import check_json_nesting, read_small
 from .._validate import check_local_path
 from .._version import __version__
+from ..storage import RemotePath, Store, is_url, remote_path
 
 __all__ = [
     "FORMAT",
@@ -45,11 +46,14 @@ __all__ = [
     "Pointer",
     "check_header",
     "checkpoint_info",
+    "decode_json",
     "describe_os_error",
     "is_sharded_checkpoint",
     "marker_path",
     "pointer_to",
     "read_json",
+    "read_remote_json",
+    "read_remote_marker",
 ]
 
 FORMAT = "loopbus.checkpoint"
@@ -169,7 +173,17 @@ def read_json(path: Path, schema: type[_Schema]) -> _Schema:
     whole only if it is a regular file of at most 1 MiB, decoded only if it nests at most
     64 levels. Raises ``OSError`` (``FileNotFoundError`` when it is absent) or a
     ``ValueError`` whose message is a clause (``"it ..."``) saying what is wrong."""
-    data = check_json_nesting(read_small(path))
+    return decode_json(read_small(path), schema)
+
+
+def read_remote_json(store: Store, name: str, schema: type[_Schema]) -> _Schema:
+    """:func:`read_json` for the object ``name`` of a remote directory."""
+    return decode_json(store.read_small(name), schema)
+
+
+def decode_json(data: bytes, schema: type[_Schema]) -> _Schema:
+    """The small JSON document ``data`` decoded into ``schema`` (see :func:`read_json`)."""
+    data = check_json_nesting(data)
     try:
         return msgspec.json.decode(data, type=schema)
     except msgspec.ValidationError as exc:
@@ -178,7 +192,7 @@ def read_json(path: Path, schema: type[_Schema]) -> _Schema:
         raise ValueError(f"it is not valid JSON ({exc})") from None
 
 
-def pointer_to(target: Path, info: Mapping[str, Any]) -> dict[str, Any]:
+def pointer_to(target: Path | RemotePath, info: Mapping[str, Any]) -> dict[str, Any]:
     """The ``last.json`` that names the checkpoint ``target``, with the step, epoch and
     time of creation its completeness marker ``info`` records."""
     pointer = {k: info[k] for k in ("global_step", "epoch", "created")}
@@ -207,12 +221,20 @@ def _why(exc: OSError | ValueError) -> str:
     return str(exc)
 
 
-def checkpoint_info(path: PathLike) -> dict[str, Any] | None:
+def checkpoint_info(
+    path: PathLike, *, storage_options: Mapping[str, Any] | None = None
+) -> dict[str, Any] | None:
     """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
     time of creation; for a sharded checkpoint every file's size), or None if it has
-    none. Keys that the marker leaves out (or sets to null) are left out."""
-    check_local_path("path", path, owner="checkpoint_info")
-    info = _read_marker(marker_path(path))
+    none. Keys that the marker leaves out (or sets to null) are left out. ``path`` may
+    be a URL (``s3://bucket/run/epoch=0-step=10.ckpt``), reached with the fsspec
+    ``storage_options`` (None: the backend's standard credentials)."""
+    if is_url(path):
+        target = remote_path(path, storage_options)
+        info = read_remote_marker(Store(target.parent), target.name + MARKER_SUFFIX, target)
+    else:
+        check_local_path("path", path, owner="checkpoint_info")
+        info = _read_marker(marker_path(path))
     if info is None:
         return None
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
@@ -233,6 +255,24 @@ def _read_marker(marker: Path) -> Marker | None:
         raise CheckpointError(
             f"the completeness marker {marker} is damaged: {exc}. Delete it to load the "
             "checkpoint without the integrity check, or load another checkpoint."
+        ) from exc
+
+
+def read_remote_marker(store: Store, name: str, where: RemotePath) -> Marker | None:
+    """:func:`_read_marker` for the remote marker ``name`` of ``where``'s checkpoint."""
+    url = store.url(name)
+    try:
+        return read_remote_json(store, name, Marker)
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise CheckpointError(
+            f"the completeness marker {url} is damaged: {exc}. Delete it to load {where} "
+            "without the integrity check, or load another checkpoint."
+        ) from exc
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read the completeness marker {url}: {type(exc).__name__}: {exc}"
         ) from exc
 
 

@@ -14,6 +14,7 @@ resume.
 from __future__ import annotations
 
 import os
+import tempfile
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
@@ -27,8 +28,10 @@ from loopbus.step._params import has_sharded_parameters
 
 from .._exceptions import CheckpointError
 from .._validate import check_local_path
+from ..storage import RemotePath, Store, is_url, remote_path
 from ._diagnose import _load_failed, _sniff, check_loaded
 from ._format import (
+    MARKER_SUFFIX,
     Marker,
     PathLike,
     _read_marker,
@@ -36,7 +39,7 @@ from ._format import (
     is_sharded_checkpoint,
     marker_path,
 )
-from ._locate import resolve_checkpoint
+from ._locate import resolve_checkpoint, resolve_remote
 from ._parts import CheckpointMismatch, ModulePart, load_state
 from ._sharded_load import consolidate, load_sharded
 
@@ -44,7 +47,11 @@ __all__ = ["load_checkpoint", "load_weights", "read_for_resume"]
 
 
 def load_checkpoint(
-    path: PathLike, *, map_location: Any = "cpu", verify: bool = True
+    path: PathLike,
+    *,
+    map_location: Any = "cpu",
+    verify: bool = True,
+    storage_options: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Read a checkpoint written by loopbus, safely.
 
@@ -57,7 +64,14 @@ def load_checkpoint(
     missing, empty, foreign (not a torch.save file), truncated or corrupt, refused
     (pickled objects) or newer checkpoint; a file that is not a torch.save container is
     never handed to an unpickler.
+
+    ``path`` may be a URL (``s3://bucket/run/x.ckpt``, or the directory ``s3://bucket/run``
+    for its last complete checkpoint), reached with the fsspec ``storage_options`` (None:
+    the backend's standard credentials; a :class:`~loopbus.RemotePath` carries its own).
+    The object is downloaded to a temporary file and read as above.
     """
+    if is_url(path):
+        return _load_remote(remote_path(path, storage_options), map_location, verify)
     check_local_path("path", path, owner="load_checkpoint")
     file = resolve_checkpoint(path)
     if file.is_dir():
@@ -72,6 +86,31 @@ def load_checkpoint(
     check_loaded(state, file)
     check_header(state, str(file))
     return state  # type: ignore[no-any-return]
+
+
+def _load_remote(target: RemotePath, map_location: Any, verify: bool) -> dict[str, Any]:
+    """:func:`load_checkpoint` of a URL: its object and marker downloaded side by side
+    into a temporary directory, loaded from there; messages name the URL."""
+    found = resolve_remote(target)
+    store = Store(found.parent)
+    with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
+        local = Path(staging) / found.name
+        try:
+            store.download(found.name, local)
+            if verify:
+                try:
+                    store.download(found.name + MARKER_SUFFIX, marker_path(local))
+                except FileNotFoundError:
+                    pass
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot download the checkpoint {found}: {type(exc).__name__}: {exc}"
+            ) from exc
+        try:
+            return load_checkpoint(local, map_location=map_location, verify=verify)
+        except CheckpointError as exc:
+            message = str(exc).replace(str(local), found.url).replace(staging, found.parent.url)
+            raise CheckpointError(message) from exc
 
 
 def _verify(file: Path) -> None:

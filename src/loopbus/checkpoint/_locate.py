@@ -11,13 +11,15 @@ Checkpoint files and sharded checkpoints' directories are treated alike.
 from __future__ import annotations
 
 import os
+import posixpath
 import warnings
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
 from .._validate import check_local_path
+from ..storage import RemotePath, Store, is_url, remote_path, require_backend
 from ._format import (
     LAST_POINTER,
     MARKER_SUFFIX,
@@ -31,7 +33,10 @@ from ._format import (
     is_sharded_checkpoint,
     marker_path,
     read_json,
+    read_remote_json,
 )
+
+_P = TypeVar("_P", Path, RemotePath, Path | RemotePath)
 
 __all__ = [
     "latest_checkpoint",
@@ -47,12 +52,12 @@ __all__ = [
 # ---------------------------------------------------------------- in a directory
 
 
-def newest(candidates: Iterable[Path]) -> Path | None:
+def newest(candidates: Iterable[_P]) -> _P | None:
     """The newest of ``candidates``: the highest step its completeness marker records,
     then the latest time of creation (without a marker, the time it was last modified).
     None if there are none."""
     best: tuple[Any, ...] | None = None
-    chosen: Path | None = None
+    chosen: _P | None = None
     for path in candidates:
         try:
             info = checkpoint_info(path) or {}
@@ -61,8 +66,8 @@ def newest(candidates: Iterable[Path]) -> Path | None:
         step = info.get("global_step")
         created = info.get("created")
         if not isinstance(created, (int, float)):
-            try:
-                created = path.stat().st_mtime
+            try:  # a RemotePath's time is its marker's
+                created = 0.0 if isinstance(path, RemotePath) else path.stat().st_mtime
             except OSError:
                 created = 0.0
         key = (step if isinstance(step, int) else -1, created)
@@ -71,12 +76,23 @@ def newest(candidates: Iterable[Path]) -> Path | None:
     return chosen
 
 
-def latest_checkpoint(directory: PathLike) -> Path | None:
+def latest_checkpoint(directory: PathLike) -> Path | None:  # a RemotePath for a URL
     """The last checkpoint written into ``directory``: the one its ``last.json`` pointer
     names or, without a pointer (or when the one it names is missing or damaged), the
     newest complete one: with its completeness marker, and every file of the size the
     marker records. A checkpoint passed over this way is named, with what is wrong with
-    it, in a ``UserWarning``. None when the directory holds no complete checkpoint."""
+    it, in a ``UserWarning``. None when the directory holds no complete checkpoint.
+
+    A URL (a :class:`~loopbus.RemotePath` carries storage options) is searched alike,
+    except that a checkpoint there is taken only with its marker, even when ``last.json``
+    names it, and the result is a ``RemotePath``."""
+    if is_url(directory):
+        remote = remote_path(directory)
+        found_remote, skipped_remote = _latest_remote(remote)
+        if skipped_remote:
+            message = _skipped_message(remote, found_remote, skipped_remote)
+            warnings.warn(message, UserWarning, stacklevel=2)
+        return found_remote  # type: ignore[return-value]
     d = Path(os.fspath(directory))
     found, skipped = _latest(d)
     if skipped:
@@ -206,7 +222,7 @@ def _sharded_incomplete(path: Path) -> str | None:
     return None
 
 
-def _skipped_message(d: Path, found: Path | None, skipped: list[tuple[Path, str]]) -> str:
+def _skipped_message(d: Any, found: Any, skipped: list[tuple[Any, str]]) -> str:
     shown = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
     if len(skipped) > 5:
         shown += f"; and {len(skipped) - 5} more"
@@ -236,6 +252,8 @@ def _follow_pointer(pointer: Path) -> Path:
 def resolve_checkpoint(path: PathLike) -> Path:
     """The checkpoint file ``path`` means: a file, a directory (its last checkpoint) or a
     ``last.json`` pointer."""
+    if is_url(path):
+        return resolve_remote(remote_path(path))  # type: ignore[return-value]
     p = Path(os.fspath(path))
     if p.is_dir() and is_sharded_checkpoint(p):
         return p
@@ -291,7 +309,7 @@ def _unmarked_files(directory: Path) -> str:
 # ---------------------------------------------------------------- named by ckpt_path
 
 
-def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
+def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemotePath | None:
     """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
     through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
     that name is called); None (with a warning unless ``warn`` is false) if none has
@@ -303,13 +321,13 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | None:
             "as loopbus.plugins.Checkpoint(dirpath), among the trainer's plugins; add one or "
             "pass the path of a checkpoint (or of its directory)."
         )
-    found = []
+    found: list[Path | RemotePath] = []
     for plugin in providers:
         path = plugin.last_checkpoint_path
         if not isinstance(path, (str, os.PathLike)) and callable(path):
             path = path()
         if path is not None:
-            found.append(Path(os.fspath(path)))
+            found.append(path if isinstance(path, RemotePath) else Path(os.fspath(path)))
     if not found:
         if not warn:
             return None
@@ -383,10 +401,10 @@ def resolve_weights_path(
     written) or a path as it is. The names are resolved once, on rank 0, and broadcast
     (``strategy.broadcast_object``), so every rank raises the same error or loads the
     same file."""
-    check_local_path("ckpt_path", ckpt_path)
+    _check_ckpt_path(ckpt_path)
     if ckpt_path not in ("best", "last"):
         return ckpt_path
-    found: Path | None = None
+    found: Path | RemotePath | None = None
     problem: str | None = None
     if strategy.is_global_zero:
         try:
@@ -416,8 +434,105 @@ def resolve_resume_path(
     the plugins that write them (None, with a warning, when there is none yet), resolved
     once on rank 0 and broadcast so that every rank loads the same file; anything else
     as it is."""
-    check_local_path("ckpt_path", ckpt_path)
+    _check_ckpt_path(ckpt_path)
     if ckpt_path != "last":
         return ckpt_path
     found = resolve_last(plugins) if strategy.is_global_zero else None
     return strategy.broadcast_object(found)  # type: ignore[no-any-return]
+
+
+def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
+    """Before anything runs: a URL's scheme must have its package installed."""
+    if is_url(ckpt_path):
+        require_backend(ckpt_path, owner=f"ckpt_path={str(ckpt_path)!r}")
+    else:
+        check_local_path("ckpt_path", ckpt_path)
+
+
+# ---------------------------------------------------------------- remote
+
+
+def _remote_incomplete(store: Store, objects: dict[str, int], name: str) -> str | None:
+    """What keeps the remote checkpoint ``name`` from being complete, or None: its object
+    or its marker is missing, or the object has another size than the marker records."""
+    marker = name + MARKER_SUFFIX
+    if name not in objects:
+        return "it does not exist"
+    if marker not in objects:
+        return f"it has no completeness marker {marker} (its upload did not finish, or the marker was deleted)"
+    try:
+        expected = read_remote_json(store, marker, Marker).size
+    except FileNotFoundError:
+        return f"it has no completeness marker {marker} (it was deleted meanwhile)"
+    except ValueError as exc:
+        return f"its completeness marker {marker} is damaged: {exc}"
+    except Exception as exc:
+        return f"its completeness marker {marker} cannot be read ({type(exc).__name__}: {exc})"
+    if objects[name] != expected:
+        return (
+            f"it has {objects[name]} bytes where its completeness marker records {expected} "
+            "(it is truncated or was modified)"
+        )
+    return None
+
+
+def _remote_pointer(store: Store) -> str:
+    """The name the remote ``last.json`` holds; raises ``OSError`` or ``ValueError``."""
+    name = read_remote_json(store, LAST_POINTER, Pointer).checkpoint
+    if not name or name in (".", "..") or "/" in name:
+        raise ValueError(f"it names {name!r}, which is not a name in its directory")
+    return name
+
+
+def _latest_remote(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemotePath, str]]]:
+    """:func:`_latest` for a remote directory: the checkpoint ``last.json`` names, or the
+    newest complete one; a checkpoint without its marker is never taken."""
+    store = Store(d)
+    objects = store.listing()
+    skipped: list[tuple[RemotePath, str]] = []
+    if LAST_POINTER in objects:
+        try:
+            name = _remote_pointer(store)
+        except (OSError, ValueError) as exc:
+            skipped.append((d / LAST_POINTER, f"this pointer is ignored: {_why(exc)}"))
+        else:
+            why = _remote_incomplete(store, objects, name)
+            if why is None:
+                return d / name, []
+            skipped.append((d / name, f"{LAST_POINTER} names it, but {why}"))
+    complete: list[RemotePath] = []
+    for name in sorted(objects):
+        if name.startswith(".") or name == LAST_POINTER:
+            continue
+        if name.endswith(MARKER_SUFFIX):
+            if name[: -len(MARKER_SUFFIX)] not in objects:
+                skipped.append((d / name[: -len(MARKER_SUFFIX)], f"only its completeness marker {name} is left"))
+            continue
+        if posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES and name + MARKER_SUFFIX not in objects:
+            continue
+        why = _remote_incomplete(store, objects, name)
+        if why is None:
+            complete.append(d / name)
+        elif all(p.name != name for p, _ in skipped):
+            skipped.append((d / name, why))
+    return newest(complete), skipped
+
+
+def resolve_remote(target: RemotePath) -> RemotePath:
+    """:func:`resolve_checkpoint` for a URL: an object is the checkpoint; ``last.json`` or
+    a directory (a prefix) means its last complete checkpoint."""
+    store = Store(target.parent)
+    if target.name != LAST_POINTER and store.size(target.name) is not None:
+        return target
+    directory = target.parent if target.name == LAST_POINTER else target
+    found, skipped = _latest_remote(directory)
+    if found is None:
+        listed = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+        raise CheckpointError(
+            f"no checkpoint at {target}: there is no such object, and {directory} holds no "
+            f"complete checkpoint (one with its {MARKER_SUFFIX} marker)"
+            + (f". Skipped as not complete: {listed}." if listed else ".")
+        )
+    if skipped:
+        warnings.warn(_skipped_message(directory, found, skipped), UserWarning, stacklevel=4)
+    return found

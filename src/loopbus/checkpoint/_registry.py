@@ -47,7 +47,9 @@ class CheckpointRegistry:
     (``Trainer.stateful_parts()``); ``module`` and ``optimizers``: the module (its class
     goes into the header) and optimizers, whose state a sharded checkpoint writes as
     shards; ``global_step`` and ``epoch``: how far the run is, for the header;
-    ``strategy``: the ranks and collectives saving uses (:class:`SaveStrategy`)."""
+    ``strategy``: the ranks and collectives saving uses (:class:`SaveStrategy`);
+    ``weights``: the module whose weights a sharded checkpoint writes as the module's,
+    if not ``module`` (``Trainer.checkpoint_weights_from``)."""
 
     parts: Mapping[str, Stateful]
     module: torch.nn.Module | None
@@ -55,6 +57,7 @@ class CheckpointRegistry:
     global_step: int
     epoch: int
     strategy: SaveStrategy
+    weights: torch.nn.Module | None = None
 
     def only(self, keep: Callable[[str], bool]) -> CheckpointRegistry:
         """This registry with only the parts whose key ``keep`` accepts."""

@@ -300,6 +300,8 @@ class ShardedCheckpointWriter:
         optimizers = list(registry.optimizers)
         state = _plain_state(registry, module, optimizers)
         tensors = _tensor_state(module, optimizers)
+        if registry.weights is not None:  # saved as the module's (checkpoint_weights_from)
+            tensors["module"] = get_model_state_dict(registry.weights)
         try:
             future = _write_shards(tensors, temp, self._process_group(), asynchronous)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable
@@ -30,9 +31,11 @@ import torch
 from .._durable import replace_atomically
 from .._exceptions import CheckpointError
 from .._untrusted import MAX_STATE_DEPTH
+from ..storage import RemotePath, Store, is_url, remote_path
 from ._format import (
     FORMAT,
     LAST_POINTER,
+    MARKER_SUFFIX,
     PathLike,
     Pointer,
     _temp_path,
@@ -250,7 +253,9 @@ def _write_json(target: Path, payload: dict[str, Any]) -> None:
     _write_durably(target, lambda f: f.write(data))
 
 
-def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool = False) -> Path:
+def write_checkpoint(
+    state: dict[str, Any], path: PathLike, *, update_last: bool = False, retries: int = 0
+) -> Path:
     """Write a checkpoint made by :meth:`Trainer.state_dict` to ``path``, atomically.
 
     The file appears under its name only once complete and on disk (temporary file in the
@@ -262,7 +267,15 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
     A write that fails (a full disk, say) raises :class:`CheckpointError` naming the file
     that could not be written, the cause, and what is on disk since: whether the
     checkpoint file, its marker and the pointer were written, and what the pointer names.
+
+    ``path`` may be a URL (``s3://bucket/run/x.ckpt``; a :class:`~loopbus.RemotePath`
+    carries storage options): the file is serialised to a local temporary file, uploaded
+    under its final name, then its marker ``<name>.complete`` and, with ``update_last``,
+    the pointer are written (see :func:`_write_remote`); each upload is tried again up
+    to ``retries`` times with exponential backoff. Returns the ``RemotePath`` written.
     """
+    if is_url(path):
+        return _write_remote(state, remote_path(path), update_last, retries)  # type: ignore[return-value]
     target = Path(os.fspath(path))
     header = check_header(state, "the state passed to write_checkpoint")
     plain = to_plain(state, where=f"checkpoint (for {target.name})")
@@ -298,7 +311,7 @@ def write_checkpoint(state: dict[str, Any], path: PathLike, *, update_last: bool
     return target
 
 
-def _file_marker(target: Path, header: dict[str, Any], writer: _ChecksumWriter) -> dict[str, Any]:
+def _file_marker(target: Path | RemotePath, header: dict[str, Any], writer: _ChecksumWriter) -> dict[str, Any]:
     """What the completeness marker of the checkpoint file just written to ``target``
     records: its size and CRC-32 as ``writer`` counted them, and the step, epoch and time
     of creation of its ``header``."""
@@ -349,4 +362,60 @@ def _write_failed(
         f"the checkpoint {target} and its completeness marker were written, but the pointer "
         f"{target.parent / LAST_POINTER} could not be moved to it: {cause}. The checkpoint is "
         f"complete and loads by its path;{pointer}"
+    )
+
+
+# ---------------------------------------------------------------- remote
+
+
+def _json_bytes(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, indent=1, sort_keys=True).encode()
+
+
+def _write_remote(
+    state: dict[str, Any], target: RemotePath, update_last: bool, retries: int
+) -> RemotePath:
+    """:func:`write_checkpoint` to a URL. An object store has no atomic rename, but an
+    object appears whole or not at all; so the file goes under its final name, then its
+    marker (which a reader needs to take it as complete), then ``last.json``. A marker
+    of an earlier object of that name is deleted first: a marker never describes other
+    content than its object."""
+    header = check_header(state, "the state passed to write_checkpoint")
+    plain = to_plain(state, where=f"checkpoint (for {target.name})")
+    store = Store(target.parent, retries=retries)
+    marker = target.name + MARKER_SUFFIX
+    stage = "file"
+    try:
+        with tempfile.TemporaryDirectory(prefix="loopbus-upload-") as staging:
+            staged = Path(staging) / "checkpoint"
+            with open(staged, "wb") as file:
+                writer = save_plain(plain, file)
+            info = _file_marker(target, header, writer)
+            store.remove(marker)
+            store.upload(staged, target.name)
+        stage = "marker"
+        store.write(marker, _json_bytes(info))
+        if update_last:
+            stage = "pointer"
+            store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
+    except Exception as exc:
+        cause = describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+        raise CheckpointError(_remote_failed(target, stage, cause, update_last)) from exc
+    return target
+
+
+def _remote_failed(target: RemotePath, stage: str, cause: str, update_last: bool) -> str:
+    """Why :func:`_write_remote` failed at ``stage``, and what is in the store since."""
+    pointer = f" {LAST_POINTER} was not moved." if update_last else ""
+    if stage == "file":
+        return f"could not upload the checkpoint {target}: {cause}. It is not complete (no marker).{pointer}"
+    if stage == "marker":
+        return (
+            f"the checkpoint {target} was uploaded, but its completeness marker could not be "
+            f"written: {cause}. Without it no reader takes the checkpoint as complete.{pointer}"
+        )
+    return (
+        f"the checkpoint {target} and its completeness marker were uploaded, but "
+        f"{target.parent / LAST_POINTER} could not be moved to it: {cause}. The checkpoint "
+        "is complete and loads by its URL."
     )

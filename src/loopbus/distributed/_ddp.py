@@ -30,8 +30,9 @@ import datetime
 import gc
 import os
 import warnings
+from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -285,6 +286,17 @@ class DataParallel(Strategy):
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def all_reduce_host(
+        self, values: Sequence[float], op: Literal["sum", "max", "min"] = "sum"
+    ) -> list[float]:
+        """``values`` reduced over the ranks on the gloo group the stop exchange uses
+        (host to host: no device sync, no NCCL stream); blocking."""
+        super().all_reduce_host(values, op)
+        flat = torch.tensor([float(v) for v in values], dtype=torch.float64)
+        reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+        dist.all_reduce(flat, op=reduce_op[op], group=self._stop_process_group())
+        return [float(v) for v in flat.tolist()]
 
 
 class DDPStrategy(DataParallel):

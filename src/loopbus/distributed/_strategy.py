@@ -19,16 +19,20 @@ ask which one runs):
   accumulation window's non-final micro-batches), ``clip_gradients``;
 * ``stop_transport`` (the collectives the stop control exchanges requests with; None in
   one process) and the small collectives a checkpoint needs (``all_gather_object``,
-  ``broadcast_object``, ``barrier``).
+  ``broadcast_object``, ``barrier``), and ``all_reduce_host`` (a few host numbers
+  reduced over the ranks, for plugins that report world totals).
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
+
+from .._validate import check_choice
 
 if TYPE_CHECKING:
     from loopbus.distributed._stopping import StopTransport
@@ -149,6 +153,19 @@ class Strategy:
 
     def barrier(self) -> None:
         """Wait for every rank."""
+
+    def all_reduce_host(
+        self, values: Sequence[float], op: Literal["sum", "max", "min"] = "sum"
+    ) -> list[float]:
+        """``values`` (host numbers) reduced element by element over the ranks with
+        ``op``, on the host, so no device is synchronised: every rank calls it at the same
+        point and gets the same list. In one process, the numbers themselves."""
+        check_choice("op", op, _HOST_OPS, owner=f"{type(self).__name__}.all_reduce_host")
+        return [float(v) for v in values]
+
+
+#: The reductions of :meth:`Strategy.all_reduce_host`.
+_HOST_OPS = ("sum", "max", "min")
 
 
 class SingleProcess(Strategy):

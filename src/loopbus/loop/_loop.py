@@ -33,6 +33,7 @@ import re
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
+from loopbus.state._ranges import RANGES, in_range
 from loopbus.state._scope import (
     LeakCheck,
     Scope,
@@ -460,8 +461,8 @@ class Loop(Generic[T]):
                     checker.iteration_done(it)
                 if self._restarting:
                     self.restarting = False
-                if boundary is not None:
-                    boundary()
+                if boundary is not None:  # (a profiler range while profiling_ranges is on)
+                    boundary() if not RANGES.on else in_range("loopbus.boundary", boundary)
         except StopLoop:
             pass
 

@@ -22,6 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from anyio.lowlevel import checkpoint
+from torch.autograd.profiler import record_function
 
 from loopbus.checkpoint._rng import (
     capture_epoch_rng,
@@ -33,6 +34,7 @@ from loopbus.checkpoint._rng import (
 )
 from loopbus.data._sources import Source, Sources
 from loopbus.distributed._stopping import StopControl
+from loopbus.state._ranges import RANGES
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope, TrackedScope
 from loopbus.state._stateful import is_stateful
@@ -216,7 +218,11 @@ class _DataLoop(_Hosted, Loop[Any]):
                 source.close()
 
     async def on_advance_start(self, ctx: Scope) -> None:
-        batch = self.run_ctx.source.take()
+        if RANGES.on:  # profiling_ranges(True): the phase as a profiler range
+            with record_function("loopbus.data_fetch"):
+                batch = self.run_ctx.source.take()
+        else:
+            batch = self.run_ctx.source.take()
         if self._borrow_batches:
             ctx.borrow("batch", batch)
         else:
@@ -404,8 +410,8 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
 
     async def advance(self, ctx: Scope) -> None:
         worker = self._worker
-        if worker is None:
-            ctx.output = self._step(ctx.batch, ctx)
+        if worker is None:  # (a profiler range while profiling_ranges is on)
+            ctx.output = self._step(ctx.batch, ctx) if not RANGES.on else _in_step(self, ctx)
         else:
             ctx.output = await run_in_worker(self._step, ctx, worker)
         await self._boundary()
@@ -454,6 +460,12 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         source = ctx.get("source")
         self._cut_short = source is not None and not source.exhausted()
         self._in_epoch = False
+
+
+def _in_step(loop: TrainEpochLoop, ctx: Scope) -> Any:
+    """The training step of ``loop`` inside the profiler range ``loopbus.step``."""
+    with record_function("loopbus.step"):
+        return loop._step(ctx.batch, ctx)
 
 
 class FitLoop(_Hosted, Loop[None]):
@@ -531,6 +543,10 @@ _EVAL_EVENTS = {
 }
 
 
+#: The profiler range of a pass of each evaluation stage (see ``profiling_ranges``).
+_RANGE_NAMES = {"validate": "loopbus.validation", "test": "loopbus.test", "predict": "loopbus.predict"}
+
+
 class EvaluationLoop(_DataLoop):
     """A pass over evaluation data without gradients, the module in eval mode
     (restored afterwards, even when a step raises)."""
@@ -569,6 +585,9 @@ class EvaluationLoop(_DataLoop):
         self._pass = step
         self._boundary = step.boundary
         with step.evaluating():
+            if RANGES.on:
+                with record_function(_RANGE_NAMES[self.stage]):
+                    return await super().run(*args, parent_ctx=parent_ctx, **kwargs)
             return await super().run(*args, parent_ctx=parent_ctx, **kwargs)
 
     def _pass_limit(self, options: LoopLimits, data: Any) -> float:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -20,9 +21,11 @@ from loopbus import (
     Event,
     MisconfigurationError,
     Plugin,
+    RemotePath,
     check_choice,
     check_int,
     check_local_path,
+    is_url,
     latest_checkpoint,
     on,
 )
@@ -37,7 +40,7 @@ from loopbus.events import (
     ValidationCompleted,
 )
 
-from ._checkpoint_files import CheckpointFiles
+from ._checkpoint_files import CheckpointFiles, remote_directory
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -49,6 +52,10 @@ __all__ = ["Checkpoint", "CheckpointSaved"]
 
 _MODES = {"min": "lower is better", "max": "higher is better"}
 _OFF = "None turns it off"
+_UPLOAD_ERRORS = {
+    "warn": "report the failure in a UserWarning and go on",
+    "raise": "stop the run with a CheckpointError",
+}
 _ALL = "None keeps them all"
 
 #: The deprecated property names that warned already in this process: each warns once.
@@ -69,13 +76,32 @@ def _renamed(old: str, new: str) -> None:
     )
 
 
-def _directory(dirpath: str | os.PathLike[str]) -> Path:
+def _directory(
+    dirpath: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+) -> Path | RemotePath:
+    if is_url(dirpath) or storage_options is not None:  # s3://bucket/run, any fsspec URL
+        return remote_directory(dirpath, storage_options)
     check_local_path("dirpath", dirpath, owner="Checkpoint")
     if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
         raise MisconfigurationError(
             f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
         )
     return Path(os.fspath(dirpath))
+
+
+def _files(
+    dirpath: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    upload_retries: int,
+    upload_errors: str,
+) -> CheckpointFiles:
+    """How the checkpoints are written (see ``_checkpoint_files``); when is decided by
+    the plugin."""
+    return CheckpointFiles(
+        _directory(dirpath, storage_options),
+        retries=check_int("upload_retries", upload_retries, minimum=0, owner="Checkpoint"),
+        on_error=check_choice("upload_errors", upload_errors, _UPLOAD_ERRORS, owner="Checkpoint"),
+    )
 
 
 def _optional_count(option: str, value: int | None, hint: str) -> int | None:
@@ -330,9 +356,11 @@ class Checkpoint(_DeprecatedNames, Plugin):
         save_on_end: bool = True,
         sharded: bool | None = None,
         exist_ok: bool = False,
+        storage_options: Mapping[str, Any] | None = None,
+        upload_retries: int = 3,
+        upload_errors: Literal["warn", "raise"] = "warn",
     ) -> None:
-        # How the checkpoints are written (see _checkpoint_files); when, decided here.
-        self._files = CheckpointFiles(_directory(dirpath))
+        self._files = _files(dirpath, storage_options, upload_retries, upload_errors)
         self.every_n_steps = _optional_count("every_n_steps", every_n_steps, _OFF)
         self.every_n_epochs = _optional_count("every_n_epochs", every_n_epochs, _OFF)
         _check_monitor(monitor)
@@ -379,11 +407,12 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     @property
     def dirpath(self) -> Path:
-        """The directory the checkpoints are written into."""
-        return self._files.dirpath
+        """The directory the checkpoints are written into: a URL (``storage_options`` and
+        ``upload_*`` apply) is a ``RemotePath``; see docs/checkpointing.md, "Remote storage"."""
+        return self._files.dirpath  # type: ignore[return-value]
 
     @dirpath.setter
-    def dirpath(self, dirpath: Path) -> None:
+    def dirpath(self, dirpath: Path | RemotePath) -> None:
         self._files.dirpath = dirpath
 
     @property
@@ -392,7 +421,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         checkpoints only (``dcp.async_save``)."""
         if self._background is not None:
             return bool(self._background)
-        return self._sharded_now
+        return self._sharded_now or self._files.remote
 
     @property
     def state_key(self) -> str:
@@ -410,7 +439,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         path, with a ``DeprecationWarning``; with no checkpoint yet the property is None,
         which cannot be called (``TypeError``), so such a call never passes silently."""
         path = latest_checkpoint(self.dirpath)
-        return None if path is None else _CallablePath(path)
+        return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)
 
     @property
     def best_checkpoint_path(self) -> Path | None:
@@ -430,7 +459,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._sharded_now = _shards(trainer, self.sharded)
+        self._sharded_now = self._files.check_sharded(_shards(trainer, self.sharded))
         self._files.reset()
         self._saw_validation = False
         self._preempted = False

@@ -9,6 +9,8 @@ Written against the public API only, like a user's plugin.
 from __future__ import annotations
 
 import os
+import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,20 +21,23 @@ from loopbus import (
     CheckpointError,
     Event,
     MisconfigurationError,
+    RemotePath,
     ShardedCheckpointWriter,
     ShardedSave,
     is_sharded_checkpoint,
+    is_url,
     remove_checkpoint,
     remove_stale_temporaries,
     write_checkpoint,
 )
+from loopbus.storage import require_backend
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from loopbus import TrainerView
 
-__all__ = ["CheckpointFiles"]
+__all__ = ["CheckpointFiles", "remote_directory"]
 
 #: The names of checkpoint files (others count when they have a completeness marker).
 _SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -49,8 +54,17 @@ class CheckpointFiles:
     step waited for; for a background save from the run's own path, by
     :meth:`announce`, since a background task must not publish."""
 
-    def __init__(self, dirpath: Path) -> None:
+    def __init__(
+        self, dirpath: Path | RemotePath, *, retries: int = 3, on_error: str = "warn"
+    ) -> None:
         self.dirpath = dirpath
+        #: A URL's saves: each upload tried ``retries`` more times; a failed one warned
+        #: about (``on_error="warn"``) or raised (``"raise"``).
+        self.retries = retries
+        self.on_error = on_error
+        #: Checkpoints no longer kept whose removal has not happened yet (the save that
+        #: evicted them failed, or their removal did): removed after the next save.
+        self._unremoved: list[str] = []
         self._writer = ShardedCheckpointWriter()
         # Per stage: the background save in flight, its failure, and its announcement.
         self._idle: anyio.Event | None = None
@@ -63,10 +77,44 @@ class CheckpointFiles:
         self._idle = None
         self.unannounced = None
 
+    @property
+    def remote(self) -> bool:
+        """Whether ``dirpath`` is a URL (an object store)."""
+        return isinstance(self.dirpath, RemotePath)
+
+    def check_sharded(self, sharded: bool) -> bool:
+        """``sharded``; refused for a URL (remote sharded checkpoints: not yet)."""
+        if sharded and self.remote:
+            raise MisconfigurationError(
+                f"Checkpoint(dirpath={str(self.dirpath)!r}) would write sharded checkpoints, "
+                "but remote sharded checkpoints are not supported yet: pass a local (or "
+                "mounted) dirpath for sharded checkpoints, or write checkpoint files "
+                "(sharded=False, one process or DDP)."
+            )
+        return sharded
+
+    def _taken(self) -> set[str]:
+        """The names in the remote ``dirpath``; none if it cannot be listed now (the
+        store is unreachable: the upload's retries deal with it, and a name this plugin
+        recorded is never reused)."""
+        try:
+            return set(self._objects())
+        except Exception:
+            return set()
+
+    def _objects(self) -> dict[str, int]:
+        """The objects in the remote ``dirpath``, name -> size."""
+        from loopbus.storage import Store
+
+        assert isinstance(self.dirpath, RemotePath)
+        return Store(self.dirpath).listing()
+
     def prepare(self) -> None:
         """Create the directory and remove the temporaries that dead writers left in it.
         Rank 0 alone writes, so it alone calls this; a temporary written on another host
         (a shared directory) is left alone, its writer's pid means nothing here."""
+        if isinstance(self.dirpath, RemotePath):
+            return  # an object store needs no directory, and has no temporaries
         try:
             self.dirpath.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -79,7 +127,7 @@ class CheckpointFiles:
         """Remove the temporaries that dead writers left in ``dirpath``, if it exists (a
         stage's start, on rank 0, before anything is decided about the folder: they were
         never checkpoints)."""
-        if self.dirpath.is_dir():
+        if isinstance(self.dirpath, Path) and self.dirpath.is_dir():
             remove_stale_temporaries(self.dirpath)
 
     def claim(self, trainer: TrainerView, *, resumes_here: bool, exist_ok: bool) -> None:
@@ -99,6 +147,8 @@ class CheckpointFiles:
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` (a checkpoint file or sharded directory) is in ``dirpath``."""
+        if isinstance(self.dirpath, RemotePath):
+            return isinstance(path, RemotePath) and path.parent == self.dirpath
         try:
             return Path(os.fspath(path)).resolve().parent == self.dirpath.resolve()
         except (OSError, ValueError):
@@ -106,10 +156,21 @@ class CheckpointFiles:
 
     def has(self, names: set[str]) -> bool:
         """Whether ``dirpath`` holds a checkpoint of one of these ``names``."""
+        if self.remote:
+            return bool(names & set(self._objects()))
         return any(os.path.lexists(self.dirpath / name) for name in names)
 
     def found(self) -> list[Path]:
         """The checkpoints (files, sharded directories, ``last.json``) in ``dirpath``."""
+        if isinstance(self.dirpath, RemotePath):
+            objects = self._objects()
+            return [
+                Path(name)  # a name, for the message
+                for name in sorted(objects)
+                if not name.startswith(".")
+                and not name.endswith(_MARKER)
+                and (name == _POINTER or name.endswith(_SUFFIXES) or name + _MARKER in objects)
+            ]
         try:
             entries = sorted(self.dirpath.iterdir())
         except (FileNotFoundError, NotADirectoryError):
@@ -123,7 +184,7 @@ class CheckpointFiles:
         if not found:
             return None
         checkpoints = [p for p in found if p.name != _POINTER] or found
-        newest = max(checkpoints, key=_mtime).name
+        newest = max(checkpoints, key=_mtime if not self.remote else str).name
         d = str(self.dirpath)
         return (
             f"Checkpoint({d!r}) will not start: {d} already holds {len(checkpoints)} "
@@ -140,9 +201,12 @@ class CheckpointFiles:
         rank takes its answer."""
         name: str | None = None
         if trainer.is_global_zero:
+            taken = self._taken() if self.remote else None
             name = f"{stem}.ckpt"
             version = 0
-            while name in known or os.path.lexists(self.dirpath / name):
+            while name in known or (
+                name in taken if taken is not None else os.path.lexists(self.dirpath / name)
+            ):
                 version += 1
                 name = f"{stem}-v{version}.ckpt"
         if trainer.world_size > 1:
@@ -157,7 +221,16 @@ class CheckpointFiles:
             await idle.wait()
             self._idle = None
         error, self._error = self._error, None
-        if error is not None:
+        if error is not None and self.remote and self.on_error == "warn":
+            warnings.warn(
+                f"a checkpoint upload to {self.dirpath} failed, after {self.retries} "
+                f"retries: {type(error).__name__}: {error} The run goes on; last.json still "
+                "names the last complete checkpoint (Checkpoint(upload_errors='raise') stops "
+                "the run instead).",
+                UserWarning,
+                stacklevel=2,
+            )
+        elif error is not None:
             raise CheckpointError(
                 f"a background checkpoint save into {self.dirpath} failed: "
                 f"{type(error).__name__}: {error}"
@@ -247,10 +320,30 @@ class CheckpointFiles:
                 done.set()
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
+        if self.remote:
+            self._write_remote(state, name, evicted)
+            return
         write_checkpoint(state, self.dirpath / name, update_last=True)
         for old in evicted:
             if old != name:
                 remove_checkpoint(self.dirpath / old)
+
+    def _write_remote(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
+        """Upload ``name`` (object, marker, ``last.json``), then remove the evicted
+        checkpoints, marker first; what cannot be removed now is removed after the next
+        save (as are the evicted ones of a save that failed)."""
+        pending = self._unremoved + [old for old in evicted if old != name]
+        self._unremoved = []
+        try:
+            write_checkpoint(state, self.dirpath / name, update_last=True, retries=self.retries)
+        except BaseException:
+            self._unremoved = pending
+            raise
+        for old in dict.fromkeys(pending):
+            try:
+                remove_checkpoint(self.dirpath / old, retries=self.retries)
+            except Exception:
+                self._unremoved.append(old)
 
     async def _write_in_background(
         self,
@@ -267,6 +360,28 @@ class CheckpointFiles:
             self._error = exc
         finally:
             done.set()
+
+
+def remote_directory(
+    dirpath: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+) -> RemotePath:
+    """A URL ``dirpath`` with its storage options, its scheme's package checked now."""
+    if not is_url(dirpath):
+        raise MisconfigurationError(
+            "Checkpoint(storage_options=...) applies to a URL dirpath such as "
+            f"'s3://bucket/run'; {os.fspath(dirpath)!r} is a local path."
+        )
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise MisconfigurationError(
+            "Checkpoint(storage_options=...) must be a dict of fsspec storage options, got "
+            f"a {type(storage_options).__name__}."
+        )
+    if isinstance(dirpath, RemotePath) and storage_options is None:
+        remote = dirpath
+    else:
+        remote = RemotePath(dirpath, storage_options)
+    require_backend(remote, owner=f"Checkpoint(dirpath={remote.url!r})")
+    return remote
 
 
 def _is_checkpoint(entry: Path) -> bool:

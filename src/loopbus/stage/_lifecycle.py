@@ -26,6 +26,7 @@ from loopbus.state._runstate import RunState
 from loopbus.step._module import Module
 
 from ..events import EventBus, ExceptionRaised, Subscription, Teardown
+from ._assembly import active_plugins
 from ._options import TrainerOptions
 from ._plugin import Plugin
 from ._preemption import Preemption
@@ -34,6 +35,7 @@ __all__ = [
     "classify",
     "collapse",
     "finish_stage",
+    "prepared_fit",
     "resume_from",
     "running_stage",
     "sanity_check",
@@ -286,6 +288,19 @@ async def sanity_check(
         loop.teardown_tree()
         recorder.discard_pending()
         rng.restore()
+
+
+async def prepared_fit(
+    trainer: Any, module: Module, train_data: Any, check: Callable[[Any, str], None]
+) -> Any:
+    """``fit``'s training data after the active plugins that override
+    :meth:`Plugin.prepare_fit` (a batch-size finder) had their turn, in order, before
+    the stage starts; each result checked with ``check``."""
+    for plugin in active_plugins(trainer.plugins, trainer.options, trainer.strategy):
+        if type(plugin).prepare_fit is not Plugin.prepare_fit:
+            train_data = await plugin.prepare_fit(trainer, module, train_data)
+            check(train_data, f"{type(plugin).__name__}.prepare_fit's train_data")
+    return train_data
 
 
 async def resume_from(

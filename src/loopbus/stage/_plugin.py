@@ -19,7 +19,10 @@ if TYPE_CHECKING:
 
 __all__ = ["Delivery", "Plugin"]
 
-_LIFECYCLE = ("setup", "start", "stop", "teardown", "state_dict", "load_state_dict")
+_LIFECYCLE = (
+    "setup", "start", "stop", "teardown", "state_dict", "load_state_dict", "prepare_fit"
+)
+_ARGUMENTS = {"prepare_fit": "trainer, module, train_data"}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -152,10 +155,11 @@ class Plugin(PutMixin):
                     f"{cls.__name__}.{name} is a Plugin lifecycle hook, so it cannot also be an "
                     f"event handler; give the @on-decorated method another name."
                 )
-            if name in ("start", "stop") and not inspect.iscoroutinefunction(attr):
+            if name in ("start", "stop", "prepare_fit") and not inspect.iscoroutinefunction(attr):
                 raise TypeError(
                     f"{cls.__name__}.{name} overrides the lifecycle hook `async def {name}(self, "
-                    "trainer, stage, ...)` and must be `async def` with that signature."
+                    f"{_ARGUMENTS.get(name, 'trainer, stage, ...')})` and must be `async def` "
+                    "with that signature."
                 )
 
     @property
@@ -186,6 +190,13 @@ class Plugin(PutMixin):
 
     def teardown(self, trainer: TrainerView, stage: str) -> None:
         """Called last, however the stage ended."""
+
+    async def prepare_fit(self, trainer: TrainerView, module: Any, train_data: Any) -> Any:
+        """Called by ``fit`` before its stage starts (no event published, nothing bound,
+        moved or configured yet), in plugin order, for plugins that override it; returns
+        the training data ``fit`` trains on: ``train_data`` itself, or a replacement (a
+        loader rebuilt at another batch size). For tuning that runs before training."""
+        return train_data
 
     def state_dict(self) -> dict[str, Any]:
         return {}

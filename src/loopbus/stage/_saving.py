@@ -10,20 +10,22 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio.to_thread
+import torch
+from torch.autograd.profiler import record_function
 
-from loopbus.checkpoint._parts import CheckpointMismatch, collect_state, load_state
+from loopbus.checkpoint._parts import CheckpointMismatch, ModulePart, collect_state, load_state
 from loopbus.checkpoint._registry import CheckpointRegistry
 from loopbus.checkpoint._sharded_save import no_full_state, save_sharded, save_sharded_async
 from loopbus.checkpoint._write import write_checkpoint
+from loopbus.state._ranges import RANGES
 from loopbus.state._runstate import ResumePlan
 from loopbus.state._stateful import Stateful
 
+from .._exceptions import MisconfigurationError
 from .._validate import check_local_path
 from ._assembly import build_registry, check_registration
 
 if TYPE_CHECKING:
-    import torch
-
     from loopbus.distributed._strategy import Strategy
     from loopbus.loop._loop import Loop
     from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
@@ -57,6 +59,9 @@ class CheckpointMethods:
     _registered: dict[str, Stateful]
     _parts: dict[str, Any] | None
     _train_data: Any
+    #: What checkpoints save as the module's weights, if not the module (see
+    #: :meth:`checkpoint_weights_from`); None again when the stage ends.
+    _weights_from: torch.nn.Module | None = None
 
     @property
     def loops(self) -> dict[str, Loop[Any]]:
@@ -69,6 +74,30 @@ class CheckpointMethods:
         checkpoints should hold it starts; a resumed run must register the same names."""
         check_registration(self._registered, name, obj, self.state.stage)
         self._registered[name] = obj
+
+    def checkpoint_weights_from(self, source: torch.nn.Module | None) -> None:
+        """Save the weights of ``source`` as the checkpoint's ``"module"`` entry instead of
+        the module's own, for the rest of the running stage (None: the module's own
+        again). ``source`` is a copy of the module's weights with the same state-dict keys,
+        such as the averaged weights of ``WeightAveraging``: the checkpoint's weights are
+        then what ``test(ckpt_path=...)`` and ``Module.load_from_checkpoint`` load, while
+        the plugin keeps the module's own weights in its state. A checkpoint loaded into
+        the run loads its ``"module"`` entry into ``source``. Every kind of checkpoint
+        follows it (a file, ``state_dict()``, a sharded directory); the trainer forgets it
+        when the stage ends."""
+        if source is not None and not isinstance(source, torch.nn.Module):
+            raise MisconfigurationError(
+                "checkpoint_weights_from(source) takes a torch.nn.Module holding the weights "
+                f"to save as the module's (or None), got {type(source).__name__}."
+            )
+        if self.state.stage is None:
+            raise RuntimeError(
+                "checkpoint_weights_from() applies to the running stage; call it while one "
+                "runs (from a plugin's setup or a handler)."
+            )
+        self._weights_from = source
+        if self._parts is not None and self.module is not None:
+            self._parts["module"] = ModulePart(source if source is not None else self.module)
 
     def stateful_parts(self) -> dict[str, Stateful]:
         """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
@@ -92,10 +121,11 @@ class CheckpointMethods:
             global_step=self.state.step,
             epoch=self.state.epoch,
             strategy=self.strategy,
+            weights=self._weights_from,
         )
 
     def _build_parts(self) -> dict[str, Any]:
-        return build_registry(
+        parts = build_registry(
             state=self.state,
             strategy=self.strategy,
             module=self.module,
@@ -109,6 +139,9 @@ class CheckpointMethods:
             recorder=self.recorder,
             registered=self._registered,
         )
+        if self._weights_from is not None:
+            parts["module"] = ModulePart(self._weights_from)
+        return parts
 
     def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
         """The run's state as a checkpoint dict of plain tensors and Python primitives,
@@ -117,6 +150,9 @@ class CheckpointMethods:
         tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
         if self.strategy.sharded_state:
             raise no_full_state(self.strategy.name)
+        if RANGES.on:  # profiling_ranges(True): the capture as a profiler range
+            with record_function("loopbus.checkpoint"):
+                return collect_state(self.checkpoint_registry(), to_host=to_host)
         return collect_state(self.checkpoint_registry(), to_host=to_host)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:

@@ -40,7 +40,7 @@ from ._assembly import (
     active_plugins,
     build_host,
 )
-from ._lifecycle import resume_from, running_stage, sanity_check, subscribed
+from ._lifecycle import prepared_fit, resume_from, running_stage, sanity_check, subscribed
 from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._preemption import Preemption
@@ -278,6 +278,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         module = _check_module(module, "fit", "training_step")
         if val_data is not None:
             _check_module(module, "fit with val_data", "validation_step")
+        train_data = await prepared_fit(self, module, train_data, _check_data)
         train_data = self.strategy.prepare_train_data(train_data)
         async with self._stage("fit", module, train_data=train_data):
             if ckpt_path is not None:
@@ -428,6 +429,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             module.bind_recorder(None)
             module.bind_trainer(None)
             self._parts = None
+            self._weights_from = None
             self._schedulers.resumed_at(None)
             self._stop.end()
             self.state.end_stage()

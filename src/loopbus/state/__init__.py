@@ -7,6 +7,7 @@ Imports the base layer only (``loopbus._exceptions``, ``loopbus._validate``) and
 
 from __future__ import annotations
 
+from ._ranges import profiling_ranges as profiling_ranges
 from ._runstate import ResumePlan as ResumePlan
 from ._runstate import RunState as RunState
 from ._scope import Scope as Scope
@@ -18,5 +19,6 @@ __all__ = [
     "RunState",
     "Scope",
     "Stateful",
+    "profiling_ranges",
     "seed_everything",
 ]

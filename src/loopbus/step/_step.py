@@ -29,7 +29,9 @@ import anyio
 import anyio.to_thread
 import torch
 from anyio.lowlevel import checkpoint
+from torch.autograd.profiler import record_function
 
+from loopbus.state._ranges import RANGES
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope
 
@@ -119,9 +121,17 @@ class StepBoundary:
     async def __call__(self) -> None:
         recorder = self.recorder
         if recorder.has_pending or recorder.inflight:
-            await self._flush()
+            if RANGES.on:  # profiling_ranges(True): the phase as a profiler range
+                with record_function("loopbus.put_flush"):
+                    await self._flush()
+            else:
+                await self._flush()
         if perf_counter() >= self._next_yield:
-            await checkpoint()
+            if RANGES.on:
+                with record_function("loopbus.boundary"):
+                    await checkpoint()
+            else:
+                await checkpoint()
             self._next_yield = perf_counter() + self.interval
 
 

@@ -147,6 +147,11 @@ class TrainerView(Protocol):
         """Save ``obj`` with the run's checkpoints (under ``user/<name>``)."""
         ...
 
+    def checkpoint_weights_from(self, source: torch.nn.Module | None) -> None:
+        """Save ``source``'s weights as the checkpoint's module weights for the rest of
+        the running stage (None: the module's own)."""
+        ...
+
     def stateful_parts(self) -> Mapping[str, Stateful]:
         """The checkpoint registry: every stateful part of the run, by key."""
         ...

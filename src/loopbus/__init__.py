@@ -91,6 +91,7 @@ if TYPE_CHECKING:
     from .stage import Plugin as Plugin
     from .stage import Trainer as Trainer
     from .stage import run as run
+    from .stage import run_or_return as run_or_return
     from .stage import set_default_plugins as set_default_plugins
     from .state import Scope as Scope
     from .state import Stateful as Stateful
@@ -148,6 +149,7 @@ _ENGINE_NAMES = {
     "remove_checkpoint": "checkpoint",
     "remove_stale_temporaries": "checkpoint",
     "run": "stage",
+    "run_or_return": "stage",
     "seed_everything": "state",
     "set_default_plugins": "stage",
     "write_checkpoint": "checkpoint",
@@ -222,6 +224,7 @@ __all__ = [
     "remove_checkpoint",
     "remove_stale_temporaries",
     "run",
+    "run_or_return",
     "seed_everything",
     "set_default_plugins",
     "stream",

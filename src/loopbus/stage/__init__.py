@@ -12,6 +12,7 @@ from ._options import TrainerOptions as TrainerOptions
 from ._plugin import Delivery as Delivery
 from ._plugin import Plugin as Plugin
 from ._run import run as run
+from ._run import run_or_return as run_or_return
 from ._trainer import Trainer as Trainer
 from ._trainer import set_default_plugins as set_default_plugins
 
@@ -21,5 +22,6 @@ __all__ = [
     "Trainer",
     "TrainerOptions",
     "run",
+    "run_or_return",
     "set_default_plugins",
 ]

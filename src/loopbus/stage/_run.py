@@ -12,7 +12,7 @@ from typing import Any, ParamSpec, TypeVar
 import anyio
 import sniffio
 
-__all__ = ["lightning_arguments", "run", "running_library", "stage_method"]
+__all__ = ["lightning_arguments", "run", "run_or_return", "running_library", "stage_method"]
 
 T = TypeVar("T")
 P = ParamSpec("P")
@@ -84,11 +84,22 @@ def stage_method(method: Callable[P, Coroutine[Any, Any, T]]) -> Callable[P, Any
 
     @functools.wraps(method)
     def call(*args: Any, **kwargs: Any) -> Any:
-        if running_library() is not None:
-            return method(*args, **kwargs)
-        return anyio.run(functools.partial(method, *args, **kwargs))
+        return run_or_return(functools.partial(method, *args, **kwargs))
 
     return call
+
+
+def run_or_return(start: Callable[[], Coroutine[Any, Any, T]]) -> Any:
+    """``start()``'s coroutine, to await, while an event loop runs in this thread (async
+    code, a notebook, ``loopbus.run``); with none running (synchronous code), its result,
+    run to completion in a new asyncio event loop. What the stage methods do, for tools
+    that run stages (``find_lr``, ``find_batch_size``)::
+
+        return loopbus.run_or_return(functools.partial(search, trainer, module, data))
+    """
+    if running_library() is not None:
+        return start()
+    return anyio.run(start)
 
 
 #: Lightning's argument names, and what to write instead.

@@ -12,7 +12,6 @@ were before it, so training starts from the same state as without the search.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import gc
 import math
@@ -22,8 +21,6 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
-import sniffio
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
@@ -64,18 +61,6 @@ def is_out_of_memory(error: BaseException) -> bool:
     if isinstance(error, torch.OutOfMemoryError):
         return True
     return isinstance(error, RuntimeError) and _HOST_OOM.search(str(error)) is not None
-
-
-def _running_library() -> str | None:
-    try:
-        return sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        pass
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-    return "asyncio"
 
 
 # ------------------------------------------------------------------ loaders
@@ -462,7 +447,4 @@ def find_batch_size(
         margin=margin,
         loader=loader,
     )
-    search = functools.partial(finder.search, trainer, module, train_data)
-    if _running_library() is not None:
-        return search()
-    return anyio.run(search)
+    return loopbus.run_or_return(functools.partial(finder.search, trainer, module, train_data))

@@ -21,8 +21,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import anyio
-import sniffio
 import torch
 import torch.distributed as dist
 
@@ -389,10 +387,9 @@ def find_lr(
             raise MisconfigurationError(
                 f"find_lr(plugins=...) takes loopbus.Plugin instances, got {plugin!r}."
             )
-    call = functools.partial(_find_lr, trainer, module, train_data, finder, attr, extra)
-    if _running_library() is None:
-        return anyio.run(call)
-    return call()
+    return loopbus.run_or_return(
+        functools.partial(_find_lr, trainer, module, train_data, finder, attr, extra)
+    )
 
 
 async def _find_lr(
@@ -593,19 +590,3 @@ def _set_rng_state(state: dict[str, Any]) -> None:
         import numpy
 
         numpy.random.set_state(state["numpy"])
-
-
-def _running_library() -> str | None:
-    """The async library whose event loop runs in this thread, or None (as the
-    trainer's stage methods decide whether to run or to return the awaitable)."""
-    try:
-        return sniffio.current_async_library()
-    except sniffio.AsyncLibraryNotFoundError:
-        pass
-    import asyncio
-
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        return None
-    return "asyncio"

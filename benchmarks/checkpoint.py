@@ -19,8 +19,12 @@ synchronous one (the step waits for the write and its fsyncs).
 Then the same background save to object storage: ``Checkpoint("s3://...")`` against moto's
 S3 server, started in this process on a free port of 127.0.0.1 (``pip install
 'loopbus[test]'``; skipped without moto), file checkpoints, uploaded by the worker
-(object, marker, ``last.json``). Its figure is its median blocked time over the local
-background save's (the target: within 1.2x).
+(object, marker, ``last.json``); then sharded checkpoints (``sharded=True``, one
+process: the state staged to host memory on the step, DCP's writer in a worker thread),
+to a local folder and to the S3 server (the shards through DCP's fsspec writer, then
+``loopbus_state.pt``, the marker, ``last.json``). Each remote figure is its median
+blocked time over the local background save's of the same kind (the target: within
+1.2x).
 
     ./dev bench checkpoint
     ./dev bench checkpoint --saves 30 --width 2048
@@ -95,7 +99,8 @@ class Stopwatch(Plugin):
         if self.previous is None:
             return True
         if isinstance(self.directory, RemotePath):
-            files = [n for n in Store(self.directory).listing() if n.endswith(".ckpt")]
+            objects, prefixes = Store(self.directory).contents()
+            files = [n for n in (*objects, *prefixes) if n.endswith(".ckpt")]
         else:
             files = [p.name for p in self.directory.glob("*.ckpt")]
         # Polled while a save is written: the warning about a half-written one is expected.
@@ -131,10 +136,15 @@ class Stopwatch(Plugin):
 
 
 def measure(
-    background: bool, width: int, saves: int, every: int, remote: RemotePath | None = None
+    background: bool,
+    width: int,
+    saves: int,
+    every: int,
+    remote: RemotePath | None = None,
+    sharded: bool = False,
 ) -> tuple[list[float], list[float]]:
     """The step's blocked time and the hand-written host copy's, per save: into a
-    temporary folder, or to the URL ``remote``."""
+    temporary folder, or to the URL ``remote``; checkpoint files, or sharded ones."""
     torch.manual_seed(0)
     x = torch.randn(32 * every * saves, 32)
     y = torch.randint(0, 10, (len(x),))
@@ -149,6 +159,7 @@ def measure(
             background=background,
             save_on_end=False,
             exist_ok=True,
+            sharded=sharded,
         )
         trainer = Trainer(max_epochs=1, plugins=[checkpoint, watch], device="cpu")
         loopbus.run(trainer.fit, Wide(width), data)
@@ -214,13 +225,23 @@ def main() -> None:
     server, url = found
     try:
         blocked, host = measure(True, args.width, args.saves, args.every, remote=url)
+        report("remote (s3)", blocked, host)
+        sharded_local, host = measure(True, args.width, args.saves, args.every, sharded=True)
+        report("sharded", sharded_local, host)
+        sharded_remote, host = measure(
+            True, args.width, args.saves, args.every, remote=url / "sharded", sharded=True
+        )
+        report("sharded (s3)", sharded_remote, host)
     finally:
         server.stop()
-    report("remote (s3)", blocked, host)
-    print(
-        f"remote / local background save, step blocked: "
-        f"{statistics.median(blocked) / statistics.median(local):5.2f} (target: within 1.2)"
-    )
+    for kind, remote, here in (
+        ("file", blocked, local),
+        ("sharded", sharded_remote, sharded_local),
+    ):
+        print(
+            f"remote / local background save ({kind}), step blocked: "
+            f"{statistics.median(remote) / statistics.median(here):5.2f} (target: within 1.2)"
+        )
 
 
 if __name__ == "__main__":

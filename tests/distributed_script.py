@@ -234,6 +234,8 @@ def main() -> None:
     parser.add_argument("--kill-in-save", type=int, default=-1, help="SIGKILL in that save")
     parser.add_argument("--record", action="store_true", help="record the trained samples")
     parser.add_argument("--keep-last", type=int, default=1)
+    parser.add_argument("--ckpt-url", default="", help="sharded checkpoints to this URL")
+    parser.add_argument("--storage-options", default="{}", help="their fsspec options (JSON)")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -265,7 +267,8 @@ def main() -> None:
         # One directory that every rank writes its shards into.
         plugins.append(
             Checkpoint(
-                out / "ckpt_sharded",
+                args.ckpt_url or out / "ckpt_sharded",
+                storage_options=json.loads(args.storage_options) if args.ckpt_url else None,
                 every_n_steps=args.ckpt,
                 keep_last=args.keep_last,
                 sharded=True,

@@ -175,15 +175,36 @@ def _trained(out: Path, ranks: int) -> list[dict[str, Any]]:
 def test_resume_at_another_world_size(
     tmp_path: Path, before: int, after: int, every: int, kill_at: int, strategy: str
 ) -> None:
+    resume_at_another_world_size(
+        tmp_path, tmp_path / "ckpt_sharded", before, after, every, kill_at, strategy
+    )
+
+
+def resume_at_another_world_size(
+    tmp_path: Path,
+    directory: Any,
+    before: int,
+    after: int,
+    every: int,
+    kill_at: int,
+    strategy: str,
+    *options: str,
+) -> None:
+    """Kill a job of ``before`` ranks that saves sharded checkpoints into ``directory``
+    (a folder, or a URL with ``options`` naming it) every ``every`` steps at step
+    ``kill_at``; resume it on ``after`` ranks: every sample of the interrupted epoch is
+    trained once, and the run finishes."""
     common = ("--epochs", "2", "--sharded", "--sync-save", "--record", "--ckpt", str(every))
-    common += ("--strategy", strategy)
+    common += ("--strategy", strategy, *options)
     proc = _launch(tmp_path, *common, "--kill-at", str(kill_at), nproc=before, timeout=180)
     assert proc.returncode != 0
-    last = loopbus.latest_checkpoint(tmp_path / "ckpt_sharded")
-    saved_step = _step_of(last)
+    last = loopbus.latest_checkpoint(directory)
+    info = loopbus.checkpoint_info(last) if last is not None else None
+    assert info is not None
+    saved_step = info["global_step"]
     assert saved_step == kill_at // every * every
     saved = loopbus.load_checkpoint(last)  # consolidated here, in one process
-    assert json.loads((last / SHARDED_MARKER).read_text())["strategy"] == strategy
+    assert (info["layout"], info["strategy"], info["world_size"]) == ("sharded", strategy, before)
     consumed = before * BATCH * saved_step
     assert saved["data/sampler"]["consumed"] == consumed
     # What the checkpoint holds of the interrupted epoch: the batches before it.

@@ -71,6 +71,7 @@ if TYPE_CHECKING:
     from .checkpoint import latest_checkpoint as latest_checkpoint
     from .checkpoint import load_checkpoint as load_checkpoint
     from .checkpoint import remove_checkpoint as remove_checkpoint
+    from .checkpoint import remove_incomplete_checkpoints as remove_incomplete_checkpoints
     from .checkpoint import remove_stale_temporaries as remove_stale_temporaries
     from .checkpoint import write_checkpoint as write_checkpoint
     from .data import ElasticDistributedSampler as ElasticDistributedSampler
@@ -147,6 +148,7 @@ _ENGINE_NAMES = {
     "register_destination": "records",
     "register_precision": "step",
     "remove_checkpoint": "checkpoint",
+    "remove_incomplete_checkpoints": "checkpoint",
     "remove_stale_temporaries": "checkpoint",
     "run": "stage",
     "run_or_return": "stage",
@@ -222,6 +224,7 @@ __all__ = [
     "register_destination",
     "register_precision",
     "remove_checkpoint",
+    "remove_incomplete_checkpoints",
     "remove_stale_temporaries",
     "run",
     "run_or_return",

@@ -139,7 +139,9 @@ def _add_consolidate(commands: argparse._SubParsersAction[argparse.ArgumentParse
             "loadable with torch.load(OUT, weights_only=True). CHECKPOINT is that "
             "directory, or the Checkpoint plugin's folder: then its newest complete "
             "sharded checkpoint is taken (the one its last.json names, if it is one), and "
-            "named on stderr. OUT must not exist."
+            "named on stderr. OUT must not exist. Either may be a URL (s3://bucket/run, "
+            "gs://..., any fsspec URL), reached with the credentials and endpoint of the "
+            "standard places (AWS_* variables, ~/.aws, ...)."
         ),
     )
     consolidate.add_argument(
@@ -152,14 +154,21 @@ def _add_consolidate(commands: argparse._SubParsersAction[argparse.ArgumentParse
 
 def _consolidate(args: argparse.Namespace) -> int:
     # Imports torch and the engine: only this command needs them.
-    from ._exceptions import CheckpointError
+    from ._exceptions import CheckpointError, MisconfigurationError
     from .checkpoint import consolidate_checkpoint
+    from .storage import is_url
 
     try:
-        source = _sharded_source(Path(args.checkpoint))
+        if is_url(args.checkpoint):
+            source: Any = _remote_sharded_source(args.checkpoint)
+        else:
+            source = _sharded_source(Path(args.checkpoint))
         written = consolidate_checkpoint(source, args.out)
-    except CheckpointError as exc:
+    except (CheckpointError, MisconfigurationError) as exc:
         print(f"loopbus consolidate: {exc}", file=sys.stderr)
+        return 1
+    except OSError as exc:  # a store that cannot be reached, credentials refused
+        print(f"loopbus consolidate: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 1
     print(f"wrote {written}")
     return 0
@@ -196,6 +205,32 @@ def _sharded_source(path: Path) -> Path:
     return chosen
 
 
+def _remote_sharded_source(url: str) -> Any:
+    """:func:`_sharded_source` for a URL: the sharded checkpoint itself, or the one its
+    folder's ``last.json`` names (else its newest complete one)."""
+    from ._exceptions import CheckpointError
+    from .checkpoint import is_sharded_checkpoint, latest_checkpoint
+    from .storage import remote_path, require_backend
+
+    require_backend(url, owner="loopbus consolidate")
+    target = remote_path(url)
+    if is_sharded_checkpoint(target):
+        return target
+    last = latest_checkpoint(target)
+    if last is None or not is_sharded_checkpoint(last):
+        raise CheckpointError(
+            f"{url} is neither a sharded checkpoint nor a folder whose last complete "
+            f"checkpoint is one (it is {'empty' if last is None else last.name}, a file "
+            "checkpoint: load it directly, there is nothing to consolidate)."
+        )
+    print(
+        f"loopbus consolidate: {url} is a folder of checkpoints; consolidating its last "
+        f"complete checkpoint, {last.name}{_step_of(last)}.",
+        file=sys.stderr,
+    )
+    return last
+
+
 def _sharded_in(folder: Path) -> list[Path]:
     """The sharded checkpoints' directories in ``folder``, complete or not."""
     from .checkpoint import is_sharded_checkpoint
@@ -224,7 +259,7 @@ def _newest_sharded(folder: Path) -> Path | None:
     return newest(complete)
 
 
-def _step_of(checkpoint: Path) -> str:
+def _step_of(checkpoint: os.PathLike[str]) -> str:
     from ._exceptions import CheckpointError
     from .checkpoint import checkpoint_info
 

@@ -1,8 +1,8 @@
-"""A URL is never taken for a path by accident: every option and function that takes a
-local path only (the loggers' folders, ``save_checkpoint``, ``consolidate_checkpoint``)
-refuses ``s3://``, ``gs://``, ``http://``, ``file://`` and the like with an error that
-says what is supported, before anything is written (no local folder named ``s3:``).
-File checkpoints on object storage are tested in ``tests/remote``."""
+"""A URL is never taken for a path by accident: every option that takes a local path only
+(the loggers' folders) refuses ``s3://``, ``gs://``, ``http://``, ``file://`` and the
+like with an error that says what is supported, before anything is written (no local
+folder named ``s3:``). Checkpoints on object storage (``Checkpoint``, ``ckpt_path``,
+``save_checkpoint``, ``consolidate_checkpoint``) are tested in ``tests/remote``."""
 
 from __future__ import annotations
 
@@ -43,18 +43,6 @@ CALLS: dict[str, tuple[Call, str]] = {
     "JSONLLogger": (lambda url: JSONLLogger(url), r"JSONLLogger\(save_dir="),
     "TensorBoardLogger": (_tensorboard, r"TensorBoardLogger\(save_dir="),
     "WandbLogger": (_wandb, r"WandbLogger\(dir="),
-    "consolidate_checkpoint in": (
-        lambda url: loopbus.consolidate_checkpoint(url, "out.ckpt"),
-        r"consolidate_checkpoint\(path=",
-    ),
-    "consolidate_checkpoint out": (
-        lambda url: loopbus.consolidate_checkpoint("in", url),
-        r"consolidate_checkpoint\(out=",
-    ),
-    "save_checkpoint": (
-        lambda url: Trainer(plugins=[], device="cpu").save_checkpoint(url),
-        r"save_checkpoint\(path=",
-    ),
 }
 
 

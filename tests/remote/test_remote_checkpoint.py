@@ -324,13 +324,6 @@ async def test_a_missing_package_is_named_with_its_extra(
         Checkpoint(url)
 
 
-async def test_remote_sharded_checkpoints_are_refused(s3: S3) -> None:
-    checkpoint = _remote(s3, sharded=True)
-    with pytest.raises(MisconfigurationError, match="remote sharded checkpoints are not supported yet"):
-        await _fit(1, [checkpoint])
-    assert s3.keys() == []
-
-
 # ---------------------------------------------------------------- credentials
 
 

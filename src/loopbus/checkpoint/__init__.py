@@ -18,6 +18,7 @@ registry's parts, composing and loading a checkpoint dict), ``_sharded_save`` an
 from __future__ import annotations
 
 from ._clean import remove_checkpoint as remove_checkpoint
+from ._clean import remove_incomplete_checkpoints as remove_incomplete_checkpoints
 from ._clean import remove_stale_temporaries as remove_stale_temporaries
 from ._format import checkpoint_info as checkpoint_info
 from ._format import is_sharded_checkpoint as is_sharded_checkpoint
@@ -41,6 +42,7 @@ __all__ = [
     "latest_checkpoint",
     "load_checkpoint",
     "remove_checkpoint",
+    "remove_incomplete_checkpoints",
     "remove_stale_temporaries",
     "write_checkpoint",
 ]

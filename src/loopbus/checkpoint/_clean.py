@@ -12,13 +12,28 @@ from __future__ import annotations
 
 import contextlib
 import os
+import posixpath
 import shutil
 from pathlib import Path
+from typing import Any
 
-from ..storage import Store, is_url, remote_path
-from ._format import _TMP_TAG, MARKER_SUFFIX, PathLike, _host_tag, _temp_writer, marker_path
+from ..storage import RemotePath, Store, is_url, remote_path
+from ._format import (
+    _TMP_TAG,
+    MARKER_SUFFIX,
+    SHARDED_MARKER,
+    PathLike,
+    _host_tag,
+    _temp_writer,
+    marker_path,
+)
 
-__all__ = ["remove_checkpoint", "remove_stale_temporaries"]
+__all__ = [
+    "remove_checkpoint",
+    "remove_incomplete_checkpoints",
+    "remove_remote_tree",
+    "remove_stale_temporaries",
+]
 
 
 def remove_checkpoint(path: PathLike, *, retries: int = 0) -> None:
@@ -36,7 +51,10 @@ def remove_checkpoint(path: PathLike, *, retries: int = 0) -> None:
         remote = remote_path(path)
         store = Store(remote.parent, retries=retries)
         store.remove(remote.name + MARKER_SUFFIX)
-        store.remove(remote.name)
+        if store.size(remote.name) is not None:
+            store.remove(remote.name)
+        else:  # a sharded checkpoint: a prefix, its marker inside
+            remove_remote_tree(store, remote.name)
         return
     target = Path(os.fspath(path))
     if target.is_symlink() and target.is_dir():
@@ -47,6 +65,13 @@ def remove_checkpoint(path: PathLike, *, retries: int = 0) -> None:
         shutil.rmtree(target, ignore_errors=True)
     else:
         target.unlink(missing_ok=True)
+
+
+def remove_remote_tree(store: Store, name: str) -> None:
+    """Delete the sharded checkpoint ``name`` of the remote directory ``store``: its
+    completeness marker first, then every object under its prefix."""
+    store.below(name).remove(SHARDED_MARKER)
+    store.remove_tree(name)
 
 
 def remove_stale_temporaries(directory: PathLike) -> list[Path]:
@@ -84,6 +109,47 @@ def remove_stale_temporaries(directory: PathLike) -> list[Path]:
             else:
                 entry.unlink()
             removed.append(entry)
+    return removed
+
+
+def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> list[Any]:
+    """Delete what writers that died left in ``directory``, and return it. Call it only
+    when no writer is at work there (the ``Checkpoint`` plugin does when a run resumes
+    from its folder, which then only it writes to).
+
+    In a local directory that is :func:`remove_stale_temporaries`'s temporaries (a local
+    checkpoint is renamed into place complete). In an object store, which has no rename,
+    it is every checkpoint that is not complete: an object without its completeness
+    marker or of another size than the marker records, a marker without its object, a
+    sharded checkpoint's prefix whose marker is missing or does not match its objects.
+    Complete checkpoints, ``last.json`` and objects that are no checkpoints (names
+    without a checkpoint suffix) are left alone; deletions are tried again ``retries``
+    times."""
+    if not is_url(directory):
+        return remove_stale_temporaries(directory)
+    from ._locate import _CHECKPOINT_SUFFIXES, _remote_incomplete
+
+    where = remote_path(directory)
+    store = Store(where, retries=retries)
+    objects, found = store.contents()
+    prefixes = frozenset(p for p in found if posixpath.splitext(p)[1] in _CHECKPOINT_SUFFIXES)
+    removed: list[RemotePath] = []
+    for name in sorted(set(objects) | prefixes):
+        if name.endswith(MARKER_SUFFIX) and name not in prefixes:
+            if name[: -len(MARKER_SUFFIX)] not in objects:  # a marker left alone
+                store.remove(name)
+                removed.append(where / name)
+            continue
+        if name not in prefixes and posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES:
+            continue
+        if _remote_incomplete(store, objects, name, prefixes) is None:
+            continue
+        if name in prefixes:
+            remove_remote_tree(store, name)
+        else:
+            store.remove(name + MARKER_SUFFIX)
+            store.remove(name)
+        removed.append(where / name)
     return removed
 
 

@@ -16,6 +16,7 @@ without recursion, but what reads the state next recurses.
 from __future__ import annotations
 
 import io
+import os
 import pickle
 import pickletools
 import stat
@@ -359,7 +360,7 @@ def _load_failed(file: Path, container: str, exc: Exception) -> NoReturn:
     raise _torn(file, f"torch cannot read it ({type(exc).__name__}: {_short(exc)})") from exc
 
 
-def check_loaded(state: Any, file: Path) -> None:
+def check_loaded(state: Any, file: os.PathLike[str]) -> None:
     """Raise :class:`CheckpointError` if what ``torch.load`` built from ``file`` nests
     deeper than a checkpoint may (or holds a container that contains itself): torch's
     unpickler builds any depth without recursion, but what reads the state next

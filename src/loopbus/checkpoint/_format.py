@@ -91,6 +91,9 @@ def marker_path(path: PathLike) -> Path:
 def is_sharded_checkpoint(path: PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint's directory: it holds a completeness
     marker, the torch.distributed.checkpoint metadata or loopbus's state file."""
+    if is_url(path):  # a prefix holding one of those objects
+        names = Store(remote_path(path)).listing()
+        return any(name in names for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE))
     p = Path(os.fspath(path))
     return p.is_dir() and any(
         (p / name).is_file() for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE)
@@ -231,7 +234,11 @@ def checkpoint_info(
     ``storage_options`` (None: the backend's standard credentials)."""
     if is_url(path):
         target = remote_path(path, storage_options)
-        info = read_remote_marker(Store(target.parent), target.name + MARKER_SUFFIX, target)
+        store = Store(target.parent)
+        if store.size(target.name) is None:  # a sharded checkpoint: its marker inside
+            info = read_remote_marker(store.below(target.name), SHARDED_MARKER, target)
+        else:
+            info = read_remote_marker(store, target.name + MARKER_SUFFIX, target)
     else:
         check_local_path("path", path, owner="checkpoint_info")
         info = _read_marker(marker_path(path))

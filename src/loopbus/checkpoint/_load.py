@@ -92,6 +92,8 @@ def _load_remote(target: RemotePath, map_location: Any, verify: bool) -> dict[st
     """:func:`load_checkpoint` of a URL: its object and marker downloaded side by side
     into a temporary directory, loaded from there; messages name the URL."""
     found = resolve_remote(target)
+    if is_sharded_checkpoint(found):  # its shards read from the store, consolidated here
+        return consolidate(found)
     store = Store(found.parent)
     with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
         local = Path(staging) / found.name

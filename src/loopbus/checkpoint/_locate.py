@@ -452,9 +452,14 @@ def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
 # ---------------------------------------------------------------- remote
 
 
-def _remote_incomplete(store: Store, objects: dict[str, int], name: str) -> str | None:
+def _remote_incomplete(
+    store: Store, objects: dict[str, int], name: str, prefixes: frozenset[str] = frozenset()
+) -> str | None:
     """What keeps the remote checkpoint ``name`` from being complete, or None: its object
-    or its marker is missing, or the object has another size than the marker records."""
+    or its marker is missing, or the object has another size than the marker records. A
+    sharded checkpoint (the prefix ``name``): see :func:`_remote_sharded_incomplete`."""
+    if name in prefixes and name not in objects:
+        return _remote_sharded_incomplete(store.below(name))
     marker = name + MARKER_SUFFIX
     if name not in objects:
         return "it does not exist"
@@ -476,6 +481,37 @@ def _remote_incomplete(store: Store, objects: dict[str, int], name: str) -> str 
     return None
 
 
+def _remote_sharded_incomplete(inside: Store) -> str | None:
+    """What keeps the sharded checkpoint whose prefix is ``inside`` from being complete,
+    or None: its marker (written last, once every rank's shards are) is missing or
+    damaged, or an object it lists is missing or has another size."""
+    objects = inside.listing()
+    if SHARDED_MARKER not in objects:
+        return (
+            f"it has no completeness marker {SHARDED_MARKER} (its writers did not finish, "
+            "or the marker was deleted)"
+        )
+    try:
+        files = read_remote_json(inside, SHARDED_MARKER, Marker).files
+    except FileNotFoundError:
+        return f"it has no completeness marker {SHARDED_MARKER} (it was deleted meanwhile)"
+    except ValueError as exc:
+        return f"its completeness marker {SHARDED_MARKER} is damaged: {exc}"
+    except Exception as exc:
+        return f"its completeness marker cannot be read ({type(exc).__name__}: {exc})"
+    if not files:
+        return f"its completeness marker {SHARDED_MARKER} lists no files"
+    for file, size in files.items():
+        if file not in objects:
+            return f"it is missing its object {file}, which its marker lists"
+        if objects[file] != size:
+            return (
+                f"its object {file} has {objects[file]} bytes where its marker records {size} "
+                "(it is truncated or was modified)"
+            )
+    return None
+
+
 def _remote_pointer(store: Store) -> str:
     """The name the remote ``last.json`` holds; raises ``OSError`` or ``ValueError``."""
     name = read_remote_json(store, LAST_POINTER, Pointer).checkpoint
@@ -486,9 +522,19 @@ def _remote_pointer(store: Store) -> str:
 
 def _latest_remote(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemotePath, str]]]:
     """:func:`_latest` for a remote directory: the checkpoint ``last.json`` names, or the
-    newest complete one; a checkpoint without its marker is never taken."""
+    newest complete one; a checkpoint without its marker is never taken. Its listing is
+    read twice when the first finds no complete checkpoint: a save that replaced
+    ``last.json`` and evicted the checkpoint it named meanwhile is then seen whole."""
+    found, skipped = _latest_remote_once(d)
+    if found is None and skipped:
+        found, skipped = _latest_remote_once(d)
+    return found, skipped
+
+
+def _latest_remote_once(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemotePath, str]]]:
     store = Store(d)
-    objects = store.listing()
+    objects, found_prefixes = store.contents()
+    prefixes = frozenset(p for p in found_prefixes if posixpath.splitext(p)[1] in _CHECKPOINT_SUFFIXES)
     skipped: list[tuple[RemotePath, str]] = []
     if LAST_POINTER in objects:
         try:
@@ -496,21 +542,21 @@ def _latest_remote(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemoteP
         except (OSError, ValueError) as exc:
             skipped.append((d / LAST_POINTER, f"this pointer is ignored: {_why(exc)}"))
         else:
-            why = _remote_incomplete(store, objects, name)
+            why = _remote_incomplete(store, objects, name, prefixes)
             if why is None:
                 return d / name, []
             skipped.append((d / name, f"{LAST_POINTER} names it, but {why}"))
     complete: list[RemotePath] = []
-    for name in sorted(objects):
+    for name in sorted(set(objects) | prefixes):
         if name.startswith(".") or name == LAST_POINTER:
             continue
-        if name.endswith(MARKER_SUFFIX):
+        if name.endswith(MARKER_SUFFIX) and name not in prefixes:
             if name[: -len(MARKER_SUFFIX)] not in objects:
                 skipped.append((d / name[: -len(MARKER_SUFFIX)], f"only its completeness marker {name} is left"))
             continue
-        if posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES and name + MARKER_SUFFIX not in objects:
+        if name not in prefixes and posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES and name + MARKER_SUFFIX not in objects:
             continue
-        why = _remote_incomplete(store, objects, name)
+        why = _remote_incomplete(store, objects, name, prefixes)
         if why is None:
             complete.append(d / name)
         elif all(p.name != name for p, _ in skipped):
@@ -523,6 +569,14 @@ def resolve_remote(target: RemotePath) -> RemotePath:
     a directory (a prefix) means its last complete checkpoint."""
     store = Store(target.parent)
     if target.name != LAST_POINTER and store.size(target.name) is not None:
+        return target
+    if target.name != LAST_POINTER and is_sharded_checkpoint(target):
+        why = _remote_sharded_incomplete(store.below(target.name))
+        if why is not None:
+            raise CheckpointError(
+                f"the sharded checkpoint {target} is not complete: {why}. Load another "
+                "checkpoint, for example the previous one in its directory."
+            )
         return target
     directory = target.parent if target.name == LAST_POINTER else target
     found, skipped = _latest_remote(directory)

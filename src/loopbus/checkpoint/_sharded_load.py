@@ -19,6 +19,7 @@ import contextlib
 import io
 import os
 import pickle
+import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,6 +50,7 @@ from loopbus.step._params import own_class
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
 from .._validate import check_local_path
+from ..storage import RemotePath, Store, is_url, remote_path
 from ._diagnose import _refusal, check_loaded
 from ._format import (
     SHARDED_MARKER,
@@ -57,7 +59,9 @@ from ._format import (
     check_header,
     describe_os_error,
     read_json,
+    read_remote_json,
 )
+from ._locate import _remote_sharded_incomplete
 from ._parts import CheckpointMismatch, _check, load_state, qualname
 from ._sharded_save import LAYOUT, _distributed, _tensor_state, is_tensor_part
 from ._write import write_checkpoint
@@ -156,8 +160,11 @@ class _IndexUnpickler(pickle.Unpickler):
         return found
 
 
-class _SafeReader(FileSystemReader):
-    """DCP's file reader, reading the shard index with :class:`_IndexUnpickler`."""
+class _SafeIndex:
+    """Reads DCP's shard index with :class:`_IndexUnpickler` (for DCP's readers)."""
+
+    fs: Any
+    path: Any
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         locate = getattr(self, "_get_metadata_path", None)
@@ -193,7 +200,29 @@ class _SafeReader(FileSystemReader):
         return metadata
 
 
-def _shard_error(path: Path, exc: BaseException) -> CheckpointError:
+class _SafeReader(_SafeIndex, FileSystemReader):
+    """DCP's file reader, reading the shard index with :class:`_IndexUnpickler`."""
+
+
+def _reader(path: Path | RemotePath) -> Any:
+    """A safe DCP reader of the sharded checkpoint at ``path``: a local directory, or a
+    URL's prefix read through DCP's fsspec reader with the URL's storage options."""
+    if isinstance(path, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        class _SafeFsspecReader(_SafeIndex, FsspecReader):
+            pass
+
+        return _SafeFsspecReader(path.url, **path.storage_options)
+    return _SafeReader(path)
+
+
+def _location(path: str | os.PathLike[str]) -> Path | RemotePath:
+    """``path`` as a local path, or a URL as a :class:`RemotePath` (keeping its options)."""
+    return remote_path(path) if is_url(path) else Path(os.fspath(path))
+
+
+def _shard_error(path: Path | RemotePath, exc: BaseException) -> CheckpointError:
     """A DCP failure as a :class:`CheckpointError`: one of ours that DCP wrapped (it
     gathers every rank's exception) as it is, anything else naming the checkpoint."""
     for wrapped in getattr(exc, "failures", {}).values():
@@ -246,7 +275,10 @@ def _marker(path: Path) -> dict[str, Any]:
 def verify_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Check a sharded checkpoint against its completeness marker: every file it lists is
     there with the size it had when written. Returns the marker; raises
-    :class:`CheckpointError` naming the file that is missing or has another size."""
+    :class:`CheckpointError` naming the file that is missing or has another size. A URL
+    is checked against its objects' sizes in the store."""
+    if is_url(path):
+        return _verify_remote(remote_path(path))
     p = Path(os.fspath(path))
     info = _marker(p)
     files = info.get("files")
@@ -271,10 +303,38 @@ def verify_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
     return info
 
 
-def _read_state(path: Path) -> dict[str, Any]:
+def _verify_remote(target: RemotePath) -> dict[str, Any]:
+    """:func:`verify_sharded` of a sharded checkpoint in an object store."""
+    inside = Store(target)
+    try:
+        why = _remote_sharded_incomplete(inside)
+        info = read_remote_json(inside, SHARDED_MARKER, Marker) if why is None else None
+    except Exception as exc:
+        raise CheckpointError(
+            f"cannot read the sharded checkpoint {target}: {type(exc).__name__}: {exc}"
+        ) from exc
+    if why is not None or info is None:
+        if why is not None and "no completeness marker" in why and not inside.listing():
+            why = "there is nothing under that URL"
+        raise CheckpointError(
+            f"the sharded checkpoint {target} cannot be loaded: {why}. Load another "
+            "checkpoint, for example the previous one in its directory."
+        )
+    if info.layout != LAYOUT:
+        raise CheckpointError(f"the completeness marker {target / SHARDED_MARKER} is not a sharded checkpoint's.")
+    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
+
+
+def _read_state(path: Path | RemotePath) -> dict[str, Any]:
     file = path / SHARDED_STATE
     try:
-        state = torch.load(file, map_location="cpu", weights_only=True)
+        if isinstance(path, RemotePath):  # downloaded, then read as a local file
+            with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
+                local = Path(staging) / SHARDED_STATE
+                Store(path).download(SHARDED_STATE, local)
+                state = torch.load(local, map_location="cpu", weights_only=True)
+        else:
+            state = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(
             f"cannot read {file}, the plain part of the sharded checkpoint {path}: "
@@ -291,7 +351,7 @@ def _read_state(path: Path) -> dict[str, Any]:
 
 
 def _module_problems(
-    path: Path, module: torch.nn.Module, metadata: Any
+    path: Path | RemotePath, module: torch.nn.Module, metadata: Any
 ) -> tuple[list[str], list[str], list[str]]:
     """The module's entries missing from the checkpoint, those unexpected in it, and
     those whose (global) shapes differ."""
@@ -387,8 +447,9 @@ def load_sharded(
     """Load the sharded checkpoint at ``path`` into a registry's parts, on every rank
     (collective under a process group): DCP reads each rank's part of every tensor,
     resharding as needed; the plain parts load as from a file checkpoint. Every part is
-    checked before any loads."""
-    p = Path(os.fspath(path))
+    checked before any loads. ``path`` may be a URL: every rank reads its part from the
+    store."""
+    p = _location(path)
     verify_sharded(p)
     state = _read_state(p)
     sharded = state["loopbus"]["sharded"]
@@ -396,7 +457,7 @@ def load_sharded(
     keys = sorted((k for k in parts if k.startswith("optimizers/")), key=lambda k: int(k[11:]))
     optimizers = [parts[k].obj for k in keys]
     try:
-        metadata = _SafeReader(p).read_metadata()
+        metadata = _reader(p).read_metadata()
     except CheckpointError:
         raise
     except Exception as exc:
@@ -429,7 +490,7 @@ def load_sharded(
 
 
 def _load_tensors(
-    path: Path,
+    path: Path | RemotePath,
     module: torch.nn.Module,
     optimizers: list[torch.optim.Optimizer],
     grad_names: list[str],
@@ -448,7 +509,7 @@ def _load_tensors(
     try:
         _load_state_dict(
             targets,
-            storage_reader=_SafeReader(path),
+            storage_reader=_reader(path),
             planner=_LoadPlanner(allow_partial_load=partial),
             no_dist=not _distributed(),
         )
@@ -497,12 +558,13 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The sharded checkpoint at ``path`` as one full checkpoint dict, read in this
     process (no process group; every shard is read, so the whole state must fit in this
     host's memory). The same dict a file checkpoint holds: ``module`` is the full state
-    dict, each ``optimizers/<i>`` its optimizer's own ``state_dict()``."""
-    p = Path(os.fspath(path))
+    dict, each ``optimizers/<i>`` its optimizer's own ``state_dict()``. ``path`` may be a
+    URL (a :class:`~loopbus.RemotePath` carries storage options)."""
+    p = _location(path)
     verify_sharded(p)
     state = _read_state(p)
     tensors: dict[str, Any] = {}
-    reader = _SafeReader(p)
+    reader = _reader(p)
     with contextlib.suppress(OSError):  # a missing index is DCP's to report
         reader.read_metadata()  # a refused one is said as such, not as DCP reports it
     try:
@@ -525,16 +587,28 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     return state
 
 
-def consolidate_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str]) -> Path:
+def consolidate_checkpoint(
+    path: str | os.PathLike[str], out: str | os.PathLike[str]
+) -> Path | RemotePath:
     """Write the sharded checkpoint at ``path`` as one checkpoint file ``out`` (atomically,
     with its completeness marker), loadable with ``torch.load(out, weights_only=True)``,
     :func:`loopbus.load_checkpoint`, ``Module.load_from_checkpoint`` or a single-process
     ``fit(ckpt_path=out)``. Run it in one process. ``out`` must not exist: nothing is
-    overwritten."""
-    check_local_path("path", path, owner="consolidate_checkpoint")
-    check_local_path("out", out, owner="consolidate_checkpoint")
-    target = Path(os.fspath(out))
-    if target.exists():
+    overwritten.
+
+    Either may be a URL (``s3://bucket/run/epoch=0-step=10.ckpt``; a
+    :class:`~loopbus.RemotePath` carries storage options): the shards are read from the
+    store, and a URL ``out`` is uploaded with its marker (returned as a ``RemotePath``)."""
+    if not is_url(path):
+        check_local_path("path", path, owner="consolidate_checkpoint")
+    target = _location(out)
+    if isinstance(target, RemotePath):
+        store = Store(target.parent)
+        taken = store.size(target.name) is not None or target.name in store.contents()[1]
+    else:
+        check_local_path("out", out, owner="consolidate_checkpoint")
+        taken = target.exists()
+    if taken:
         raise CheckpointError(
             f"will not overwrite {target} with the consolidated checkpoint of {path}: it "
             "exists. Pass a new file name."

@@ -20,6 +20,12 @@ every rank's write results), rank 0 writes the marker into it and only then rena
 to its name. A checkpoint is therefore complete or absent: ``ckpt_path="last"`` and the
 scan for the newest see only complete ones, and a temporary whose writer died is removed
 by the next run's ``Checkpoint`` plugin. Loading and consolidation: ``_sharded_load.py``.
+
+To a URL (``s3://bucket/run/epoch=0-step=10.ckpt``) every rank writes its shards straight
+to the store through DCP's fsspec writer, under the checkpoint's own prefix (an object
+store has no rename); rank 0 then uploads ``loopbus_state.pt``, lists the prefix and
+writes the marker last, then ``last.json``. A reader takes the checkpoint only with its
+marker, every object of the size it records: one whose writers died is never complete.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import tempfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -44,6 +51,8 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._durable import fsync_dir
 from .._exceptions import CheckpointError
+from ..storage import RemotePath, Store, is_url, remote_path, require_backend
+from ._clean import remove_remote_tree
 from ._format import (
     LAST_POINTER,
     SHARDED_MARKER,
@@ -55,6 +64,7 @@ from ._format import (
 from ._parts import collect_state, qualname
 from ._registry import CheckpointRegistry, RegistrySource
 from ._write import (
+    _json_bytes,
     _pointer_state,
     _write_durably,
     _write_json,
@@ -99,7 +109,7 @@ def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return {"module": model, "optim": optim, "grads": grads}
 
 
-def _shards_failed(target: Path, exc: BaseException) -> CheckpointError:
+def _shards_failed(target: Path | RemotePath, exc: BaseException) -> CheckpointError:
     """A failed write of a sharded checkpoint's shards (``dcp.save``, ``dcp.async_save``)
     as a :class:`CheckpointError` naming the checkpoint and the cause: a file system's
     error (a full disk) as what it says, not as the ``RuntimeError`` torch makes of it
@@ -111,12 +121,28 @@ def _shards_failed(target: Path, exc: BaseException) -> CheckpointError:
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
         shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
         cause = f"{type(shown).__name__}: {shown}"
+    if isinstance(target, RemotePath):
+        return CheckpointError(
+            f"could not write the shards of the sharded checkpoint {target}: {cause}. It "
+            "was not completed (it has no marker, so no reader takes it), what was written "
+            f"of it is removed, and {_pointer_state(target.parent)}."
+        )
     return CheckpointError(
         f"could not write the shards of the sharded checkpoint {target}: {cause}. It was not "
         f"completed, so nothing was replaced: the checkpoints in {target.parent} (one of that "
         f"name included) are unchanged, its temporary directory is removed, and "
         f"{_pointer_state(target.parent)}."
     )
+
+
+def _discard(temp: Path | RemotePath) -> None:
+    """Remove what was written of a checkpoint that will not be completed: its temporary
+    directory, or under a URL its prefix (marker first; the store may be what failed)."""
+    if isinstance(temp, RemotePath):
+        with contextlib.suppress(Exception):
+            remove_remote_tree(Store(temp.parent), temp.name)
+    else:
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 class ShardedSave:
@@ -128,16 +154,18 @@ class ShardedSave:
 
     def __init__(
         self,
-        target: Path,
-        temp: Path,
+        target: Path | RemotePath,
+        temp: Path | RemotePath,
         future: Future[Any] | None,
         *,
         writer_rank: bool,
         info: dict[str, Any],
         update_last: bool,
         plain: dict[str, Any] | None = None,
+        retries: int = 0,
     ) -> None:
         self.path = target
+        self.retries = retries
         self.plain = plain
         self.temp = temp
         self.future = future
@@ -150,9 +178,10 @@ class ShardedSave:
         """Whether this rank's shards are written (it does not wait)."""
         return self.future is None or self.future.done()
 
-    def wait(self) -> Path:
+    def wait(self) -> Path | RemotePath:
         """Wait for this rank's shards; on rank 0 then complete the checkpoint. Returns
-        its path. Raises :class:`CheckpointError` if the write failed."""
+        its path (a :class:`~loopbus.RemotePath` for a URL). Raises
+        :class:`CheckpointError` if the write failed."""
         if self._finished:
             return self.path
         if self.future is not None:
@@ -160,15 +189,59 @@ class ShardedSave:
                 self.future.result()
             except (Exception, CheckpointException) as exc:
                 if self.writer_rank:
-                    shutil.rmtree(self.temp, ignore_errors=True)
+                    self._discard()
                 raise _shards_failed(self.path, exc) from exc
         if self.writer_rank:
-            self._complete()
+            if isinstance(self.path, RemotePath):
+                self._complete_remote(self.path)
+            else:
+                self._complete()
         self._finished = True
         return self.path
 
+    def _discard(self) -> None:
+        _discard(self.temp)
+
+    def _complete_remote(self, target: RemotePath) -> None:
+        """Complete a sharded checkpoint in an object store: the plain state uploaded
+        into its prefix, then the marker (every object's size), then ``last.json``."""
+        store = Store(target.parent, retries=self.retries)
+        inside = store.below(target.name)
+        stage = SHARDED_STATE
+        try:
+            if self.plain is not None:
+                plain, self.plain = self.plain, None
+                with tempfile.TemporaryDirectory(prefix="loopbus-upload-") as staging:
+                    staged = Path(staging) / SHARDED_STATE
+                    with open(staged, "wb") as file:
+                        save_plain(plain, file)
+                    inside.upload(staged, SHARDED_STATE)
+            files = {n: size for n, size in sorted(inside.listing().items()) if n != SHARDED_MARKER}
+            info = dict(self.info, files=files, checkpoint=target.name)
+            stage = SHARDED_MARKER
+            inside.write(SHARDED_MARKER, _json_bytes(info))
+        except Exception as exc:
+            self._discard()
+            raise CheckpointError(
+                f"could not complete the sharded checkpoint {target}: writing {stage} failed "
+                f"after {self.retries} retries: {type(exc).__name__}: {exc}. It has no marker, "
+                "so no reader takes it; what was written of it is removed, and "
+                f"{_pointer_state(target.parent)}."
+            ) from exc
+        if self.update_last:
+            try:
+                store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
+            except Exception as exc:
+                raise CheckpointError(
+                    f"the sharded checkpoint {target} is complete, but "
+                    f"{target.parent / LAST_POINTER} could not be moved to it: "
+                    f"{type(exc).__name__}: {exc}. The checkpoint loads by its URL."
+                ) from exc
+
     def _complete(self) -> None:
         temp, target = self.temp, self.path
+        assert isinstance(temp, Path)
+        assert isinstance(target, Path)
         written = temp / SHARDED_STATE
         try:
             if self.plain is not None:  # host copies, taken at the save: written off the step
@@ -235,19 +308,32 @@ class ShardedSave:
             shutil.rmtree(aside, ignore_errors=True)
 
 
-def _write_shards(tensors: Any, temp: Path, group: Any, asynchronous: bool) -> Future[Any] | None:
+def _storage_writer(where: Path | RemotePath) -> Any:
+    """DCP's writer for ``where``: its file-system writer, or for a URL its fsspec writer
+    with the URL's storage options (no fsync: an object is whole once written)."""
+    if isinstance(where, RemotePath):
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        return FsspecWriter(where.url, sync_files=False, **where.storage_options)
+    return FileSystemWriter(where)
+
+
+def _write_shards(
+    tensors: Any, temp: Path | RemotePath, group: Any, asynchronous: bool
+) -> Future[Any] | None:
     """Every rank writes its shards into ``temp``: ``dcp.async_save`` (returns once the
     state is staged) or ``dcp.save``. In one process (no process group) DCP's entry
     points only warn that there is none; its writer is called directly, in a thread of
     its own after a host copy when asynchronous."""
     if group is not None:
+        writer = _storage_writer(temp)
         if asynchronous:
-            return dcp_async_save(tensors, checkpoint_id=temp, process_group=group)  # type: ignore[return-value]
-        dcp_save(tensors, checkpoint_id=temp, process_group=group)
+            return dcp_async_save(tensors, storage_writer=writer, process_group=group)  # type: ignore[return-value]
+        dcp_save(tensors, storage_writer=writer, process_group=group)
         return None
 
     def write(state: Any) -> None:
-        _save_state_dict(state, storage_writer=FileSystemWriter(temp), no_dist=True)
+        _save_state_dict(state, storage_writer=_storage_writer(temp), no_dist=True)
 
     if not asynchronous:
         write(tensors)
@@ -282,18 +368,34 @@ class ShardedCheckpointWriter:
         *,
         asynchronous: bool = False,
         update_last: bool = False,
+        fresh: bool = False,
+        retries: int = 0,
     ) -> ShardedSave:
         """Start a sharded save of a run to the directory ``path``: of a trainer's (its
         ``checkpoint_registry()``) or of a :class:`CheckpointRegistry`. Every rank calls
         it at the same boundary. With ``asynchronous`` it returns once the state is
         staged to host memory (``dcp.async_save``); otherwise once this rank's shards are
         written. Either way the checkpoint is complete only after :meth:`ShardedSave.wait`
-        (on rank 0)."""
+        (on rank 0).
+
+        ``path`` may be a URL (a :class:`~loopbus.RemotePath` carries storage options):
+        the shards go straight to the store, under the checkpoint's prefix; a checkpoint
+        of that name there is deleted first (marker first), unless the caller knows the
+        name is ``fresh``. Rank 0's uploads are tried again up to ``retries`` times."""
         registry = run if isinstance(run, CheckpointRegistry) else run.checkpoint_registry()
         strategy = registry.strategy
-        target = Path(os.fspath(path))
         zero = strategy.is_global_zero
-        temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
+        target: Path | RemotePath
+        temp: Path | RemotePath
+        if is_url(path):
+            target = temp = remote_path(path)
+            require_backend(target, owner=f"a sharded checkpoint to {target.url}")
+            if zero and not fresh:  # an object store has no rename: the old one goes first
+                remove_remote_tree(Store(target.parent, retries=retries), target.name)
+            strategy.barrier()
+        else:
+            target = Path(os.fspath(path))
+            temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
         module = registry.module
         if module is None:
             raise CheckpointError("there is no module to save yet: fit has not started.")
@@ -306,7 +408,7 @@ class ShardedCheckpointWriter:
             future = _write_shards(tensors, temp, self._process_group(), asynchronous)
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             if zero:
-                shutil.rmtree(temp, ignore_errors=True)
+                _discard(temp)
             raise _shards_failed(target, exc) from exc
         return ShardedSave(
             target,
@@ -316,6 +418,7 @@ class ShardedCheckpointWriter:
             info=_sharded_marker(state["loopbus"]),
             update_last=update_last,
             plain=state if zero else None,
+            retries=retries,
         )
 
 
@@ -371,16 +474,19 @@ def no_full_state(strategy: str) -> CheckpointError:
     )
 
 
-def save_sharded(registry: CheckpointRegistry, path: str | os.PathLike[str]) -> Path:
+def save_sharded(registry: CheckpointRegistry, path: str | os.PathLike[str]) -> Path | RemotePath:
     """``Trainer.save_checkpoint`` under a strategy that shards the module's state: a
-    sharded checkpoint of ``registry`` in the directory ``path``, every rank writing its
-    shards; returns on every rank once the checkpoint is complete."""
+    sharded checkpoint of ``registry`` in the directory ``path`` (or under a URL),
+    every rank writing its shards; returns on every rank once the checkpoint is
+    complete."""
     target = ShardedCheckpointWriter().save(registry, path).wait()
     registry.strategy.barrier()
     return target
 
 
-async def save_sharded_async(registry: CheckpointRegistry, path: str | os.PathLike[str]) -> Path:
+async def save_sharded_async(
+    registry: CheckpointRegistry, path: str | os.PathLike[str]
+) -> Path | RemotePath:
     """:func:`save_sharded`, the state staged to host memory first and the shards
     written in the background (``dcp.async_save``); the event loop stays free."""
     pending = ShardedCheckpointWriter().save(registry, path, asynchronous=True)

@@ -44,6 +44,7 @@ from ._format import (
     marker_path,
     pointer_to,
     read_json,
+    read_remote_json,
 )
 
 __all__ = [
@@ -224,14 +225,17 @@ def find_os_error(exc: BaseException) -> OSError | None:
     return None
 
 
-def _pointer_state(directory: Path) -> str:
+def _pointer_state(directory: Path | RemotePath) -> str:
     """What the ``last.json`` of ``directory`` names now, for a message."""
     pointer = directory / LAST_POINTER
     try:
-        name = read_json(pointer, Pointer).checkpoint
+        if isinstance(directory, RemotePath):
+            name = read_remote_json(Store(directory), LAST_POINTER, Pointer).checkpoint
+        else:
+            name = read_json(directory / LAST_POINTER, Pointer).checkpoint
     except FileNotFoundError:
         return f"there is no {LAST_POINTER} in {directory}"
-    except (OSError, ValueError):
+    except Exception:  # unreadable, damaged, or the store unreachable
         return f"{pointer} is as it was"
     return f"{pointer} still names {name!r}"
 

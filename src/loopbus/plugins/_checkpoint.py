@@ -459,7 +459,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         if stage != "fit":
             return
         self._trainer = trainer
-        self._sharded_now = self._files.check_sharded(_shards(trainer, self.sharded))
+        self._sharded_now = _shards(trainer, self.sharded)
         self._files.reset()
         self._saw_validation = False
         self._preempted = False

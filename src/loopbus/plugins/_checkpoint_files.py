@@ -27,6 +27,7 @@ from loopbus import (
     is_sharded_checkpoint,
     is_url,
     remove_checkpoint,
+    remove_incomplete_checkpoints,
     remove_stale_temporaries,
     write_checkpoint,
 )
@@ -65,6 +66,9 @@ class CheckpointFiles:
         #: Checkpoints no longer kept whose removal has not happened yet (the save that
         #: evicted them failed, or their removal did): removed after the next save.
         self._unremoved: list[str] = []
+        #: A URL's names in use (objects and prefixes), listed once a fit, then kept up
+        #: to date by this plugin's own saves (None: not listed yet).
+        self._names: set[str] | None = None
         self._writer = ShardedCheckpointWriter()
         # Per stage: the background save in flight, its failure, and its announcement.
         self._idle: anyio.Event | None = None
@@ -76,45 +80,49 @@ class CheckpointFiles:
         self._error = None
         self._idle = None
         self.unannounced = None
+        self._names = None
 
     @property
     def remote(self) -> bool:
         """Whether ``dirpath`` is a URL (an object store)."""
         return isinstance(self.dirpath, RemotePath)
 
-    def check_sharded(self, sharded: bool) -> bool:
-        """``sharded``; refused for a URL (remote sharded checkpoints: not yet)."""
-        if sharded and self.remote:
-            raise MisconfigurationError(
-                f"Checkpoint(dirpath={str(self.dirpath)!r}) would write sharded checkpoints, "
-                "but remote sharded checkpoints are not supported yet: pass a local (or "
-                "mounted) dirpath for sharded checkpoints, or write checkpoint files "
-                "(sharded=False, one process or DDP)."
-            )
-        return sharded
-
     def _taken(self) -> set[str]:
-        """The names in the remote ``dirpath``; none if it cannot be listed now (the
-        store is unreachable: the upload's retries deal with it, and a name this plugin
-        recorded is never reused)."""
-        try:
-            return set(self._objects())
-        except Exception:
-            return set()
+        """The names in use in the remote ``dirpath``: listed at the fit's first look
+        (its claim of the folder, on rank 0), then those this plugin saved added. None
+        is listed while the store cannot be reached (the upload's retries deal with it;
+        it is listed again at the next save, and a name this plugin recorded is never
+        reused)."""
+        if self._names is None:
+            try:
+                objects, prefixes = self._contents()
+            except Exception:
+                return set()
+            self._names = set(objects) | prefixes
+        return self._names
 
-    def _objects(self) -> dict[str, int]:
-        """The objects in the remote ``dirpath``, name -> size."""
+    def _contents(self) -> tuple[dict[str, int], set[str]]:
+        """The remote ``dirpath``'s objects (name -> size) and prefixes (sharded
+        checkpoints are prefixes)."""
         from loopbus.storage import Store
 
         assert isinstance(self.dirpath, RemotePath)
-        return Store(self.dirpath).listing()
+        return Store(self.dirpath).contents()
+
+    def _objects(self) -> dict[str, int]:
+        """The objects in the remote ``dirpath``, name -> size."""
+        return self._contents()[0]
 
     def prepare(self) -> None:
         """Create the directory and remove the temporaries that dead writers left in it.
         Rank 0 alone writes, so it alone calls this; a temporary written on another host
         (a shared directory) is left alone, its writer's pid means nothing here."""
         if isinstance(self.dirpath, RemotePath):
-            return  # an object store needs no directory, and has no temporaries
+            # An object store needs no directory and has no temporaries; the names in
+            # use are listed now, off the training step.
+            self._names = None
+            self._taken()
+            return
         try:
             self.dirpath.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -143,6 +151,18 @@ class CheckpointFiles:
         if refusal is not None:
             raise MisconfigurationError(refusal)
         if trainer.is_global_zero:  # rank 0 alone writes
+            if resumes_here and self.remote:
+                # The run that wrote here is over (this one resumes it): what its
+                # writers left incomplete goes, so that no orphaned objects stay.
+                try:
+                    remove_incomplete_checkpoints(self.dirpath, retries=self.retries)
+                except Exception as exc:  # harmless leftovers: said, and the run goes on
+                    warnings.warn(
+                        f"could not remove the incomplete checkpoints in {self.dirpath}: "
+                        f"{type(exc).__name__}: {exc}",
+                        UserWarning,
+                        stacklevel=2,
+                    )
             self.prepare()
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
@@ -157,16 +177,17 @@ class CheckpointFiles:
     def has(self, names: set[str]) -> bool:
         """Whether ``dirpath`` holds a checkpoint of one of these ``names``."""
         if self.remote:
-            return bool(names & set(self._objects()))
+            objects, prefixes = self._contents()
+            return bool(names & (set(objects) | prefixes))
         return any(os.path.lexists(self.dirpath / name) for name in names)
 
     def found(self) -> list[Path]:
         """The checkpoints (files, sharded directories, ``last.json``) in ``dirpath``."""
         if isinstance(self.dirpath, RemotePath):
-            objects = self._objects()
+            objects, prefixes = self._contents()
             return [
                 Path(name)  # a name, for the message
-                for name in sorted(objects)
+                for name in sorted(set(objects) | prefixes)
                 if not name.startswith(".")
                 and not name.endswith(_MARKER)
                 and (name == _POINTER or name.endswith(_SUFFIXES) or name + _MARKER in objects)
@@ -209,6 +230,8 @@ class CheckpointFiles:
             ):
                 version += 1
                 name = f"{stem}-v{version}.ckpt"
+            if self._names is not None:
+                self._names.add(name)
         if trainer.world_size > 1:
             name = trainer.strategy.broadcast_object(name)
         assert name is not None
@@ -288,7 +311,12 @@ class CheckpointFiles:
         """Every rank writes its shards; rank 0 completes the checkpoint once all have.
         In the background the step waits only for the staging to host memory."""
         pending = self._writer.save(
-            trainer, self.dirpath / name, asynchronous=background, update_last=True
+            trainer,
+            self.dirpath / name,
+            asynchronous=background,
+            update_last=True,
+            fresh=True,  # free_name chose it
+            retries=self.retries,
         )
         if background and task_group is not None:
             self._idle = anyio.Event()
@@ -309,15 +337,30 @@ class CheckpointFiles:
         try:
             await anyio.to_thread.run_sync(pending.wait)
             if pending.writer_rank:
-                for old in evicted:
-                    if old != pending.path.name:
-                        remove_checkpoint(self.dirpath / old)
+                await anyio.to_thread.run_sync(self._evict, pending.path.name, evicted)
                 self.unannounced = saved  # published from the run's own path (announce)
         except Exception as exc:  # raised at the next save, or when fit ends
             self._error = exc
+            if pending.writer_rank and self.remote:  # removed after the next save
+                self._unremoved += [old for old in evicted if old != pending.path.name]
         finally:
             if done is not None:
                 done.set()
+
+    def _evict(self, name: str, evicted: list[str]) -> None:
+        """After the save of ``name``: remove the ``evicted`` checkpoints (and, for a
+        URL, those a failed save or removal left for later)."""
+        if not self.remote:
+            for old in evicted:
+                if old != name:
+                    remove_checkpoint(self.dirpath / old)
+            return
+        pending, self._unremoved = self._unremoved + [o for o in evicted if o != name], []
+        for old in dict.fromkeys(pending):
+            try:
+                remove_checkpoint(self.dirpath / old, retries=self.retries)
+            except Exception:
+                self._unremoved.append(old)
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
         if self.remote:

@@ -23,6 +23,7 @@ from loopbus.state._stateful import Stateful
 
 from .._exceptions import MisconfigurationError
 from .._validate import check_local_path
+from ..storage import RemotePath, is_url, remote_path, require_backend
 from ._assembly import build_registry, check_registration
 
 if TYPE_CHECKING:
@@ -167,34 +168,48 @@ class CheckpointMethods:
         self._schedulers.resumed_at(plan.step)
         return mismatch
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path:
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path | RemotePath:
         """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
         completeness marker) and return the path. Blocks until the file is durable.
 
         Under DDP every rank must call it (the state holds every rank's generators):
         rank 0 writes, and all ranks return once the file is there. Under FSDP ``path``
-        is a sharded checkpoint directory, every rank writing its shards."""
-        check_local_path("path", path, owner="save_checkpoint")
+        is a sharded checkpoint directory, every rank writing its shards.
+
+        ``path`` may be a URL (``s3://bucket/run/x.ckpt``; a :class:`~loopbus.RemotePath`
+        carries storage options): the object, then its completeness marker are uploaded
+        (under FSDP every rank's shards, then the marker), and a ``RemotePath`` is
+        returned."""
+        target = _save_target(path, "save_checkpoint")
         if self.strategy.sharded_state:
-            return save_sharded(self.checkpoint_registry(), path)
+            return save_sharded(self.checkpoint_registry(), target)
         state = self.state_dict()
-        target = Path(os.fspath(path))
         if self.strategy.is_global_zero:
-            target = write_checkpoint(state, path)
+            target = write_checkpoint(state, target)
         self.strategy.barrier()
         return target
 
-    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path:
+    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path | RemotePath:
         """Copy the run's state to host memory now, write it in a worker thread, and
         return once it is durable; the event loop stays free meanwhile. Under DDP, as
         :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
-        every rank its shards, staged first, then written in the background)."""
-        check_local_path("path", path, owner="save_checkpoint_async")
+        every rank its shards, staged first, then written in the background). ``path``
+        may be a URL, as for :meth:`save_checkpoint`."""
+        target = _save_target(path, "save_checkpoint_async")
         if self.strategy.sharded_state:
-            return await save_sharded_async(self.checkpoint_registry(), path)
+            return await save_sharded_async(self.checkpoint_registry(), target)
         state = self.state_dict(to_host=True)
-        target = Path(os.fspath(path))
         if self.strategy.is_global_zero:
-            target = await anyio.to_thread.run_sync(write_checkpoint, state, path)
+            target = await anyio.to_thread.run_sync(write_checkpoint, state, target)
         self.strategy.barrier()
         return target
+
+
+def _save_target(path: str | os.PathLike[str], owner: str) -> Path | RemotePath:
+    """Where ``save_checkpoint(path)`` writes: a local path, or a URL as a
+    :class:`~loopbus.RemotePath` (its scheme's package checked now)."""
+    if is_url(path):
+        require_backend(path, owner=f"{owner}({str(path)!r})")
+        return remote_path(path)
+    check_local_path("path", path, owner=owner)
+    return Path(os.fspath(path))

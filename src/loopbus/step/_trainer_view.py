@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -162,6 +161,6 @@ class TrainerView(Protocol):
         this layer)."""
         ...
 
-    def save_checkpoint(self, path: str | os.PathLike[str]) -> Path: ...
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> os.PathLike[str]: ...
 
-    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path: ...
+    async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> os.PathLike[str]: ...

@@ -1,6 +1,7 @@
 """Object storage through fsspec: which paths are URLs, the package a URL's scheme
 needs, a URL that carries its storage options, and a directory of objects with the few
-operations checkpoints use (list with sizes, read, write, upload, download, delete),
+operations checkpoints use (list with sizes, read, write, upload, download, delete a
+object or a whole prefix),
 each retried with exponential backoff where asked.
 
 fsspec is imported only when a URL is used: a local path never reaches this module's
@@ -183,18 +184,29 @@ class Store:
     def listing(self) -> dict[str, int]:
         """Every object directly in the directory, name -> size (fresh: fsspec's cache
         of listings is dropped first)."""
+        return self.contents()[0]
+
+    def contents(self) -> tuple[dict[str, int], set[str]]:
+        """What is directly in the directory: its objects (name -> size) and the names of
+        its prefixes ("subdirectories": a sharded checkpoint is one), fresh."""
         self.fs.invalidate_cache(self.root)
         try:
             entries = self.fs.ls(self.root, detail=True)
         except FileNotFoundError:
-            return {}
+            return {}, set()
         found: dict[str, int] = {}
+        prefixes: set[str] = set()
         for entry in entries:
-            if entry.get("type") == "directory":
-                continue
             name = posixpath.basename(str(entry["name"]).rstrip("/"))
-            found[name] = int(entry.get("size") or 0)
-        return found
+            if entry.get("type") == "directory":
+                prefixes.add(name)
+            else:
+                found[name] = int(entry.get("size") or 0)
+        return found, prefixes
+
+    def below(self, name: str) -> Store:
+        """The directory ``name`` in this one (a prefix), with the same retries."""
+        return Store(self.directory / name, retries=self.retries)
 
     def size(self, name: str) -> int | None:
         """The size of the object ``name``, None if there is none (or it is a prefix)."""
@@ -227,6 +239,20 @@ class Store:
     def write(self, name: str, data: bytes) -> None:
         """Write the object ``name`` (retried)."""
         self.retried(lambda: self.fs.pipe_file(self._key(name), data))
+
+    def remove_tree(self, name: str) -> None:
+        """Delete every object under the prefix ``name`` (a missing one is ignored;
+        retried)."""
+
+        def delete() -> None:
+            key = self._key(name)
+            self.fs.invalidate_cache(key)
+            try:
+                self.fs.rm(key, recursive=True)
+            except FileNotFoundError:
+                pass
+
+        self.retried(delete)
 
     def remove(self, name: str) -> None:
         """Delete the object ``name``; a missing one is ignored (retried)."""

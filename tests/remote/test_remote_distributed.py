@@ -1,0 +1,101 @@
+"""Sharded checkpoints in an object store under ``torchrun`` (gloo, CPU), against the S3
+server (conftest.py): every rank writes its shards straight to the store through DCP's
+fsspec writer, rank 0 writes the completeness marker last.
+
+- kill -9 while a rank writes its shards (inside the asynchronous save of step 20):
+  ``ckpt_path="last"`` resumes from the newest complete checkpoint, bit-identical to an
+  uninterrupted run, and the store is left with exactly the checkpoints kept (what the
+  killed save wrote is removed when the run resumes);
+- a job of 4 FSDP ranks killed mid-epoch resumes on 2 from the store, training every
+  sample of the interrupted epoch once.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import loopbus
+from loopbus import RemotePath
+from tests.test_distributed import _launch, _ok, _same, _summary, _weights
+from tests.test_distributed_sharded import (
+    COMMON,
+    _optimizer,
+    _same_optimizer_state,
+    resume_at_another_world_size,
+    uninterrupted,  # noqa: F401  (the fixture: the same job, never killed)
+)
+
+from .conftest import S3
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        not torch.distributed.is_available(), reason="torch.distributed is not available"
+    ),
+]
+
+
+def _to(s3: S3) -> tuple[str, ...]:
+    """The script's options that send its sharded checkpoints to the test's bucket."""
+    return ("--ckpt-url", s3.url, "--storage-options", json.dumps(s3.options))
+
+
+def _checkpoints(s3: S3) -> dict[str, set[str]]:
+    """The store's objects under ``run/``, grouped by the checkpoint (prefix) they are in."""
+    found: dict[str, set[str]] = {}
+    for key in s3.keys():
+        head, _, rest = key.partition("/")
+        found.setdefault(head, set()).add(rest)
+    return found
+
+
+def test_killed_while_writing_remote_shards_resumes_bit_identical(
+    uninterrupted: Path,  # noqa: F811
+    s3: S3,
+    tmp_path: Path,
+) -> None:
+    common = (*COMMON, "--strategy", "ddp", *_to(s3))
+    proc = _launch(tmp_path, *common, "--kill-in-save", "20")
+    assert proc.returncode != 0
+    directory = RemotePath(s3.url, s3.options)
+    # The save of step 20 never got its marker: "last" is step 10's, complete.
+    left = _checkpoints(s3)
+    assert "loopbus.complete" not in left.get("epoch=1-step=20.ckpt", set())
+    last = loopbus.latest_checkpoint(directory)
+    assert str(last) == f"{s3.url}/epoch=0-step=10.ckpt"
+    info = loopbus.checkpoint_info(last)
+    assert info is not None
+    assert (info["global_step"], info["world_size"], info["layout"]) == (10, 2, "sharded")
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "loopbus_state.pt"} <= set(info["files"])
+
+    _ok(_launch(tmp_path, *common, "--resume"))
+    assert torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)["step"] == 10
+    for rank in (0, 1):
+        assert _same(_weights(uninterrupted, rank), _weights(tmp_path, rank))
+        assert _same_optimizer_state(
+            _optimizer(uninterrupted, rank)["state"], _optimizer(tmp_path, rank)["state"]
+        )
+    assert _summary(tmp_path, 0)["step"] == 32
+    # keep_last=2: exactly the two newest, each whole (its marker lists every object
+    # under its prefix), and not one object more.
+    kept = _checkpoints(s3)
+    assert sorted(kept) == ["epoch=1-step=30.ckpt", "epoch=1-step=32.ckpt", "last.json"]
+    for name in ("epoch=1-step=30.ckpt", "epoch=1-step=32.ckpt"):
+        info = loopbus.checkpoint_info(directory / name)
+        assert info is not None
+        assert kept[name] == {*info["files"], "loopbus.complete"}, name
+    assert json.loads(s3.fs.cat_file(f"{s3.bucket}/run/last.json"))["checkpoint"] == (
+        "epoch=1-step=32.ckpt"
+    )
+
+
+def test_a_job_of_four_fsdp_ranks_resumes_on_two_from_the_store(s3: S3, tmp_path: Path) -> None:
+    # 8 steps an epoch on 4 ranks: saved at step 4, 256 samples into the epoch.
+    resume_at_another_world_size(
+        tmp_path, RemotePath(s3.url, s3.options), 4, 2, 4, 6, "fsdp", *_to(s3)
+    )
+    assert sorted(_checkpoints(s3))[-1] == "last.json"

@@ -74,7 +74,7 @@ async def test_a_remote_sharded_run_resumed_from_last_ends_bit_identical(s3: S3)
         assert torch.equal(resumed.state_dict()[name], tensor), name
 
 
-async def test_keep_last_two_over_ten_sharded_saves_leaves_no_orphans(s3: S3) -> None:
+async def test_keep_last_two_over_ten_sharded_saves_leaves_no_orphans_nor_secrets(s3: S3) -> None:
     checkpoint = _sharded(s3, every_n_steps=2, keep_last=2, save_on_end=False)
     await _fit(5, [checkpoint])
     assert _checkpoints(s3) == {
@@ -82,6 +82,10 @@ async def test_keep_last_two_over_ten_sharded_saves_leaves_no_orphans(s3: S3) ->
         "epoch=4-step=20.ckpt": SHARDED,
         "last.json": {""},
     }
+    # The storage options' secret is in no object (DCP's index names the URL only).
+    fs = s3.fs
+    for key in fs.find(s3.bucket):
+        assert SECRET.encode() not in fs.cat_file(key), key
 
 
 async def test_an_incomplete_sharded_prefix_is_never_taken_and_goes_at_resume(s3: S3) -> None:
@@ -130,6 +134,15 @@ async def test_remote_sharded_checkpoints_load_and_consolidate(s3: S3, tmp_path:
     assert torch.equal(state["module"]["layer.weight"], module.layer.weight)
     with pytest.raises(CheckpointError, match="will not overwrite"):
         loopbus.consolidate_checkpoint(url, out)
+    # A sharded save over a name that holds one replaces it whole (marker first).
+    again = RemotePath(f"s3://{s3.bucket}/again/one.ckpt", s3.options)
+    loopbus.ShardedCheckpointWriter().save(trainer, again).wait()
+    s3.fs.pipe_file(f"{s3.bucket}/again/one.ckpt/__9_9.distcp", b"left by a larger job")
+    with torch.no_grad():
+        module.layer.weight.add_(1.0)
+    loopbus.ShardedCheckpointWriter().save(trainer, again).wait()
+    assert set(s3.keys("again")) == {f"one.ckpt/{name}" for name in SHARDED}
+    assert torch.equal(loopbus.load_checkpoint(again)["module"]["layer.weight"], module.layer.weight)
     # trainer.save_checkpoint to a URL: the object, then its marker.
     saved = trainer.save_checkpoint(RemotePath(f"s3://{s3.bucket}/saved/by-hand.ckpt", s3.options))
     assert isinstance(saved, RemotePath)

@@ -168,6 +168,21 @@ def _kill_inside_the_writer(step: int) -> None:
     FileSystemWriter.write_data = write_data  # type: ignore[method-assign]
 
 
+def _kill_inside_the_upload(step: int) -> None:
+    """SIGKILL rank 0 (torchrun then stops the others) as it starts uploading the
+    checkpoint file of ``step`` to the store, in the background save's worker."""
+    from loopbus.storage import Store
+
+    original = Store.upload
+
+    def upload(self: Any, local: Any, name: str) -> None:
+        if f"step={step}." in name:
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(self, local, name)
+
+    Store.upload = upload  # type: ignore[method-assign]
+
+
 class Trouble(Plugin):
     """Asks to stop, raises or hangs on one rank at one step; SIGKILLs every rank at one
     step."""
@@ -232,9 +247,10 @@ def main() -> None:
     parser.add_argument("--sharded", action="store_true", help="sharded checkpoints (DCP)")
     parser.add_argument("--sync-save", action="store_true", help="no asynchronous save")
     parser.add_argument("--kill-in-save", type=int, default=-1, help="SIGKILL in that save")
+    parser.add_argument("--kill-in-upload", type=int, default=-1, help="SIGKILL in that upload")
     parser.add_argument("--record", action="store_true", help="record the trained samples")
     parser.add_argument("--keep-last", type=int, default=1)
-    parser.add_argument("--ckpt-url", default="", help="sharded checkpoints to this URL")
+    parser.add_argument("--ckpt-url", default="", help="checkpoints to this URL")
     parser.add_argument("--storage-options", default="{}", help="their fsspec options (JSON)")
     args = parser.parse_args()
     out = Path(args.out)
@@ -247,6 +263,8 @@ def main() -> None:
         module.record = out / f"samples_rank{rank}.jsonl"
     if args.kill_in_save >= 0:
         _kill_inside_the_writer(args.kill_in_save)
+    if args.kill_in_upload >= 0:
+        _kill_inside_the_upload(args.kill_in_upload)
     if args.stop_in == "step" and args.stop_rank >= 0:
         module.stop_in_step = (args.stop_rank, args.stop_at)
     if args.loader == "stateful":
@@ -273,6 +291,16 @@ def main() -> None:
                 keep_last=args.keep_last,
                 sharded=True,
                 background=not args.sync_save,
+            )
+        )
+    elif args.ckpt and args.ckpt_url:  # checkpoint files, uploaded by rank 0
+        options = json.loads(args.storage_options)
+        plugins.append(
+            Checkpoint(
+                args.ckpt_url,
+                storage_options=options,
+                every_n_steps=args.ckpt,
+                keep_last=args.keep_last,
             )
         )
     elif args.ckpt:

@@ -2,10 +2,11 @@
 server (conftest.py): every rank writes its shards straight to the store through DCP's
 fsspec writer, rank 0 writes the completeness marker last.
 
-- kill -9 while a rank writes its shards (inside the asynchronous save of step 20):
-  ``ckpt_path="last"`` resumes from the newest complete checkpoint, bit-identical to an
-  uninterrupted run, and the store is left with exactly the checkpoints kept (what the
-  killed save wrote is removed when the run resumes);
+- kill -9 while a rank writes its shards (inside the asynchronous save of step 20), or
+  while rank 0 uploads a checkpoint file (DDP): ``ckpt_path="last"`` resumes from the
+  newest complete checkpoint, bit-identical to an uninterrupted run, and the store is
+  left with exactly the checkpoints kept (what the killed save wrote is removed when the
+  run resumes);
 - a job of 4 FSDP ranks killed mid-epoch resumes on 2 from the store, training every
   sample of the interrupted epoch once.
 """
@@ -91,6 +92,35 @@ def test_killed_while_writing_remote_shards_resumes_bit_identical(
     assert json.loads(s3.fs.cat_file(f"{s3.bucket}/run/last.json"))["checkpoint"] == (
         "epoch=1-step=32.ckpt"
     )
+
+
+def test_killed_in_a_remote_file_upload_under_ddp_resumes_bit_identical(
+    uninterrupted: Path,  # noqa: F811
+    s3: S3,
+    tmp_path: Path,
+) -> None:
+    # Checkpoint files: rank 0 uploads each in the background; killed as it starts the
+    # upload of step 20's (the uninterrupted job trained the same: checkpoints do not
+    # change training).
+    common = ("--epochs", "2", "--ckpt", "10", "--keep-last", "2", *_to(s3))
+    proc = _launch(tmp_path, *common, "--kill-in-upload", "20")
+    assert proc.returncode != 0
+    assert sorted(s3.keys()) == ["epoch=0-step=10.ckpt", "epoch=0-step=10.ckpt.complete", "last.json"]
+    _ok(_launch(tmp_path, *common, "--resume"))
+    assert torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)["step"] == 10
+    for rank in (0, 1):
+        assert _same(_weights(uninterrupted, rank), _weights(tmp_path, rank))
+        assert _same_optimizer_state(
+            _optimizer(uninterrupted, rank)["state"], _optimizer(tmp_path, rank)["state"]
+        )
+    assert _summary(tmp_path, 0)["step"] == 32
+    assert sorted(s3.keys()) == [
+        "epoch=1-step=30.ckpt",
+        "epoch=1-step=30.ckpt.complete",
+        "epoch=1-step=32.ckpt",
+        "epoch=1-step=32.ckpt.complete",
+        "last.json",
+    ]
 
 
 def test_a_job_of_four_fsdp_ranks_resumes_on_two_from_the_store(s3: S3, tmp_path: Path) -> None:

@@ -64,16 +64,24 @@ def build(
     *,
     wait_at: tuple[int, int] | None = None,
     ready: Path | None = None,
+    sharded: bool = False,
 ) -> tuple[Trainer, Waiting, Any]:
     """The trainer (with ``Checkpoint(url)`` every ``EVERY_N_STEPS`` steps, keeping the
-    last two; none without a URL), the module and the training data, seeded."""
+    last two, ``sharded`` or files; none without a URL), the module and the training
+    data, seeded."""
     loopbus.seed_everything(SEED)
     module = Waiting(wait_at, ready)
     train, _ = make_data("stateful")
     plugins: list[Plugin] = []
     if url is not None:
         plugins.append(
-            Checkpoint(url, storage_options=options, every_n_steps=EVERY_N_STEPS, keep_last=2)
+            Checkpoint(
+                url,
+                storage_options=options,
+                every_n_steps=EVERY_N_STEPS,
+                keep_last=2,
+                sharded=sharded,
+            )
         )
     trainer = Trainer(
         max_epochs=EPOCHS, plugins=plugins, device="cpu", enable_model_summary=False
@@ -98,6 +106,7 @@ def main(argv: list[str]) -> None:
     parser.add_argument("--backend", default="asyncio", choices=["asyncio", "trio"])
     parser.add_argument("--wait-at", default="", help="EPOCH:BATCH")
     parser.add_argument("--ready", default=None)
+    parser.add_argument("--sharded", action="store_true", help="sharded checkpoints")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     wait_at = None
@@ -106,7 +115,7 @@ def main(argv: list[str]) -> None:
         wait_at = (int(epoch), int(batch))
     ready = Path(args.ready) if args.ready else None
     trainer, module, train = build(
-        args.url, options_for(args.endpoint), wait_at=wait_at, ready=ready
+        args.url, options_for(args.endpoint), wait_at=wait_at, ready=ready, sharded=args.sharded
     )
     loopbus.run(trainer.fit, module, train, backend=args.backend)
     torch.save(final_state(trainer, module), args.out)

@@ -3,7 +3,8 @@ uploading to the session's S3 server) gets SIGTERM while a known batch runs, mid
 before it exits (status 143) the checkpoint of that step is complete on the server (the
 object, its marker recording its size, ``last.json`` naming it), although remote saves
 upload in the background; and ``fit(ckpt_path="last")`` in this process resumes from it
-to the same final weights as an uninterrupted run, bit for bit.
+to the same final weights as an uninterrupted run, bit for bit. For checkpoint files and
+sharded ones (a prefix each, its marker written last).
 
 The process runs on the same async library as the test (asyncio, trio)."""
 
@@ -48,7 +49,7 @@ def reference() -> dict[str, Any]:
     return final_state(trainer, module)
 
 
-def _preempt(s3: S3, tmp_path: Path, backend: str) -> tuple[int, str]:
+def _preempt(s3: S3, tmp_path: Path, backend: str, sharded: bool) -> tuple[int, str]:
     """Start the run, send SIGTERM once batch ``WAIT_AT`` runs; its status and stderr."""
     ready = tmp_path / "ready"
     env = {**os.environ, "TMPDIR": str(tmp_path), "OMP_NUM_THREADS": "1"}
@@ -62,6 +63,7 @@ def _preempt(s3: S3, tmp_path: Path, backend: str) -> tuple[int, str]:
             "--backend", backend,
             "--wait-at", "{}:{}".format(*WAIT_AT),
             "--ready", str(ready),
+            *(["--sharded"] if sharded else []),
         ],
         cwd=ROOT,
         env=env,
@@ -85,22 +87,36 @@ def _preempt(s3: S3, tmp_path: Path, backend: str) -> tuple[int, str]:
     return proc.returncode, err
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
 async def test_sigterm_completes_the_remote_checkpoint_before_exit_and_resumes_exactly(
-    s3: S3, tmp_path: Path, anyio_backend: tuple[str, dict[str, Any]], reference: dict[str, Any]
+    s3: S3,
+    tmp_path: Path,
+    anyio_backend: tuple[str, dict[str, Any]],
+    reference: dict[str, Any],
+    sharded: bool,
 ) -> None:
-    rc, err = _preempt(s3, tmp_path, anyio_backend[0])
+    rc, err = _preempt(s3, tmp_path, anyio_backend[0], sharded)
     assert rc == 128 + signal.SIGTERM == 143, err[-4000:]
     assert f"stopped at step {STOP_STEP} on SIGTERM; exiting with status 143" in err
     assert not (tmp_path / "final.pt").exists()
 
     # The process has exited: what the server holds now was written before it did. The
     # stop's checkpoint is complete and named last; keep_last=2 evicted all but one more.
-    assert s3.keys() == sorted(
-        [PREVIOUS, f"{PREVIOUS}.complete", STOPPED, f"{STOPPED}.complete", "last.json"]
-    )
     fs = s3.fs
-    marker = json.loads(fs.cat_file(f"{s3.bucket}/run/{STOPPED}.complete"))
-    assert marker["size"] == fs.size(f"{s3.bucket}/run/{STOPPED}") > 0
+    if sharded:  # a prefix each: the shards, the plain state, the marker written last
+        inside = (".metadata", "__0_0.distcp", "loopbus_state.pt", "loopbus.complete")
+        assert s3.keys() == sorted(
+            [*(f"{c}/{n}" for c in (PREVIOUS, STOPPED) for n in inside), "last.json"]
+        )
+        marker = json.loads(fs.cat_file(f"{s3.bucket}/run/{STOPPED}/loopbus.complete"))
+        for name, size in marker["files"].items():
+            assert size == fs.size(f"{s3.bucket}/run/{STOPPED}/{name}") > 0, name
+    else:
+        assert s3.keys() == sorted(
+            [PREVIOUS, f"{PREVIOUS}.complete", STOPPED, f"{STOPPED}.complete", "last.json"]
+        )
+        marker = json.loads(fs.cat_file(f"{s3.bucket}/run/{STOPPED}.complete"))
+        assert marker["size"] == fs.size(f"{s3.bucket}/run/{STOPPED}") > 0
     assert marker["global_step"] == STOP_STEP
     assert json.loads(fs.cat_file(f"{s3.bucket}/run/last.json"))["checkpoint"] == STOPPED
     directory = RemotePath(s3.url, s3.options)
@@ -111,7 +127,7 @@ async def test_sigterm_completes_the_remote_checkpoint_before_exit_and_resumes_e
     # Nothing of the upload is left behind locally.
     assert [p.name for p in os.scandir(tmp_path) if p.name.startswith("loopbus-upload-")] == []
 
-    trainer, module, train = build(s3.url, s3.options)
+    trainer, module, train = build(s3.url, s3.options, sharded=sharded)
     await trainer.fit(module, train, ckpt_path="last")
     resumed = final_state(trainer, module)
     assert resumed["global_step"] == reference["global_step"] == STEPS

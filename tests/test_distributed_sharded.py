@@ -96,10 +96,12 @@ def test_killed_sharded_job_resumes_bit_identical(
     # moved last.json leaves that checkpoint complete and unnamed: the resume follows the
     # pointer (to the one before), and the checkpoint is kept, never replaced or removed
     # (the resumed run names its own save of that step apart). Seen under load only.
+    # A temporary directory that got its marker but not its rename is no checkpoint: the
+    # resumed run removes it as its dead writer's.
     unnamed = sorted(
         p.name
         for p in (directory.iterdir() if directory.exists() else [])
-        if (p / SHARDED_MARKER).is_file() and _step_of(p) > step
+        if not p.name.startswith(".") and (p / SHARDED_MARKER).is_file() and _step_of(p) > step
     )
     _ok(_launch(killed, *common, "--resume"))
     # The resumed job loaded the last complete checkpoint (or started afresh).

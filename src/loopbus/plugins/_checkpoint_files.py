@@ -109,10 +109,6 @@ class CheckpointFiles:
         assert isinstance(self.dirpath, RemotePath)
         return Store(self.dirpath).contents()
 
-    def _objects(self) -> dict[str, int]:
-        """The objects in the remote ``dirpath``, name -> size."""
-        return self._contents()[0]
-
     def prepare(self) -> None:
         """Create the directory and remove the temporaries that dead writers left in it.
         Rank 0 alone writes, so it alone calls this; a temporary written on another host

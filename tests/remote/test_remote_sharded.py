@@ -114,6 +114,25 @@ async def test_an_incomplete_sharded_prefix_is_never_taken_and_goes_at_resume(s3
     assert sorted(_checkpoints(s3)) == ["epoch=1-step=8.ckpt", "last.json"]
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
+async def test_ckpt_path_best_loads_the_best_remote_checkpoint(s3: S3, sharded: bool) -> None:
+    loopbus.seed_everything(3)
+    module = TinyModule()
+    checkpoint = Checkpoint(
+        s3.url, storage_options=s3.options, sharded=sharded, monitor="val/loss", keep_best=1
+    )
+    trainer = Trainer(max_epochs=3, plugins=[checkpoint], device="cpu")
+    await trainer.fit(module, make_loader(64, 16), make_loader(32, 16))
+    best = checkpoint.best_checkpoint_path
+    assert isinstance(best, RemotePath)
+    assert str(best).startswith(f"{s3.url}/epoch=")
+    expected = loopbus.load_checkpoint(best)["module"]["layer.weight"]
+    with torch.no_grad():
+        module.layer.weight.zero_()
+    await trainer.test(module, make_loader(32, 16), ckpt_path="best")
+    assert torch.equal(module.layer.weight, expected)
+
+
 async def test_remote_sharded_checkpoints_load_and_consolidate(s3: S3, tmp_path: Path) -> None:
     trainer, module = await _fit(1, [_sharded(s3, every_n_epochs=1)])
     url = RemotePath(f"{s3.url}/epoch=0-step=4.ckpt", s3.options)

@@ -342,7 +342,7 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemoteP
     return newest(found) if len(found) > 1 else found[0]
 
 
-def resolve_best(plugins: Iterable[Any]) -> Path:
+def resolve_best(plugins: Iterable[Any]) -> Path | RemotePath:
     """The checkpoint ``ckpt_path="best"`` means: the ``best_checkpoint_path`` of the
     plugin that saves checkpoints on a monitored value (``Checkpoint(dirpath,
     monitor=...)``; of a plugin of another kind, its ``best_model_path``, Lightning's
@@ -380,7 +380,8 @@ def resolve_best(plugins: Iterable[Any]) -> Path:
             f"checkpoint ({listing}). Pass the one you mean, as "
             "ckpt_path=plugin.best_checkpoint_path."
         )
-    return Path(os.fspath(found[0][1]))
+    best_path = found[0][1]
+    return best_path if isinstance(best_path, RemotePath) else Path(os.fspath(best_path))
 
 
 def _best_attribute(plugin: Any) -> str | None:

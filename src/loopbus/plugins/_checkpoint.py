@@ -442,7 +442,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)
 
     @property
-    def best_checkpoint_path(self) -> Path | None:
+    def best_checkpoint_path(self) -> Path | RemotePath | None:
         """The checkpoint with the best monitored value so far, or None: the file that
         ``trainer.test(..., ckpt_path="best")`` (and ``validate``, ``predict``) loads."""
         best = self._kept.best

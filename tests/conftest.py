@@ -172,3 +172,16 @@ def _hermetic(request: pytest.FixtureRequest) -> Iterator[None]:
 )
 def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object]]:
     return request.param  # type: ignore[no-any-return]
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The sharded-checkpoint job of ``tests/test_distributed_sharded.py`` run to its end
+    on 2 DDP ranks, never killed: the reference its killed runs (local and remote) must
+    match bit for bit. Run once per session."""
+    from tests.test_distributed import _launch, _ok
+    from tests.test_distributed_sharded import COMMON
+
+    out = tmp_path_factory.mktemp("uninterrupted")
+    _ok(_launch(out, *COMMON))
+    return out

@@ -53,13 +53,6 @@ def _step_of(checkpoint: Path | None) -> int:
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("uninterrupted")
-    _ok(_launch(out, *COMMON))
-    return out
-
-
-@pytest.fixture(scope="module")
 def uninterrupted_fsdp(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("uninterrupted_fsdp")
     _ok(_launch(out, *COMMON, "--strategy", "fsdp"))

@@ -27,7 +27,6 @@ from tests.test_distributed_sharded import (
     _optimizer,
     _same_optimizer_state,
     resume_at_another_world_size,
-    uninterrupted,  # noqa: F401  (the fixture: the same job, never killed)
 )
 
 from .conftest import S3
@@ -55,7 +54,7 @@ def _checkpoints(s3: S3) -> dict[str, set[str]]:
 
 
 def test_killed_while_writing_remote_shards_resumes_bit_identical(
-    uninterrupted: Path,  # noqa: F811
+    uninterrupted: Path,  # the same job, never killed (tests/conftest.py)
     s3: S3,
     tmp_path: Path,
 ) -> None:
@@ -95,7 +94,7 @@ def test_killed_while_writing_remote_shards_resumes_bit_identical(
 
 
 def test_killed_in_a_remote_file_upload_under_ddp_resumes_bit_identical(
-    uninterrupted: Path,  # noqa: F811
+    uninterrupted: Path,  # the same job, never killed (tests/conftest.py)
     s3: S3,
     tmp_path: Path,
 ) -> None:

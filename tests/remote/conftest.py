@@ -80,6 +80,15 @@ class S3:
         found = fs.find(f"{self.bucket}/{prefix}")
         return sorted(k.split("/", 2)[2] if k.count("/") >= 2 else k for k in found)
 
+    def grouped(self) -> dict[str, set[str]]:
+        """The objects under ``run/``, grouped by the checkpoint (a sharded one's prefix)
+        they are in; an object directly under ``run/`` holds ``{""}``."""
+        found: dict[str, set[str]] = {}
+        for key in self.keys():
+            head, _, rest = key.partition("/")
+            found.setdefault(head, set()).add(rest)
+        return found
+
 
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:

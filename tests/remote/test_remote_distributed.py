@@ -44,13 +44,15 @@ def _to(s3: S3) -> tuple[str, ...]:
     return ("--ckpt-url", s3.url, "--storage-options", json.dumps(s3.options))
 
 
-def _checkpoints(s3: S3) -> dict[str, set[str]]:
-    """The store's objects under ``run/``, grouped by the checkpoint (prefix) they are in."""
-    found: dict[str, set[str]] = {}
-    for key in s3.keys():
-        head, _, rest = key.partition("/")
-        found.setdefault(head, set()).add(rest)
-    return found
+def _same_as(uninterrupted: Path, resumed: Path) -> None:
+    """The resumed job ended with the never-killed one's weights and optimizer state, on
+    both ranks, after as many steps."""
+    for rank in (0, 1):
+        assert _same(_weights(uninterrupted, rank), _weights(resumed, rank))
+        assert _same_optimizer_state(
+            _optimizer(uninterrupted, rank)["state"], _optimizer(resumed, rank)["state"]
+        )
+    assert _summary(resumed, 0)["step"] == 32
 
 
 def test_killed_while_writing_remote_shards_resumes_bit_identical(
@@ -63,7 +65,7 @@ def test_killed_while_writing_remote_shards_resumes_bit_identical(
     assert proc.returncode != 0
     directory = RemotePath(s3.url, s3.options)
     # The save of step 20 never got its marker: "last" is step 10's, complete.
-    left = _checkpoints(s3)
+    left = s3.grouped()
     assert "loopbus.complete" not in left.get("epoch=1-step=20.ckpt", set())
     last = loopbus.latest_checkpoint(directory)
     assert str(last) == f"{s3.url}/epoch=0-step=10.ckpt"
@@ -74,15 +76,10 @@ def test_killed_while_writing_remote_shards_resumes_bit_identical(
 
     _ok(_launch(tmp_path, *common, "--resume"))
     assert torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)["step"] == 10
-    for rank in (0, 1):
-        assert _same(_weights(uninterrupted, rank), _weights(tmp_path, rank))
-        assert _same_optimizer_state(
-            _optimizer(uninterrupted, rank)["state"], _optimizer(tmp_path, rank)["state"]
-        )
-    assert _summary(tmp_path, 0)["step"] == 32
+    _same_as(uninterrupted, tmp_path)
     # keep_last=2: exactly the two newest, each whole (its marker lists every object
     # under its prefix), and not one object more.
-    kept = _checkpoints(s3)
+    kept = s3.grouped()
     assert sorted(kept) == ["epoch=1-step=30.ckpt", "epoch=1-step=32.ckpt", "last.json"]
     for name in ("epoch=1-step=30.ckpt", "epoch=1-step=32.ckpt"):
         info = loopbus.checkpoint_info(directory / name)
@@ -107,12 +104,7 @@ def test_killed_in_a_remote_file_upload_under_ddp_resumes_bit_identical(
     assert sorted(s3.keys()) == ["epoch=0-step=10.ckpt", "epoch=0-step=10.ckpt.complete", "last.json"]
     _ok(_launch(tmp_path, *common, "--resume"))
     assert torch.load(tmp_path / "loaded_rank0.pt", weights_only=True)["step"] == 10
-    for rank in (0, 1):
-        assert _same(_weights(uninterrupted, rank), _weights(tmp_path, rank))
-        assert _same_optimizer_state(
-            _optimizer(uninterrupted, rank)["state"], _optimizer(tmp_path, rank)["state"]
-        )
-    assert _summary(tmp_path, 0)["step"] == 32
+    _same_as(uninterrupted, tmp_path)
     assert sorted(s3.keys()) == [
         "epoch=1-step=30.ckpt",
         "epoch=1-step=30.ckpt.complete",
@@ -127,4 +119,4 @@ def test_a_job_of_four_fsdp_ranks_resumes_on_two_from_the_store(s3: S3, tmp_path
     resume_at_another_world_size(
         tmp_path, RemotePath(s3.url, s3.options), 4, 2, 4, 6, "fsdp", *_to(s3)
     )
-    assert sorted(_checkpoints(s3))[-1] == "last.json"
+    assert sorted(s3.grouped())[-1] == "last.json"

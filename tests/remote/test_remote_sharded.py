@@ -46,19 +46,10 @@ def _sharded(s3: S3, **options: Any) -> Checkpoint:
     return Checkpoint(s3.url, storage_options=s3.options, sharded=True, **options)
 
 
-def _checkpoints(s3: S3) -> dict[str, set[str]]:
-    """The objects under ``run/``, grouped by the checkpoint (prefix) they are in."""
-    found: dict[str, set[str]] = {}
-    for key in s3.keys():
-        head, _, rest = key.partition("/")
-        found.setdefault(head, set()).add(rest)
-    return found
-
-
 async def test_a_remote_sharded_run_resumed_from_last_ends_bit_identical(s3: S3) -> None:
     _, straight = await _fit(4, [])
     await _fit(2, [_sharded(s3, every_n_epochs=1)])
-    assert _checkpoints(s3) == {"epoch=1-step=8.ckpt": SHARDED, "last.json": {""}}
+    assert s3.grouped() == {"epoch=1-step=8.ckpt": SHARDED, "last.json": {""}}
     last = loopbus.latest_checkpoint(RemotePath(s3.url, s3.options))
     assert str(last) == f"{s3.url}/epoch=1-step=8.ckpt"
     assert loopbus.is_sharded_checkpoint(last)
@@ -77,7 +68,7 @@ async def test_a_remote_sharded_run_resumed_from_last_ends_bit_identical(s3: S3)
 async def test_keep_last_two_over_ten_sharded_saves_leaves_no_orphans_nor_secrets(s3: S3) -> None:
     checkpoint = _sharded(s3, every_n_steps=2, keep_last=2, save_on_end=False)
     await _fit(5, [checkpoint])
-    assert _checkpoints(s3) == {
+    assert s3.grouped() == {
         "epoch=4-step=18.ckpt": SHARDED,
         "epoch=4-step=20.ckpt": SHARDED,
         "last.json": {""},
@@ -111,7 +102,7 @@ async def test_an_incomplete_sharded_prefix_is_never_taken_and_goes_at_resume(s3
     with pytest.warns(UserWarning, match="epoch=5-step=99.ckpt"):
         trainer, _ = await _fit(2, [_sharded(s3, every_n_epochs=1)], ckpt_path="last")
     assert trainer.global_step == 2 * PER_EPOCH
-    assert sorted(_checkpoints(s3)) == ["epoch=1-step=8.ckpt", "last.json"]
+    assert sorted(s3.grouped()) == ["epoch=1-step=8.ckpt", "last.json"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["file", "sharded"])
@@ -190,7 +181,7 @@ async def test_a_failed_sharded_write_is_reported_and_never_named_last(
     failures = [str(w.message) for w in caught if "upload" in str(w.message)]
     assert 1 <= len(failures) <= 2
     assert "epoch=0-step=4.ckpt" in failures[0]
-    kept = _checkpoints(s3)
+    kept = s3.grouped()
     assert "epoch=0-step=4.ckpt" not in kept or "loopbus.complete" not in kept["epoch=0-step=4.ckpt"]
     assert kept["epoch=1-step=8.ckpt"] == SHARDED
     assert loopbus.latest_checkpoint(RemotePath(url, options)) == f"{url}/epoch=1-step=8.ckpt"

@@ -466,20 +466,28 @@ def _remote_incomplete(
         return "it does not exist"
     if marker not in objects:
         return f"it has no completeness marker {marker} (its upload did not finish, or the marker was deleted)"
-    try:
-        expected = read_remote_json(store, marker, Marker).size
-    except FileNotFoundError:
-        return f"it has no completeness marker {marker} (it was deleted meanwhile)"
-    except ValueError as exc:
-        return f"its completeness marker {marker} is damaged: {exc}"
-    except Exception as exc:
-        return f"its completeness marker {marker} cannot be read ({type(exc).__name__}: {exc})"
+    info = _remote_marker(store, marker)
+    if isinstance(info, str):
+        return info
+    expected = info.size
     if objects[name] != expected:
         return (
             f"it has {objects[name]} bytes where its completeness marker records {expected} "
             "(it is truncated or was modified)"
         )
     return None
+
+
+def _remote_marker(store: Store, marker: str) -> Marker | str:
+    """The remote completeness marker ``marker``, or why it cannot be had."""
+    try:
+        return read_remote_json(store, marker, Marker)
+    except FileNotFoundError:
+        return f"it has no completeness marker {marker} (it was deleted meanwhile)"
+    except ValueError as exc:
+        return f"its completeness marker {marker} is damaged: {exc}"
+    except Exception as exc:
+        return f"its completeness marker {marker} cannot be read ({type(exc).__name__}: {exc})"
 
 
 def _remote_sharded_incomplete(inside: Store) -> str | None:
@@ -492,14 +500,10 @@ def _remote_sharded_incomplete(inside: Store) -> str | None:
             f"it has no completeness marker {SHARDED_MARKER} (its writers did not finish, "
             "or the marker was deleted)"
         )
-    try:
-        files = read_remote_json(inside, SHARDED_MARKER, Marker).files
-    except FileNotFoundError:
-        return f"it has no completeness marker {SHARDED_MARKER} (it was deleted meanwhile)"
-    except ValueError as exc:
-        return f"its completeness marker {SHARDED_MARKER} is damaged: {exc}"
-    except Exception as exc:
-        return f"its completeness marker cannot be read ({type(exc).__name__}: {exc})"
+    info = _remote_marker(inside, SHARDED_MARKER)
+    if isinstance(info, str):
+        return info
+    files = info.files
     if not files:
         return f"its completeness marker {SHARDED_MARKER} lists no files"
     for file, size in files.items():

@@ -216,7 +216,8 @@ class ShardedSave:
                     with open(staged, "wb") as file:
                         save_plain(plain, file)
                     inside.upload(staged, SHARDED_STATE)
-            files = {n: size for n, size in sorted(inside.listing().items()) if n != SHARDED_MARKER}
+            listed = inside.retried(inside.listing)
+            files = {n: size for n, size in sorted(listed.items()) if n != SHARDED_MARKER}
             info = dict(self.info, files=files, checkpoint=target.name)
             stage = SHARDED_MARKER
             inside.write(SHARDED_MARKER, _json_bytes(info))

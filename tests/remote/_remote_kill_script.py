@@ -97,6 +97,19 @@ def final_state(trainer: Trainer, module: Net) -> dict[str, Any]:
     }
 
 
+def assert_same_final(resumed: dict[str, Any], reference: dict[str, Any], where: str = "") -> None:
+    """A resumed run's :func:`final_state` is the uninterrupted run's, bit for bit (after
+    as many steps, the same weights, momentum buffers and parameter groups)."""
+    assert resumed["global_step"] == reference["global_step"] == EPOCHS * PER_EPOCH
+    for name, tensor in reference["module"].items():
+        assert torch.equal(resumed["module"][name], tensor), f"weight {name!r} differs {where}"
+    for index, state in reference["optimizer"]["state"].items():
+        assert torch.equal(
+            resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"]
+        ), f"momentum buffer {index} differs {where}"
+    assert resumed["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--endpoint", required=True, help="the S3 server, http://host:port")

@@ -32,7 +32,14 @@ import torch
 import loopbus
 from loopbus import RemotePath
 
-from ._remote_kill_script import EPOCHS, EVERY_N_STEPS, PER_EPOCH, build, final_state
+from ._remote_kill_script import (
+    EPOCHS,
+    EVERY_N_STEPS,
+    PER_EPOCH,
+    assert_same_final,
+    build,
+    final_state,
+)
 from .conftest import S3, free_port, make_bucket
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -219,15 +226,7 @@ async def test_resume_after_sigkill_in_a_remote_save_is_bit_identical(
     assert str(loopbus.latest_checkpoint(directory)) == f"{s3.url}/{pointer}"
     trainer, module, train = build(s3.url, s3.options)
     await trainer.fit(module, train, ckpt_path="last")
-    resumed = final_state(trainer, module)
-    assert resumed["global_step"] == reference["global_step"] == STEPS
-    for name, tensor in reference["module"].items():
-        assert torch.equal(resumed["module"][name], tensor), f"weight {name!r} differs {where}"
-    for index, state in reference["optimizer"]["state"].items():
-        assert torch.equal(
-            resumed["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"]
-        ), f"momentum buffer {index} differs {where}"
-    assert resumed["optimizer"]["param_groups"] == reference["optimizer"]["param_groups"]
+    assert_same_final(final_state(trainer, module), reference, where)
     last = loopbus.latest_checkpoint(directory)
     assert str(last) == f"{s3.url}/epoch={EPOCHS - 1}-step={STEPS}.ckpt"
     assert loopbus.load_checkpoint(directory)["loopbus"]["global_step"] == STEPS

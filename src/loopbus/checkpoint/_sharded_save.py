@@ -189,7 +189,7 @@ class ShardedSave:
                 self.future.result()
             except (Exception, CheckpointException) as exc:
                 if self.writer_rank:
-                    self._discard()
+                    _discard(self.temp)
                 raise _shards_failed(self.path, exc) from exc
         if self.writer_rank:
             if isinstance(self.path, RemotePath):
@@ -198,9 +198,6 @@ class ShardedSave:
                 self._complete()
         self._finished = True
         return self.path
-
-    def _discard(self) -> None:
-        _discard(self.temp)
 
     def _complete_remote(self, target: RemotePath) -> None:
         """Complete a sharded checkpoint in an object store: the plain state uploaded
@@ -222,7 +219,7 @@ class ShardedSave:
             stage = SHARDED_MARKER
             inside.write(SHARDED_MARKER, _json_bytes(info))
         except Exception as exc:
-            self._discard()
+            _discard(target)
             raise CheckpointError(
                 f"could not complete the sharded checkpoint {target}: writing {stage} failed "
                 f"after {self.retries} retries: {type(exc).__name__}: {exc}. It has no marker, "
@@ -391,9 +388,10 @@ class ShardedCheckpointWriter:
         if is_url(path):
             target = temp = remote_path(path)
             require_backend(target, owner=f"a sharded checkpoint to {target.url}")
-            if zero and not fresh:  # an object store has no rename: the old one goes first
-                remove_remote_tree(Store(target.parent, retries=retries), target.name)
-            strategy.barrier()
+            if not fresh:  # an object store has no rename: the old one goes first
+                if zero:
+                    remove_remote_tree(Store(target.parent, retries=retries), target.name)
+                strategy.barrier()  # and no rank writes before it is gone
         else:
             target = Path(os.fspath(path))
             temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))

@@ -1,5 +1,5 @@
 """Preemption: the time from SIGTERM to the process's exit, on the preemption tests'
-small model (``tests/engine/_preempt_script.py``: an MLP, batches of 8, windows of 3, a
+small model (``tests/stage/_preempt_script.py``: an MLP, batches of 8, windows of 3, a
 ``Checkpoint`` plus CSV and JSONL loggers), in one process and under ``torchrun`` (two
 gloo ranks, the signal sent to the agent).
 

@@ -18,6 +18,12 @@ before, and in any order.
   limit while it compiles, and ``seed_everything`` sets the variable on purpose.
 * ``--order=reverse`` runs the collected tests in reverse order (CI does, so an order
   dependency fails there even when the usual order hides it).
+* Tests that start a process (a script, ``torchrun``, a browser, inductor's compile
+  workers) or stand up a server outside the engine (the S3 server, the dashboard's web
+  server) are marked ``external``. ``./dev test --quick`` deselects them
+  (``-m "not external"``), and then fails any test that starts a process unmarked.
+* After collection the objects alive so far are frozen out of the garbage collector's
+  reach (``pytest_collection_finish``).
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ _COMPILE_CACHE = tempfile.mkdtemp(prefix="loopbus-test-compile-cache-")
 os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_COMPILE_CACHE, "inductor")
 os.environ["TRITON_CACHE_DIR"] = os.path.join(_COMPILE_CACHE, "triton")
 
+import gc  # noqa: E402
 import random  # noqa: E402
 import signal  # noqa: E402
 import sys  # noqa: E402
 from collections.abc import Iterator  # noqa: E402
 from typing import Any  # noqa: E402
 
+import hypothesis  # noqa: E402, F401
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
@@ -63,9 +71,42 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     )
 
 
+#: Fixtures that start a process or a server outside the engine: a test that uses one
+#: is ``external`` (the S3 server; the shared launches of the distributed scripts).
+_EXTERNAL_FIXTURES = {"s3_endpoint", "own_server", "sharded_references", "ddp_runs", "fsdp_runs"}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if _EXTERNAL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.external)
     if config.getoption("--order") == "reverse":
         items.reverse()
+
+
+def _quick(config: pytest.Config) -> bool:
+    """Whether this run leaves the ``external`` tests out (``./dev test --quick``)."""
+    return "not external" in (config.getoption("markexpr") or "")
+
+
+@pytest.fixture(autouse=True)
+def _no_process_unless_external(
+    request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """In a quick run, a test that starts a process fails, naming the mark it lacks."""
+    if not _quick(request.config) or request.node.get_closest_marker("external"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{request.node.nodeid} starts a process: mark it @pytest.mark.external "
+            "(the quick run, ./dev test --quick, leaves those out)"
+        )
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
@@ -175,13 +216,35 @@ def anyio_backend(request: pytest.FixtureRequest) -> tuple[str, dict[str, object
 
 
 @pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    """The sharded-checkpoint job of ``tests/test_distributed_sharded.py`` run to its end
-    on 2 DDP ranks, never killed: the reference its killed runs (local and remote) must
-    match bit for bit. Run once per session."""
-    from tests.test_distributed import _launch, _ok
-    from tests.test_distributed_sharded import COMMON
+def sharded_references(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The sharded-checkpoint job of ``tests/distributed/test_sharded.py`` run to its end
+    on 2 DDP ranks and on 2 FSDP ranks, never killed, in one launch: the references its
+    killed runs (local and remote) must match bit for bit. Run once per session."""
+    from tests.distributed.test_sharded import REFERENCES
 
-    out = tmp_path_factory.mktemp("uninterrupted")
-    _ok(_launch(out, *COMMON))
-    return out
+    return REFERENCES.run_once(tmp_path_factory, "sharded-references")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(sharded_references: Any) -> Any:
+    """The DDP reference of ``sharded_references``: its folder."""
+    return sharded_references.out("ddp")
+
+
+@pytest.fixture(scope="session")
+def uninterrupted_fsdp(sharded_references: Any) -> Any:
+    """The FSDP reference of ``sharded_references``: its folder."""
+    return sharded_references.out("fsdp")
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once every test module is imported, move what the process holds so far (torch,
+    the libraries, the test modules: hundreds of thousands of objects that stay alive
+    to the end) out of the garbage collector's reach (``gc.freeze``). A collection then
+    scans only what the tests made: the leak checks, the batch-size finder and the
+    tests that count live tensors collect often, and each full collection of the whole
+    heap took a fraction of a second. (Hypothesis is imported above, before the freeze:
+    when it loads, it checks with ``gc.get_referrers`` that the generators other
+    libraries hand it are referenced, and frozen referrers are not listed.)"""
+    gc.collect()
+    gc.freeze()

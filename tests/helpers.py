@@ -50,7 +50,9 @@ def make_loader(n: int = 64, batch_size: int = 16, seed: int = 0, shuffle: bool 
     return DataLoader(TensorDataset(x, y), batch_size=batch_size, shuffle=shuffle)
 
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+#: The repository's root folder.
+ROOT = Path(__file__).resolve().parents[1]
+BENCHMARKS = ROOT / "benchmarks"
 
 
 def load_benchmark(name: str) -> ModuleType:

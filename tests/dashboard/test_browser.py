@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.helpers import ROOT
 
 
 def _chromium() -> str | None:
@@ -29,6 +29,7 @@ def _chromium() -> str | None:
 
 
 pytestmark = [
+    pytest.mark.external,
     pytest.mark.skipif(
         _chromium() is None, reason="Chromium is not installed (Debian: apt-get install chromium)"
     ),
@@ -207,10 +208,7 @@ def _dense_events() -> str:
             }
         ],
     }
-    return (
-        f"event: status\ndata: {json.dumps(status)}\n\n"
-        f"event: data\ndata: {json.dumps(data)}\n\n"
-    )
+    return f"event: status\ndata: {json.dumps(status)}\n\nevent: data\ndata: {json.dumps(data)}\n\n"
 
 
 #: The share of a chart's plot area that epoch markers (#8c959f) cover.

@@ -8,9 +8,13 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
-SRC = Path(__file__).resolve().parents[2] / "src" / "loopbus"
-ROOT = SRC.parents[1]
+from tests.helpers import ROOT
+
+pytestmark = pytest.mark.external
+
+SRC = ROOT / "src" / "loopbus"
 
 
 def test_the_dashboard_imports_neither_torch_nor_the_engine() -> None:

@@ -14,7 +14,7 @@ import pytest
 import loopbus
 from loopbus import Plugin, Trainer, on
 from loopbus.plugins import Checkpoint, CheckpointSaved
-from tests.engine._ckpt_scenario import Net, make_data
+from tests.ckpt_scenario import Net, make_data
 
 N_TRAIN = 96
 BATCH = 8  # 12 steps an epoch

@@ -18,7 +18,7 @@ import loopbus
 from loopbus import CheckpointError, HandlerError, Plugin, Trainer, on
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint, _checkpoint
-from tests.engine._ckpt_scenario import Net, make_data
+from tests.ckpt_scenario import Net, make_data
 
 N_TRAIN = 96
 BATCH = 8

@@ -10,9 +10,9 @@ from typing import Any
 import anyio
 
 import loopbus
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import ROOT, TinyModule, make_loader
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "plugins.md"
+DOC = ROOT / "docs" / "plugins.md"
 
 
 def example(marker: str) -> dict[str, Any]:

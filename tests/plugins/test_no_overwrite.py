@@ -20,7 +20,7 @@ from loopbus.plugins import (
     read_csv,
     read_run_info,
 )
-from tests.engine._ckpt_scenario import Net, make_data
+from tests.ckpt_scenario import Net, make_data
 
 
 def build(*plugins: Plugin, max_epochs: int = 1) -> tuple[Trainer, Net, Any]:

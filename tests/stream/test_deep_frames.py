@@ -33,9 +33,11 @@ from loopbus.stream import (
     Subscribed,
     Welcome,
 )
+from tests.helpers import ROOT
 from tests.plugins.stream_helpers import encode_frames, exchange, frame
 
-ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.external
+
 SCRIPT = [sys.executable, "-m", "tests.stream.deep_frames_script"]
 #: What the refusal says, whatever the recursion limit.
 TOO_DEEP = "nests arrays and maps more than 32 levels deep"

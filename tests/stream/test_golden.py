@@ -32,10 +32,11 @@ import pytest
 from loopbus import PutRecord
 from loopbus.stream import EpochEnded, Server, StageEnded, StageStarted
 from loopbus.stream._wire import PROTOCOL_VERSIONS
+from tests.helpers import ROOT
 from tests.stream.raw_client import RawClient, accounting, encode_frame, is_type
 
 GOLDEN = Path(__file__).resolve().parent / "golden"
-PROTOCOL_DOC = Path(__file__).resolve().parents[2] / "docs" / "protocol.md"
+PROTOCOL_DOC = ROOT / "docs" / "protocol.md"
 
 #: Server options of the scripted run: a small per-client queue, so that the run's
 #: second hand-over overflows it (a Gap), and no pause between hand-overs.

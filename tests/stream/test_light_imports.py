@@ -6,6 +6,8 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
+
 import loopbus
 
 HEAVY = "sorted(m for m in sys.modules if m.split('.')[0] == 'torch' or m.startswith(('loopbus.engine', 'loopbus.plugins')))"
@@ -18,6 +20,7 @@ def run(code: str) -> str:
     return result.stdout.strip()
 
 
+@pytest.mark.external
 def test_stream_and_cli_import_neither_torch_nor_the_engine() -> None:
     code = f"import loopbus.stream, loopbus.__main__, sys; print({HEAVY})"
     assert run(code) == "[]"
@@ -25,6 +28,7 @@ def test_stream_and_cli_import_neither_torch_nor_the_engine() -> None:
     assert run(code) == "[]"
 
 
+@pytest.mark.external
 def test_engine_names_load_on_first_use() -> None:
     code = (
         "import loopbus, sys; assert 'torch' not in sys.modules; "
@@ -35,6 +39,7 @@ def test_engine_names_load_on_first_use() -> None:
     assert run(code) == "loopbus loopbus.plugins ['ProgressBar', 'ModelSummary']"
 
 
+@pytest.mark.external
 def test_importing_the_plugins_first_still_names_them_publicly() -> None:
     code = (
         "from loopbus.plugins import EarlyStopping; import loopbus; "

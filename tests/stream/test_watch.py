@@ -9,12 +9,15 @@ from typing import Any
 
 import anyio
 import msgspec
+import pytest
 
 from loopbus import PutRecord, Trainer
 from loopbus.plugins import StreamServer
 from loopbus.stream import Server, StageEnded, StageStarted
 from tests.helpers import TinyModule, make_loader
 from tests.plugins.stream_helpers import Gate
+
+pytestmark = pytest.mark.external
 
 WATCH = [sys.executable, "-m", "loopbus", "watch"]
 

@@ -20,9 +20,8 @@ from loopbus import MisconfigurationError, SingleProcess, Trainer, load_checkpoi
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
 from loopbus.plugins.tuning import WeightAveraging
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import ROOT, TinyModule, make_loader
 
-ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).resolve().parent / "_averaging_script.py"
 KEY = "plugins/WeightAveraging"
 
@@ -311,6 +310,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_two_ddp_ranks_keep_the_same_average_as_one_process(tmp_path: Path) -> None:

@@ -24,9 +24,8 @@ import loopbus
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.events import BeforeOptimizerStep
 from loopbus.plugins.tuning import LRFinder, LRFinderResult, find_lr
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import ROOT, TinyModule, make_loader
 
-ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).resolve().parent / "_lr_finder_script.py"
 
 
@@ -405,6 +404,7 @@ def _env() -> dict[str, str]:
     return env
 
 
+@pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])

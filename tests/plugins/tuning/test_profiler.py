@@ -22,9 +22,8 @@ import loopbus
 from loopbus import MisconfigurationError, Trainer
 from loopbus.plugins import Checkpoint
 from loopbus.plugins.tuning import Profiler
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import ROOT, TinyModule, make_loader
 
-ROOT = Path(__file__).resolve().parents[3]
 PHASES = (
     "loopbus.data_fetch",
     "loopbus.step",
@@ -252,6 +251,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_each_rank_writes_its_own_traces(tmp_path: Path) -> None:

@@ -22,8 +22,8 @@ from torch.utils.flop_counter import FlopCounterMode
 import loopbus
 from loopbus import HandlerError, MisconfigurationError, Plugin, PutRecord, Trainer, on
 from loopbus.plugins.tuning import ThroughputMonitor, peak_flops
+from tests.helpers import ROOT
 
-ROOT = Path(__file__).resolve().parents[3]
 SCRIPT = Path(__file__).resolve().parent / "_throughput_script.py"
 B, N_IN, N_OUT = 16, 64, 32
 FORWARD = 2 * B * N_IN * N_OUT  # one (16 x 64) @ (64 x 32) product
@@ -303,6 +303,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+@pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
 def test_two_ranks_sum_their_samples(tmp_path: Path) -> None:

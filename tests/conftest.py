@@ -237,14 +237,28 @@ def uninterrupted_fsdp(sharded_references: Any) -> Any:
     return sharded_references.out("fsdp")
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Once every test module is imported, move what the process holds so far (torch,
-    the libraries, the test modules: hundreds of thousands of objects that stay alive
-    to the end) out of the garbage collector's reach (``gc.freeze``). A collection then
-    scans only what the tests made: the leak checks, the batch-size finder and the
-    tests that count live tensors collect often, and each full collection of the whole
-    heap took a fraction of a second. (Hypothesis is imported above, before the freeze:
-    when it loads, it checks with ``gc.get_referrers`` that the generators other
-    libraries hand it are referenced, and frozen referrers are not listed.)"""
+def _freeze_what_is_alive() -> None:
+    """Collect, then move every object still alive out of the garbage collector's reach
+    (``gc.freeze``): later collections scan only what the tests make after this."""
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Once every test module is imported, freeze what the process holds so far (torch,
+    the libraries, the test modules: hundreds of thousands of objects that stay alive
+    to the end). The leak checks, the batch-size finder and the tests that count live
+    tensors collect often, and a full collection of the whole heap took a fraction of a
+    second each time. (Hypothesis is imported above, before the freeze: when it loads,
+    it checks with ``gc.get_referrers`` that the generators other libraries hand it are
+    referenced, and frozen referrers are not listed.)"""
+    _freeze_what_is_alive()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _freeze_after_each_module() -> Iterator[None]:
+    """What a test module leaves alive for good (caches it filled, compiled code) is
+    frozen too once it ends, after a collection, so the heap later tests scan stays
+    small; the garbage it left is collected first, never frozen."""
+    yield
+    _freeze_what_is_alive()

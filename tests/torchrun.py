@@ -39,13 +39,15 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def env() -> dict[str, str]:
-    """This process's environment for a launched job: loopbus's source on the path, one
+def env(*, tests: bool = False) -> dict[str, str]:
+    """This process's environment for a launched job: loopbus's source on the path (and
+    the repository's root with ``tests=True``, for a script that imports ``tests``), one
     intra-op thread, and none of the variables a launcher sets for its workers."""
     variables = dict(os.environ)
-    src = str(ROOT / "src")
-    path = variables.get("PYTHONPATH")
-    variables["PYTHONPATH"] = os.pathsep.join([src, path]) if path else src
+    paths = [str(ROOT / "src"), *([str(ROOT)] if tests else [])]
+    if variables.get("PYTHONPATH"):
+        paths.append(variables["PYTHONPATH"])
+    variables["PYTHONPATH"] = os.pathsep.join(paths)
     variables["OMP_NUM_THREADS"] = "1"
     for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
         variables.pop(name, None)

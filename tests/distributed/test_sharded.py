@@ -19,8 +19,7 @@ import torch
 
 import loopbus
 from loopbus.checkpoint._format import SHARDED_MARKER
-from tests.torchrun import DDP_SCRIPT, Scenarios, launch, ok, same, weights
-from tests.torchrun import env as _env
+from tests.torchrun import DDP_SCRIPT, Scenarios, env, launch, ok, same, weights
 from tests.torchrun import summary as _summary
 
 pytestmark = pytest.mark.skipif(
@@ -140,7 +139,7 @@ def test_resuming_mid_epoch_in_one_process_is_refused(uninterrupted: Path, tmp_p
     (directory / source.name).symlink_to(source, target_is_directory=True)
     proc = subprocess.run(
         [sys.executable, str(DDP_SCRIPT), "--out", str(tmp_path), *COMMON, "--resume"],
-        env=_env(),
+        env=env(),
         capture_output=True,
         text=True,
         timeout=120,
@@ -247,7 +246,7 @@ def test_a_checkpoint_between_epochs_resumes_in_one_process(
     options = ("--epochs", "3", "--ckpt", "10", "--sharded", "--keep-last", "2")
     proc = subprocess.run(
         [sys.executable, str(DDP_SCRIPT), "--out", str(tmp_path), *options, "--resume"],
-        env=_env(),
+        env=env(),
         capture_output=True,
         text=True,
         timeout=120,

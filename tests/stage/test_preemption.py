@@ -9,7 +9,6 @@ inline or in a worker thread; the signal goes from this process to that one."""
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ import torch
 
 import loopbus
 from loopbus.plugins import read_csv, read_jsonl
-from tests.helpers import ROOT
+from tests.torchrun import env
 
 SCRIPT = Path(__file__).resolve().parent / "_preempt_script.py"
 #: The batch the signal lands in: epoch 1, batch 7 (the second of its accumulation
@@ -37,17 +36,6 @@ pytestmark = [
         not hasattr(signal, "SIGUSR1"), reason="POSIX signals (SIGTERM, SIGUSR1) needed"
     ),
 ]
-
-
-def env() -> dict[str, str]:
-    environ = dict(os.environ)
-    src = str(ROOT / "src")
-    old = environ.get("PYTHONPATH")
-    environ["PYTHONPATH"] = os.pathsep.join([src, old]) if old else src
-    environ["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        environ.pop(name, None)
-    return environ
 
 
 def run_script(directory: Path, *args: str) -> subprocess.CompletedProcess[str]:

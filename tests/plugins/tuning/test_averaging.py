@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -20,7 +19,8 @@ from loopbus import MisconfigurationError, SingleProcess, Trainer, load_checkpoi
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
 from loopbus.plugins.tuning import WeightAveraging
-from tests.helpers import ROOT, TinyModule, make_loader
+from tests.helpers import TinyModule, make_loader
+from tests.torchrun import env
 
 SCRIPT = Path(__file__).resolve().parent / "_averaging_script.py"
 KEY = "plugins/WeightAveraging"
@@ -298,18 +298,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    paths = [str(ROOT / "src"), str(ROOT)]
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 @pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -323,7 +311,7 @@ def test_two_ddp_ranks_keep_the_same_average_as_one_process(tmp_path: Path) -> N
         str(SCRIPT),
         str(tmp_path),
     ]
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=env(tests=True), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in (0, 1)]
     for rank in ranks:

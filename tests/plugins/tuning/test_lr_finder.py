@@ -7,7 +7,6 @@ import copy
 import inspect
 import json
 import math
-import os
 import random
 import socket
 import subprocess
@@ -24,7 +23,8 @@ import loopbus
 from loopbus import MisconfigurationError, Module, Plugin, PutRecord, Trainer, on
 from loopbus.events import BeforeOptimizerStep
 from loopbus.plugins.tuning import LRFinder, LRFinderResult, find_lr
-from tests.helpers import ROOT, TinyModule, make_loader
+from tests.helpers import TinyModule, make_loader
+from tests.torchrun import env
 
 SCRIPT = Path(__file__).resolve().parent / "_lr_finder_script.py"
 
@@ -394,16 +394,6 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    src = os.pathsep.join([str(ROOT / "src"), str(ROOT)])
-    env["PYTHONPATH"] = os.pathsep.join([src, env["PYTHONPATH"]]) if env.get("PYTHONPATH") else src
-    env["OMP_NUM_THREADS"] = "1"
-    for name in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(name, None)
-    return env
-
-
 @pytest.mark.external
 @pytest.mark.slow
 @pytest.mark.skipif(not torch.distributed.is_available(), reason="no torch.distributed")
@@ -416,7 +406,7 @@ def test_every_rank_sweeps_alike_and_agrees_on_one_suggestion(
         f"--master_port={_free_port()}", str(SCRIPT),
         "--out", str(tmp_path), "--strategy", strategy,
     ]  # fmt: skip
-    proc = subprocess.run(cmd, env=_env(), capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(cmd, env=env(tests=True), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-8000:]
     s0, s1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
     assert s0["strategy"] == s1["strategy"] == strategy

@@ -1,8 +1,8 @@
-"""A damaged newest checkpoint (a truncated file or shard, its marker or its file deleted)
-is skipped by ``load_checkpoint(directory)``, ``latest_checkpoint`` and
-``fit(ckpt_path="last")``, which take the newest complete one instead and say, in a
-``UserWarning``, which one they skipped and why: without ``last.json``, and when
-``last.json`` names the damaged one. Named explicitly, a damaged checkpoint is still
+"""A damaged newest checkpoint (a truncated file or shard, a file whose CRC-32 no longer
+matches its marker, its marker or its file deleted) is skipped by
+``load_checkpoint(directory)``, ``latest_checkpoint`` and ``fit(ckpt_path="last")``,
+which take the newest complete one instead and say, in a ``UserWarning``, which one they
+skipped and why: without ``last.json``, and when ``last.json`` names the damaged one. Named explicitly, a damaged checkpoint is still
 refused (``test_sharded_checkpoint.py``, ``test_checkpoint_files.py``)."""
 
 from __future__ import annotations
@@ -48,6 +48,14 @@ def _damage(checkpoint: Path, damage: str) -> str:
             handle.truncate(file.stat().st_size // 2)
         what = r"its file __0_0\.distcp has" if checkpoint.is_dir() else "it has"
         return rf"{what} \d+ bytes where its completeness marker records \d+ \(it is truncated"
+    if damage == "corrupted":  # one byte changed, the size kept: only the CRC-32 tells
+        with open(checkpoint, "r+b") as handle:
+            handle.seek(checkpoint.stat().st_size // 2)
+            byte = handle.read(1)
+            handle.seek(-1, 1)
+            handle.write(bytes([byte[0] ^ 0xFF]))
+        marker = re.escape(f"{checkpoint.name}.complete")
+        return rf"its CRC-32 does not match the one its completeness marker {marker} records"
     if damage == "marker-deleted":
         if checkpoint.is_dir():
             (checkpoint / SHARDED_MARKER).unlink()
@@ -61,6 +69,7 @@ def _damage(checkpoint: Path, damage: str) -> str:
 
 CASES = [
     ("file", "truncated"),
+    ("file", "corrupted"),
     ("file", "marker-deleted"),
     ("file", "file-deleted"),
     ("sharded", "truncated"),
@@ -96,7 +105,7 @@ async def test_without_last_json_the_newest_complete_checkpoint_is_taken(
 @pytest.mark.filterwarnings("ignore:resuming mid-epoch by skipping")
 @pytest.mark.parametrize(
     ("layout", "damage"),
-    [("file", "truncated"), ("file", "file-deleted"), *CASES[3:]],
+    [("file", "truncated"), ("file", "corrupted"), ("file", "file-deleted"), *CASES[4:]],
 )
 async def test_a_damaged_checkpoint_that_last_json_names_is_skipped(
     tmp_path: Path, layout: str, damage: str

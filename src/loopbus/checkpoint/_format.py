@@ -22,6 +22,7 @@ import os
 import re
 import secrets
 import socket
+import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -245,6 +246,16 @@ def checkpoint_info(
     if info is None:
         return None
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
+
+
+def file_crc32(file: Path) -> int:
+    """The CRC-32 of the file at ``file`` (as a completeness marker records it), read in
+    4 MiB pieces."""
+    crc = 0
+    with open(file, "rb") as handle:
+        while chunk := handle.read(1 << 22):
+            crc = zlib.crc32(chunk, crc)
+    return crc
 
 
 def _read_marker(marker: Path) -> Marker | None:

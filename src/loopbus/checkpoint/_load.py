@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import tempfile
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -36,6 +35,7 @@ from ._format import (
     PathLike,
     _read_marker,
     check_header,
+    file_crc32,
     is_sharded_checkpoint,
     marker_path,
 )
@@ -135,11 +135,7 @@ def _check_against_marker(file: Path, info: Marker) -> None:
             "modified after it was written); load another checkpoint, for example the "
             "previous one in the same directory."
         )
-    crc = 0
-    with open(file, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    if crc != info.crc32:
+    if file_crc32(file) != info.crc32:
         raise CheckpointError(
             f"the checkpoint {file} is corrupted: its CRC-32 does not match the one its "
             "completeness marker recorded when it was written. Load another checkpoint, for "

@@ -3,7 +3,8 @@ means, and the one ``ckpt_path="last"`` or ``"best"`` means among the trainer's 
 
 A directory means the checkpoint its ``last.json`` names or, without one or when that one
 (or the pointer itself) is missing or damaged, the newest complete one
-(:func:`latest_checkpoint`: the marker there, every file of the size it records); the
+(:func:`latest_checkpoint`: the marker there, every file of the size it records, and
+the CRC-32 of the file taken as its marker records it); the
 checkpoints passed over are named, with what is wrong with each, in a ``UserWarning``.
 Checkpoint files and sharded checkpoints' directories are treated alike.
 """
@@ -30,6 +31,7 @@ from ._format import (
     _why,
     checkpoint_info,
     describe_os_error,
+    file_crc32,
     is_sharded_checkpoint,
     marker_path,
     read_json,
@@ -80,8 +82,10 @@ def latest_checkpoint(directory: PathLike) -> Path | None:  # a RemotePath for a
     """The last checkpoint written into ``directory``: the one its ``last.json`` pointer
     names or, without a pointer (or when the one it names is missing or damaged), the
     newest complete one: with its completeness marker, and every file of the size the
-    marker records. A checkpoint passed over this way is named, with what is wrong with
-    it, in a ``UserWarning``. None when the directory holds no complete checkpoint.
+    marker records. The file taken is also read whole, once, to check its CRC-32 against
+    its marker's (a corrupted one is passed over for the next newest). A checkpoint
+    passed over this way is named, with what is wrong with it, in a ``UserWarning``.
+    None when the directory holds no complete checkpoint.
 
     A URL (a :class:`~loopbus.RemotePath` carries storage options) is searched alike,
     except that a checkpoint there is taken only with its marker, even when ``last.json``
@@ -120,21 +124,30 @@ def _latest(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             # structurally when it loads); a sharded checkpoint that replaces one of the
             # same name moves it aside for a moment (a directory cannot be replaced
             # atomically).
-            why = _incomplete(named, unmarked_file=True)
+            why = _incomplete(named, unmarked_file=True) or _corrupted(named)
             if why is None:
                 return named, []
             skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
     elif not d.is_dir():
         return None, []
-    found, others = _newest_complete(d)
-    if found is None and named is not None:
+    complete, others = _complete(d)
+    skipped += [(p, why) for p, why in others if p != named]
+    candidates = [p for p in complete if p != named]
+    while (found := newest(candidates)) is not None:
+        why = _corrupted(found)
+        if why is None:
+            return found, skipped
+        skipped.append((found, why))
+        candidates.remove(found)
+    if named is not None:
         return named, []  # nothing to fall back to: loading it says what is wrong
-    return found, skipped + [(p, why) for p, why in others if p != named]
+    return None, skipped
 
 
-def _newest_complete(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The newest complete checkpoint in ``d`` (files and sharded directories), and the
-    incomplete ones, each with what is wrong with it."""
+def _complete(d: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
+    """The complete checkpoints in ``d`` (files and sharded directories, each of the
+    sizes its marker records), and the incomplete ones, each with what is wrong with
+    it."""
     complete: list[Path] = []
     skipped: list[tuple[Path, str]] = []
     for entry in sorted(d.iterdir()):
@@ -156,7 +169,26 @@ def _newest_complete(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
             complete.append(entry)
         else:
             skipped.append((entry, why))
-    return newest(complete), skipped
+    return complete, skipped
+
+
+def _corrupted(path: Path) -> str | None:
+    """What is wrong with the contents of the checkpoint file at ``path`` (of the size
+    its marker records), or None: its CRC-32 against the one its marker records. Only
+    the checkpoint about to be taken is read this way; a file without a marker, and a
+    sharded checkpoint, pass (their structure is checked when they load)."""
+    if path.is_dir():
+        return None
+    try:
+        info = read_json(marker_path(path), Marker)
+        if info.crc32 is None or file_crc32(path) == info.crc32:
+            return None
+    except (OSError, ValueError):
+        return None  # reported as what it is when the file loads
+    return (
+        f"its CRC-32 does not match the one its completeness marker {marker_path(path).name} "
+        "records (it is corrupted)"
+    )
 
 
 def _incomplete(path: Path, *, unmarked_file: bool = False) -> str | None:

@@ -155,10 +155,14 @@ async def finish_stage(
     for loop in loops.values():
         loop.teardown_tree()
     if errors:
-        if failure is None:
-            raise errors[0]
+        # Every error is reported: the first raised (unless the stage failed already),
+        # each other one in a note on it.
+        first = failure if failure is not None else errors[0]
         for err in errors:
-            failure.add_note(f"while tearing down, also: {type(err).__name__}: {err}")
+            if err is not first:
+                first.add_note(f"while tearing down, also: {type(err).__name__}: {err}")
+        if failure is None:
+            raise first
 
 
 @asynccontextmanager

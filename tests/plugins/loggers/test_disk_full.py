@@ -153,3 +153,68 @@ def _names(directory: Path) -> list[str]:
 
 def _first_line(path: Path) -> str:
     return path.read_text().splitlines()[0]
+
+
+# TensorBoard's own writer thread re-raises the failed write after handing it over (its
+# design): the thread's traceback is printed besides the error the run raises.
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")
+async def test_a_tensorboard_write_on_a_full_disk_names_the_event_file(
+    disk: FullDisk, tmp_path: Path
+) -> None:
+    pytest.importorskip("tensorboard")
+    from loopbus.plugins import TensorBoardLogger
+
+    logger = TensorBoardLogger(tmp_path, name="", version="", flush_interval=0, buffer=1)
+    full = [False]
+    disk.full = lambda p: full[0] and p.name.startswith("events.out.tfevents.")
+    trainer = Trainer(max_steps=STEPS, plugins=[logger], device="cpu", enable_model_summary=False)
+
+    def fill_up(event: TrainBatchCompleted) -> None:
+        full[0] = full[0] or trainer.global_step >= 3
+
+    trainer.subscribe(TrainBatchCompleted, fill_up)
+    with pytest.raises(
+        (HandlerError, RuntimeError),
+        match=rf"TensorBoardLogger could not (finish )?write {re.escape(str(tmp_path))}/"
+        rf"events\.out\.tfevents\.[^:]+: {NO_SPACE}",
+    ):
+        await trainer.fit(TinyModule(), make_loader(n=16 * STEPS))
+    assert disk.failed
+
+
+def _said(error: BaseException) -> str:
+    """Everything ``error`` says: its message, its notes, and those of the errors it
+    groups."""
+    parts = [str(error), *getattr(error, "__notes__", [])]
+    if isinstance(error, BaseExceptionGroup):
+        parts += [_said(inner) for inner in error.exceptions]
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("when", ["during", "at-the-end"])
+async def test_when_several_loggers_fail_each_failure_is_reported(
+    disk: FullDisk, tmp_path: Path, when: str
+) -> None:
+    # During the run each fails at a hand-over; at the end each fails in its stop(), one
+    # after the other.
+    # During: every record handed over at once; at the end: all of them held until then.
+    options: dict[str, Any] = (
+        {"flush_interval": 0, "buffer": 1} if when == "during" else {"flush_interval": 3600}
+    )
+    csv = CSVLogger(tmp_path / "csv", name="", version="", **options)
+    jsonl = JSONLLogger(tmp_path / "jsonl", name="", version="", **options)
+    full = [False]
+    disk.full = lambda p: full[0] and p in (csv.path, jsonl.path)
+    trainer = Trainer(
+        max_steps=STEPS, plugins=[csv, jsonl], device="cpu", enable_model_summary=False
+    )
+
+    def fill_up(event: Any) -> None:
+        full[0] = full[0] or when == "at-the-end" or trainer.global_step >= 3
+
+    trainer.subscribe(TrainBatchCompleted if when == "during" else FitCompleted, fill_up)
+    with pytest.raises((HandlerError, RuntimeError, BaseExceptionGroup)) as caught:
+        await trainer.fit(TinyModule(), make_loader(n=16 * STEPS))
+    said = _said(caught.value)
+    for name, path in (("CSVLogger", csv.path), ("JSONLLogger", jsonl.path)):
+        assert f"{name} could not write {path}: {NO_SPACE}" in said, said

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -88,6 +89,7 @@ class TensorBoardLogger(VersionedDir, Logger):
         root = Path(check_local_path("save_dir", save_dir, owner="TensorBoardLogger"))
         self._init_dir("TensorBoardLogger", root, name, version)
         self._writer: Any = None
+        self._events_file: Path = self.log_dir
 
     def _holds_output(self, folder: Path) -> bool:
         return any(folder.glob("events.out.tfevents.*"))
@@ -104,7 +106,11 @@ class TensorBoardLogger(VersionedDir, Logger):
         # TensorBoard hides the earlier events of steps >= purge_step: those after the
         # checkpoint's step, which the resumed run writes again.
         purge_step = None if resume is None else resume + 1
+        before = set(log_dir.glob("events.out.tfevents.*"))
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+        # The event file it made (created with the writer): what a failed write names.
+        made = sorted(set(log_dir.glob("events.out.tfevents.*")) - before)
+        self._events_file = made[-1] if len(made) == 1 else log_dir
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
         from torch.utils.tensorboard.summary import hparams as hparams_summaries
@@ -117,14 +123,28 @@ class TensorBoardLogger(VersionedDir, Logger):
 
     def write(self, records: Sequence[PutRecord]) -> None:
         add_scalar = self._writer.add_scalar
-        for record in records:
-            add_scalar(record.name, float(record.value), record.step, walltime=record.time)
+        with self._naming_the_file():
+            for record in records:
+                add_scalar(record.name, float(record.value), record.step, walltime=record.time)
 
     def flush(self) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            with self._naming_the_file():
+                self._writer.flush()
 
     def close(self) -> None:
-        if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with self._naming_the_file():
+                writer.close()
+
+    @contextlib.contextmanager
+    def _naming_the_file(self) -> Iterator[None]:
+        """TensorBoard's writer thread raises a failed write (a full disk) without the
+        file's name: add the event file's."""
+        try:
+            yield
+        except OSError as exc:
+            if exc.filename is not None:
+                raise
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self._events_file)) from exc

@@ -219,6 +219,34 @@ async def test_suggestion_on_least_squares_lies_in_the_stable_decade() -> None:
     assert result.suggest(skip_begin=0, skip_end=0) is not None
 
 
+def _lightning_rule(lrs: list[float], losses: list[float], skip_begin: int, skip_end: int) -> int:
+    """Lightning's suggestion (2.1 on), written out: the most negative gradient of the
+    losses with respect to the rates, over the finite points of the window."""
+    window = torch.tensor(losses[skip_begin:-skip_end], dtype=torch.float64)
+    rates = torch.tensor(lrs[skip_begin:-skip_end], dtype=torch.float64)
+    finite = torch.isfinite(window)
+    gradient = torch.gradient(window[finite], spacing=[rates[finite]])[0]
+    return skip_begin + int(torch.nonzero(finite)[int(gradient.argmin())])
+
+
+async def test_the_per_lr_rule_is_lightning_s_and_reads_a_lower_rate() -> None:
+    torch.manual_seed(0)
+    result = await find_lr(
+        sweep_trainer(), Regression(), regression_data(), min_lr=1e-4, max_lr=10.0, rule="per_lr"
+    )
+    assert result.rule == "per_lr"
+    index = result.suggestion_index
+    assert index == _lightning_rule(result.lrs, result.losses, 10, 1)
+    assert result.suggestion == result.lrs[index]
+    # Per unit of rate, on an exponential sweep, a drop at a low rate weighs more: the
+    # suggestion is at most the per-step one (and each rule reads the other on demand).
+    per_step = result.suggest(rule="per_step")
+    assert per_step is not None and result.suggestion <= per_step
+    assert LRFinderResult(lrs=result.lrs, losses=result.losses).suggestion == per_step
+    with pytest.raises(MisconfigurationError, match="rule"):
+        result.suggest(rule="steepest")
+
+
 async def test_the_sweep_stops_early_when_the_loss_diverges() -> None:
     torch.manual_seed(0)
     result = await find_lr(
@@ -345,6 +373,7 @@ def test_plot_writes_png_and_svg(tmp_path: Path) -> None:
         ({"num_training": 2.5}, "at least 2 steps"),
         ({"mode": "cosine"}, "exponential"),
         ({"early_stop_threshold": 0.5}, "number above 1"),
+        ({"rule": "lightning"}, "per_step"),
     ],
 )
 def test_bad_options_raise_naming_the_fix(options: dict[str, Any], message: str) -> None:

@@ -48,21 +48,38 @@ _MODES = {
     "linear": "the rate grows by the same amount every step",
 }
 _PLOT_FORMATS = (".png", ".svg", ".pdf")
+#: How the suggestion reads the curve: the steepest drop of the smoothed loss per step
+#: (loopbus's, fastai's), or per unit of learning rate (Lightning's, since 2.1).
+_RULES = {
+    "per_step": "the steepest drop of the smoothed loss per step of the sweep",
+    "per_lr": "the steepest drop of the smoothed loss per unit of learning rate (Lightning's)",
+}
 
 
 def steepest_descent(
-    losses: Sequence[float], skip_begin: int = 10, skip_end: int = 1
+    losses: Sequence[float],
+    skip_begin: int = 10,
+    skip_end: int = 1,
+    *,
+    lrs: Sequence[float] | None = None,
 ) -> int | None:
     """The index of the most negative gradient of ``losses`` (``torch.gradient``: central
     differences, one-sided at the ends), leaving out the first ``skip_begin`` points and
     the last ``skip_end`` of the finite ones (the curve is cut at its first NaN or
-    infinity). None when fewer than two points are left."""
+    infinity). The gradient is per point (per step of the sweep) or, given the rates
+    ``lrs`` of the points, per unit of learning rate (Lightning's rule). None when fewer
+    than two points are left."""
     finite = next((i for i, v in enumerate(losses) if not math.isfinite(v)), len(losses))
     end = finite - skip_end
     if end - skip_begin < 2:
         return None
     window = torch.tensor(losses[skip_begin:end], dtype=torch.float64)
-    return skip_begin + int(torch.gradient(window)[0].argmin())
+    if lrs is None:
+        gradient = torch.gradient(window)[0]
+    else:
+        spacing = torch.tensor(lrs[skip_begin:end], dtype=torch.float64)
+        gradient = torch.gradient(window, spacing=(spacing,))[0]
+    return skip_begin + int(gradient.argmin())
 
 
 class LRFinderPoint(CustomEvent, frozen=True, kw_only=True):
@@ -81,7 +98,8 @@ class LRFinderResult:
     """What a sweep found: the rate of each step (``lrs``), the smoothed loss there
     (``losses``, as plotted and as the suggestion reads it), the loss as measured
     (``raw_losses``, averaged over the ranks), and the suggested rate (None when the
-    sweep had too few points)."""
+    sweep had too few points), read by ``rule``: ``"per_step"``, the steepest drop of the
+    smoothed loss per step, or ``"per_lr"``, per unit of learning rate (Lightning's)."""
 
     lrs: list[float] = field(default_factory=list)
     losses: list[float] = field(default_factory=list)
@@ -89,24 +107,34 @@ class LRFinderResult:
     mode: str = "exponential"
     skip_begin: int = 10
     skip_end: int = 1
+    rule: str = "per_step"
     #: Why the sweep ended before ``num_training`` steps (the loss diverged), or None.
     early_stop_reason: str | None = None
 
     @property
     def suggestion_index(self) -> int | None:
         """The index (into ``lrs``) of the suggestion."""
-        return steepest_descent(self.losses, self.skip_begin, self.skip_end)
+        return self._steepest(self.skip_begin, self.skip_end, self.rule)
 
     @property
     def suggestion(self) -> float | None:
-        """The rate at which the smoothed loss falls fastest (see :func:`steepest_descent`)."""
+        """The rate at which the smoothed loss falls fastest, by :attr:`rule` (see
+        :func:`steepest_descent`)."""
         index = self.suggestion_index
         return None if index is None else self.lrs[index]
 
-    def suggest(self, skip_begin: int = 10, skip_end: int = 1) -> float | None:
-        """The suggestion with other numbers of points left out at either end."""
-        index = steepest_descent(self.losses, skip_begin, skip_end)
+    def suggest(
+        self, skip_begin: int = 10, skip_end: int = 1, rule: str | None = None
+    ) -> float | None:
+        """The suggestion with other numbers of points left out at either end, or by
+        another ``rule`` (``"per_step"`` or ``"per_lr"``; None: :attr:`rule`)."""
+        index = self._steepest(skip_begin, skip_end, self.rule if rule is None else rule)
         return None if index is None else self.lrs[index]
+
+    def _steepest(self, skip_begin: int, skip_end: int, rule: str) -> int | None:
+        check_choice("rule", rule, _RULES, owner="LRFinderResult.suggest")
+        lrs = self.lrs if rule == "per_lr" else None
+        return steepest_descent(self.losses, skip_begin, skip_end, lrs=lrs)
 
     @property
     def stopped_early(self) -> bool:
@@ -173,9 +201,11 @@ class LRFinder(Plugin):
         beta: float = 0.98,
         skip_begin: int = 10,
         skip_end: int = 1,
+        rule: Literal["per_step", "per_lr"] = "per_step",
         destinations: str | Iterable[str] | None = None,
     ) -> None:
         _check_options(min_lr, max_lr, num_training, mode, early_stop_threshold, beta)
+        check_choice("rule", rule, _RULES, owner="LRFinder")
         check_int("skip_begin", skip_begin, minimum=0, owner="LRFinder")
         check_int("skip_end", skip_end, minimum=0, owner="LRFinder")
         self.min_lr, self.max_lr = float(min_lr), float(max_lr)
@@ -184,8 +214,9 @@ class LRFinder(Plugin):
         self.early_stop_threshold = early_stop_threshold
         self.beta = beta
         self.skip_begin, self.skip_end = skip_begin, skip_end
+        self.rule = rule
         self.destinations = (destinations,) if isinstance(destinations, str) else destinations
-        self.result = LRFinderResult(mode=mode, skip_begin=skip_begin, skip_end=skip_end)
+        self.result = LRFinderResult(mode=mode, skip_begin=skip_begin, skip_end=skip_end, rule=rule)
         self._reset()
 
     def lr_at(self, index: int) -> float:
@@ -211,7 +242,7 @@ class LRFinder(Plugin):
             self._reset()
             self._trainer = trainer
             self.result = LRFinderResult(
-                mode=self.mode, skip_begin=self.skip_begin, skip_end=self.skip_end
+                mode=self.mode, skip_begin=self.skip_begin, skip_end=self.skip_end, rule=self.rule
             )
 
     def teardown(self, trainer: TrainerView, stage: str) -> None:
@@ -357,6 +388,7 @@ def find_lr(
     update_attr: bool = False,
     attr_name: str = "",
     plugins: Iterable[Plugin] = (),
+    rule: Literal["per_step", "per_lr"] = "per_step",
 ) -> Any:
     """Sweep the learning rate of ``module`` on ``train_data`` and return an
     :class:`LRFinderResult` (``.suggestion``, ``.lrs``, ``.losses``, ``.plot(path)``).
@@ -371,6 +403,12 @@ def find_lr(
     then ``fit`` trains exactly as ``fit`` alone with the suggested rate. ``trainer``
     itself runs nothing: its step, epoch, loops and records are untouched.
 
+    ``rule`` is how the suggestion reads the curve: ``"per_step"``, the steepest drop of
+    the smoothed loss per step of the sweep (per unit of log-rate for an exponential
+    sweep), or ``"per_lr"``, per unit of learning rate, as Lightning reads it (which
+    favours lower rates on an exponential sweep); ``result.suggest(rule=...)`` reads the
+    other.
+
     ``update_attr=True`` sets ``module.lr`` (or ``module.learning_rate``, or
     ``attr_name``) to the suggestion, for ``configure_optimizers`` to read, and the rate
     of ``trainer``'s optimizers when it already configured them for this module.
@@ -379,7 +417,7 @@ def find_lr(
     the result; called where an event loop runs it returns the awaitable
     (``result = await find_lr(trainer, module, data)``).
     """
-    finder = LRFinder(min_lr, max_lr, num_training, mode, early_stop_threshold)
+    finder = LRFinder(min_lr, max_lr, num_training, mode, early_stop_threshold, rule=rule)
     attr = _target_attribute(trainer, module, update_attr, attr_name)
     extra = list(plugins)
     for plugin in extra:

@@ -470,6 +470,10 @@ def test_misspelt_and_lightning_options_are_explained() -> None:
         Trainer(callbacks=[])  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"'accelerator': choose the device with `device`"):
         Trainer(accelerator="gpu")  # type: ignore[call-arg]
+    with pytest.raises(
+        TypeError, match=r"'profiler': the profiler is a plugin: Trainer\(plugins=\[Profiler"
+    ):
+        Trainer(profiler="simple")  # type: ignore[call-arg]
     with pytest.raises(TypeError, match=r"'colour' is not an option\. Its options are \["):
         Trainer(colour="red")  # type: ignore[call-arg]
 

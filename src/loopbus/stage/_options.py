@@ -364,6 +364,10 @@ _LIGHTNING_NAMES = {
     "gpus": "choose the device with `device` ('cuda' or 'cuda:N')",
     "enable_progress_bar": "the progress bar is a plugin: pass plugins=[] to turn it off",
     "default_root_dir": "give each plugin that writes files its directory",
+    "profiler": (
+        "the profiler is a plugin: Trainer(plugins=[Profiler(...)]) with "
+        "`from loopbus.plugins import Profiler` (docs/tuning.md)"
+    ),
 }
 
 

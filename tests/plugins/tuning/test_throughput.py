@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -224,13 +225,17 @@ async def test_thread_executor_leaves_flops_unmeasured_unless_given() -> None:
     records = Records()
     monitor = ThroughputMonitor(every_n_steps=5)
     trainer = Trainer(max_steps=5, executor="thread", plugins=[records, monitor], device="cpu")
-    await trainer.fit(Linear(), loader())
+    with pytest.warns(UserWarning, match=r"executor='thread'.*flops_per_step=") as said:
+        await trainer.fit(Linear(), loader())
+    assert len([w for w in said if "FlopCounterMode" in str(w.message)]) == 1  # once
     assert monitor.flops_per_step is None
     assert records.names() == {"throughput/samples_per_sec", "throughput/batches_per_sec"}
 
     given = ThroughputMonitor(every_n_steps=5, flops_per_step=1e6, peak_flops=1e9)
     trainer = Trainer(max_steps=5, executor="thread", plugins=[given], device="cpu")
-    await trainer.fit(Linear(), loader())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # given, nothing is missing: no warning
+        await trainer.fit(Linear(), loader())
     assert given.latest["flops_per_step"] == 1e6
     assert given.latest["mfu"] == pytest.approx(given.latest["flops_per_sec"] / 1e9)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import threading
+import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping
 from time import perf_counter
@@ -396,6 +397,14 @@ class ThroughputMonitor(Plugin):
             self._subs.remove(sub)
         if self._threads - {self._count_thread}:
             self.flops_per_step = None  # the step ran elsewhere: give flops_per_step=
+            warnings.warn(
+                "ThroughputMonitor: the training step ran in another thread "
+                "(executor='thread'), where torch's FlopCounterMode (thread-local) cannot "
+                "count it, so no throughput/flops_per_sec or throughput/mfu is put; pass "
+                "ThroughputMonitor(flops_per_step=...) to have them, or run the step inline.",
+                UserWarning,
+                stacklevel=2,
+            )
         else:
             self.flops_per_step = float(counter.get_total_flops())
 

@@ -75,6 +75,8 @@ if TYPE_CHECKING:
     from .checkpoint import remove_stale_temporaries as remove_stale_temporaries
     from .checkpoint import write_checkpoint as write_checkpoint
     from .data import ElasticDistributedSampler as ElasticDistributedSampler
+    from .data import is_datamodule as is_datamodule
+    from .data import prepare_datamodule as prepare_datamodule
     from .distributed import DDPStrategy as DDPStrategy
     from .distributed import FSDPStrategy as FSDPStrategy
     from .distributed import SingleProcess as SingleProcess
@@ -111,6 +113,8 @@ if TYPE_CHECKING:
 #: use.
 _ENGINE_NAMES = {
     "ElasticDistributedSampler": "data",
+    "is_datamodule": "data",
+    "prepare_datamodule": "data",
     "ShardedCheckpointWriter": "checkpoint",
     "ShardedSave": "checkpoint",
     "checkpoint_info": "checkpoint",
@@ -159,6 +163,8 @@ _ENGINE_NAMES = {
 
 __all__ = [
     "ElasticDistributedSampler",
+    "is_datamodule",
+    "prepare_datamodule",
     "ShardedCheckpointWriter",
     "ShardedSave",
     "checkpoint_info",

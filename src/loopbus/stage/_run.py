@@ -108,11 +108,6 @@ _LIGHTNING = {
     "train_dataloaders": "the training loader is `train_data`: trainer.fit(module, train_data, val_data)",
     "val_dataloaders": "the validation loader is `val_data`: trainer.fit(module, train_data, val_data)",
     "dataloaders": "the loader is `data`: trainer.{stage}(module, data)",
-    "datamodule": (
-        "loopbus has no DataModule; pass its loaders: dm.setup(...), then "
-        "trainer.fit(module, dm.train_dataloader(), dm.val_dataloader()) or "
-        "trainer.{stage}(module, dm.{loader}_dataloader())"
-    ),
     "verbose": "the results table is the ProgressBar plugin's option: ProgressBar(results_table=False)",
     "return_predictions": "predict always returns the outputs",
     "weights_only": "ckpt_path loads a checkpoint's tensors only and never unpickles code",
@@ -126,8 +121,7 @@ def lightning_arguments(stage: str, given: dict[str, Any]) -> TypeError:
     for name in given:
         hint = _LIGHTNING.get(name)
         if hint is not None:
-            loader = {"validate": "val", "fit": "train"}.get(stage, stage)
-            lines.append(f"`{name}` is Lightning's name; {hint.format(stage=stage, loader=loader)}.")
+            lines.append(f"`{name}` is Lightning's name; {hint.format(stage=stage)}.")
         else:
             lines.append(f"`{name}` is not an argument of {stage}().")
     return TypeError(f"trainer.{stage}() got unexpected arguments: " + " ".join(lines))

@@ -17,6 +17,7 @@ from loopbus.checkpoint._parts import CheckpointMismatch, ModulePart, collect_st
 from loopbus.checkpoint._registry import CheckpointRegistry
 from loopbus.checkpoint._sharded_save import no_full_state, save_sharded, save_sharded_async
 from loopbus.checkpoint._write import write_checkpoint
+from loopbus.data._datamodule import stateful_datamodule
 from loopbus.state._ranges import RANGES
 from loopbus.state._runstate import ResumePlan
 from loopbus.state._stateful import Stateful
@@ -58,6 +59,7 @@ class CheckpointMethods:
     predict_loop: PredictionLoop
     _schedulers: LRSchedulers
     _registered: dict[str, Stateful]
+    _datamodule: Any
     _parts: dict[str, Any] | None
     _train_data: Any
     #: What checkpoints save as the module's weights, if not the module (see
@@ -142,6 +144,8 @@ class CheckpointMethods:
         )
         if self._weights_from is not None:
             parts["module"] = ModulePart(self._weights_from)
+        if self._datamodule is not None and stateful_datamodule(self._datamodule):
+            parts["datamodule"] = self._datamodule
         return parts
 
     def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:

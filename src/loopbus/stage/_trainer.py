@@ -18,6 +18,7 @@ import torch
 
 from loopbus.checkpoint._load import load_weights
 from loopbus.checkpoint._locate import resolve_weights_path
+from loopbus.data._datamodule import close_datamodule, is_datamodule, prepare_datamodule
 from loopbus.distributed._resolve import resolve_strategy
 from loopbus.distributed._stopping import StopControl
 from loopbus.distributed._strategy import Strategy, StrategyName
@@ -184,6 +185,8 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         self._host: StageHost | None = None
         # The training data of the current (or last) fit, for its loader's state.
         self._train_data: Any = None
+        # The DataModule of the running stage, saved with its checkpoints when stateful.
+        self._datamodule: Any = None
 
     def __repr__(self) -> str:
         return f"<Trainer stage={self.stage!r} step={self.global_step} epoch={self.current_epoch}>"
@@ -258,11 +261,14 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         train_data: Any = None,
         val_data: Any = None,
         *,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         ckpt_strict: bool = True,
         **lightning: Any,
     ) -> None:
-        """Train ``module`` on ``train_data``, validating on ``val_data`` when given.
+        """Train ``module`` on ``train_data``, validating on ``val_data`` when given; or
+        on a DataModule's loaders (``datamodule=dm``, or ``dm`` in place of
+        ``train_data``; see :func:`~loopbus.prepare_datamodule`).
 
         ``ckpt_path`` resumes from a checkpoint exactly where it was taken (mid-epoch
         included): a file, a directory (its last checkpoint) or ``"last"`` (the newest
@@ -270,17 +276,12 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         a fresh start if there is none yet). ``ckpt_strict=False`` loads what matches the
         current run and warns about the rest (see ``docs/checkpointing.md``).
         """
-        if lightning:
-            raise lightning_arguments("fit", lightning)
-        _check_data(train_data, "train_data")
-        if val_data is not None:
-            _check_data(val_data, "val_data")
-        module = _check_module(module, "fit", "training_step")
-        if val_data is not None:
-            _check_module(module, "fit with val_data", "validation_step")
+        module, train_data, val_data, datamodule = _fit_inputs(
+            self, module, train_data, val_data, datamodule, lightning
+        )
         train_data = await prepared_fit(self, module, train_data, _check_data)
         train_data = self.strategy.prepare_train_data(train_data)
-        async with self._stage("fit", module, train_data=train_data):
+        async with self._stage("fit", module, train_data=train_data, datamodule=datamodule):
             if ckpt_path is not None:
                 await resume_from(
                     ckpt_path,
@@ -308,14 +309,17 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         module: Module | None = None,
         data: Any = None,
         *,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         **lightning: Any,
     ) -> dict[str, float | int | bool]:
         """One pass of ``validation_step`` over ``data``; returns the last value of each
         record put during it. ``ckpt_path`` loads the module's weights first (see
         :meth:`test`)."""
-        module, data = self._module_and_data("validate", module, data, lightning)
-        return await self._evaluate("validate", self.validate_loop, module, data, ckpt_path)
+        module, data, datamodule = _stage_inputs(self, "validate", module, data, datamodule, lightning)
+        return await self._evaluate(
+            "validate", self.validate_loop, module, data, ckpt_path, datamodule
+        )
 
     @stage_method
     async def test(
@@ -323,6 +327,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         module: Module | None = None,
         data: Any = None,
         *,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         **lightning: Any,
     ) -> dict[str, float | int | bool]:
@@ -337,8 +342,8 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
 
         Without a module (``trainer.test(data, ckpt_path="best")``) the module of the
         trainer's last stage (the one ``fit`` trained) is used."""
-        module, data = self._module_and_data("test", module, data, lightning)
-        return await self._evaluate("test", self.test_loop, module, data, ckpt_path)
+        module, data, datamodule = _stage_inputs(self, "test", module, data, datamodule, lightning)
+        return await self._evaluate("test", self.test_loop, module, data, ckpt_path, datamodule)
 
     @stage_method
     async def predict(
@@ -346,37 +351,20 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         module: Module | None = None,
         data: Any = None,
         *,
+        datamodule: Any = None,
         ckpt_path: str | os.PathLike[str] | None = None,
         **lightning: Any,
     ) -> list[Any]:
         """``predict_step`` over ``data``; returns the outputs in order. ``ckpt_path``
         loads the module's weights first (see :meth:`test`)."""
-        module, data = self._module_and_data("predict", module, data, lightning)
+        module, data, datamodule = _stage_inputs(self, "predict", module, data, datamodule, lightning)
         _check_data(data, "data")
         _check_module(module, "predict", None)
-        async with self._stage("predict", module):
+        async with self._stage("predict", module, datamodule=datamodule):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             result: list[Any] = await self.predict_loop.run(data)
         return result
-
-    def _module_and_data(
-        self, stage: str, module: Any, data: Any, lightning: dict[str, Any]
-    ) -> tuple[Module, Any]:
-        """The module and data of an evaluation stage: ``trainer.test(data)`` (no module)
-        takes the module of the last stage."""
-        if lightning:
-            raise lightning_arguments(stage, lightning)
-        if data is None and module is not None and not isinstance(module, torch.nn.Module):
-            module, data = None, module
-        if module is None:
-            module = self.module
-            if module is None:
-                raise MisconfigurationError(
-                    f"{stage} needs a module: trainer.{stage}(module, data). Without one it "
-                    "uses the module of the trainer's last stage, and none has run yet."
-                )
-        return module, data
 
     async def _evaluate(
         self,
@@ -385,10 +373,11 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         module: Module,
         data: Any,
         ckpt_path: str | os.PathLike[str] | None = None,
+        datamodule: Any = None,
     ) -> dict[str, float | int | bool]:
         _check_data(data, "data")
         _check_module(module, stage, f"{'validation' if stage == 'validate' else 'test'}_step")
-        async with self._stage(stage, module):
+        async with self._stage(stage, module, datamodule=datamodule):
             if ckpt_path is not None:
                 await self._load_weights(ckpt_path, module)
             await loop.run(data)
@@ -402,12 +391,13 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
 
     @asynccontextmanager
     async def _stage(
-        self, stage: str, module: Module, *, train_data: Any = None
+        self, stage: str, module: Module, *, train_data: Any = None, datamodule: Any = None
     ) -> AsyncIterator[None]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         try:
             if stage == "fit":
                 self._train_data = train_data
+            self._datamodule = datamodule
             active = active_plugins(self.plugins, self.options, self.strategy)
             self._prepare(stage, module)
             with subscribed(self, stage, active, module, bus=self.bus, recorder=self.recorder):
@@ -432,7 +422,10 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             self._weights_from = None
             self._schedulers.resumed_at(None)
             self._stop.end()
+            self._datamodule = None
             self.state.end_stage()
+            if datamodule is not None:
+                close_datamodule(datamodule, stage)
 
     def _prepare(self, stage: str, module: Module) -> None:
         """Bind the module, move it, configure its optimizers (``fit``), and assemble
@@ -523,6 +516,95 @@ def _plugins(plugins: Iterable[Plugin] | None) -> list[Plugin]:
                 + "."
             )
     return chosen
+
+
+def _fit_inputs(
+    trainer: Trainer,
+    module: Any,
+    train_data: Any,
+    val_data: Any,
+    datamodule: Any,
+    lightning: dict[str, Any],
+) -> tuple[Module, Any, Any, Any]:
+    """``fit``'s module, training and validation data, and DataModule, checked; a
+    DataModule (given as the training data, or as ``datamodule``) is readied and gives
+    the data."""
+    if lightning:
+        raise lightning_arguments("fit", lightning)
+    datamodule, train_data = _datamodule_of("fit", train_data, datamodule, val_data)
+    if datamodule is not None:
+        checked = _check_module(module, "fit", "training_step")
+        train_data, val_data = _ready(trainer, "fit", datamodule, checked)
+    _check_data(train_data, "train_data")
+    if val_data is not None:
+        _check_data(val_data, "val_data")
+    module = _check_module(module, "fit", "training_step")
+    if val_data is not None:
+        _check_module(module, "fit with val_data", "validation_step")
+    return module, train_data, val_data, datamodule
+
+
+def _stage_inputs(
+    trainer: Trainer,
+    stage: str,
+    module: Any,
+    data: Any,
+    datamodule: Any,
+    lightning: dict[str, Any],
+) -> tuple[Module, Any, Any]:
+    """The module, data and DataModule of an evaluation stage: ``trainer.test(data)``
+    (no module) takes the module of the last stage; a DataModule (given as the data, or
+    as ``datamodule``) is readied and gives the data."""
+    if lightning:
+        raise lightning_arguments(stage, lightning)
+    if data is None and module is not None and not isinstance(module, torch.nn.Module):
+        module, data = None, module
+    if module is None:
+        module = trainer.module
+        if module is None:
+            raise MisconfigurationError(
+                f"{stage} needs a module: trainer.{stage}(module, data). Without one it "
+                "uses the module of the trainer's last stage, and none has run yet."
+            )
+    datamodule, data = _datamodule_of(stage, data, datamodule, None)
+    if datamodule is not None:
+        (data,) = _ready(trainer, stage, datamodule, _check_module(module, stage, None))
+    return module, data, datamodule
+
+
+def _ready(trainer: Trainer, stage: str, datamodule: Any, module: Module) -> tuple[Any, ...]:
+    """``datamodule`` readied for ``stage`` (:func:`prepare_datamodule`): its loaders.
+    ``fit`` takes its validation loader only for a module with ``validation_step``."""
+
+    def wanted(method: str) -> bool:
+        return method != "val_dataloader" or stage != "fit" or _defines(module, "validation_step")
+
+    return prepare_datamodule(datamodule, stage, trainer=trainer, wanted=wanted)
+
+
+def _datamodule_of(stage: str, data: Any, datamodule: Any, other: Any) -> tuple[Any, Any]:
+    """``(datamodule, data)`` of a stage method's arguments: a DataModule given where the
+    data goes is taken as one; one given as ``datamodule`` must come without loaders
+    (``data``, and ``other``: fit's ``val_data``)."""
+    if datamodule is None:
+        return (data, None) if is_datamodule(data) else (None, data)
+    if not is_datamodule(datamodule):
+        raise MisconfigurationError(
+            f"{stage}(datamodule=...) takes a DataModule (an object with setup(stage) and "
+            f"{stage}'s loader methods, such as a LightningDataModule), got "
+            f"{type(datamodule).__name__}; pass a loader as the data instead."
+        )
+    if data is not None or other is not None:
+        raise MisconfigurationError(
+            f"{stage}() takes its data from a DataModule or from loaders, not both: pass "
+            f"trainer.{stage}(module, datamodule=dm) or the loaders alone."
+        )
+    return datamodule, None
+
+
+def _defines(module: Module, method: str) -> bool:
+    """Whether ``module``'s class defines ``method`` (``Module``'s own does not count)."""
+    return getattr(type(module), method, None) is not getattr(Module, method, None)
 
 
 def _check_module(module: Any, stage: str, method: str | None) -> Module:

@@ -268,6 +268,40 @@ def test_the_function_form_from_synchronous_code() -> None:
     assert find_batch_size(trainer(), Limited(), loader(), margin=0) == 32
 
 
+class Digits:
+    """A DataModule (Lightning's methods) whose training loader has batches of 2."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def setup(self, stage: str) -> None:
+        self.calls.append(f"setup:{stage}")
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        self.calls.append("train_dataloader")
+        return loader()
+
+    def val_dataloader(self) -> DataLoader[Any]:
+        self.calls.append("val_dataloader")
+        return loader()
+
+
+async def test_a_datamodule_s_loader_is_searched_in_fit_and_by_the_function() -> None:
+    torch.manual_seed(0)
+    finder = BatchSizeFinder("power", margin=0)
+    t = trainer(finder)
+    data = Digits()
+    await t.fit(Limited(), datamodule=data)
+    assert finder.trials == POWER
+    assert finder.batch_size == 32
+    assert t.global_step == SAMPLES // 32  # trained at the size found
+    # The function form readies it as fit does, and takes only its training loader.
+    data = Digits()
+    size = await find_batch_size(trainer(), Limited(), data, mode="binsearch", steps_per_trial=1)
+    assert size == 45
+    assert data.calls == ["setup:fit", "train_dataloader"]
+
+
 async def test_a_loader_without_a_batch_size_needs_a_factory() -> None:
     batches = BatchSampler(SequentialSampler(range(SAMPLES)), batch_size=4, drop_last=False)
     no_size = DataLoader(dataset(), batch_sampler=batches)
@@ -275,18 +309,6 @@ async def test_a_loader_without_a_batch_size_needs_a_factory() -> None:
         await trainer(BatchSizeFinder()).fit(Limited(), no_size)
     with pytest.raises(MisconfigurationError, match=r"cannot rebuild list.*loader=lambda"):
         await trainer(BatchSizeFinder()).fit(Limited(), [(torch.zeros(2, 8), torch.zeros(2, 1))])
-
-    class DataModule:
-        batch_size = 2
-
-        def train_dataloader(self) -> Any:
-            return loader()
-
-        def __iter__(self) -> Any:
-            return iter(loader())
-
-    with pytest.raises(MisconfigurationError, match="no DataModule"):
-        await trainer(BatchSizeFinder()).fit(Limited(), DataModule())
 
     class MyLoader(DataLoader[Any]):
         pass

@@ -116,11 +116,6 @@ def loader_factory(train_data: Any, loader: LoaderFactory | None = None) -> Load
             f"the batch-size finder rebuilds a torch DataLoader at each size, but "
             f"{type(train_data).__name__} is a subclass whose options it cannot copy; " + how
         )
-    if hasattr(train_data, "batch_size") and hasattr(train_data, "train_dataloader"):
-        raise MisconfigurationError(
-            "the batch-size finder does not set a DataModule's batch_size (loopbus has no "
-            "DataModule); " + how
-        )
     raise MisconfigurationError(
         f"the batch-size finder cannot rebuild {type(train_data).__name__} at another batch "
         "size (only a torch DataLoader with a batch_size); " + how
@@ -350,6 +345,10 @@ class BatchSizeFinder(Plugin):
         if not isinstance(module, torch.nn.Module):
             raise MisconfigurationError(
                 f"the batch-size finder needs a loopbus.Module, got {type(module).__name__}."
+            )
+        if loopbus.is_datamodule(train_data):  # readied as fit readies it; its loader
+            train_data, _ = loopbus.prepare_datamodule(
+                train_data, "fit", trainer=trainer, wanted=lambda m: m == "train_dataloader"
             )
         make = loader_factory(train_data, self.loader)
         cap = _sample_count(train_data) if self.loader is None else _sample_count(make(1))

@@ -14,15 +14,26 @@ to teardown) b / a, and the same for the training process's CPU time; the target
 <= 1.03. By default the training process is pinned to the first CPU and the dashboard
 and readers to the others, as they would run on another core or machine.
 
-    python benchmarks/dashboard.py                  # defaults below, about a minute
-    python benchmarks/dashboard.py --steps 4000 --repeats 9 --no-pin
+``--only pages`` measures what pages that never read cost the dashboard: a source in
+this process (a stream ``Server``, no training) publishes ``--history`` records, which
+the dashboard (a separate process) keeps as its history; then ``--pages`` connections
+ask for its event stream and never read a byte, and leave. The figures are the dashboard
+process's resident memory (RSS, from ``/proc``) before, with the pages open, and after
+they left; the target is flat-ish (the history is sent in bounded chunks at each page's
+pace, not copied per page).
+
+    python benchmarks/dashboard.py                  # both, about two minutes
+    python benchmarks/dashboard.py --only cost --steps 4000 --repeats 9 --no-pin
+    python benchmarks/dashboard.py --only pages --history 1000000 --pages 30
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -41,6 +52,7 @@ import loopbus
 from loopbus import Module, Plugin, Trainer, on
 from loopbus.events import FitStarted, Teardown, TrainBatchStarted
 from loopbus.plugins import StreamServer
+from loopbus.stream import Server
 
 torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
@@ -216,17 +228,154 @@ def bench(steps: int, records: int, repeats: int) -> dict[str, Any]:
     }
 
 
+# ---------------------------------------------------------------- pages that never read
+def rss_mib(pid: int) -> float:
+    """The resident memory of process ``pid``, in MiB (Linux)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS in /proc/{pid}/status")
+
+
+def dashboard_status(url: str) -> dict[str, Any]:
+    import httpx
+
+    return httpx.get(url + "status", timeout=30).json()
+
+
+def fill(server: Any, url: str, records: int, names: int = 10, burst: int = 8192) -> int:
+    """Publish ``records`` records of ``names`` names, a burst at a time (each waits
+    until the dashboard took the previous one, so that none is dropped); returns the
+    records the dashboard shows."""
+    now = time.time()
+    shown = 0
+    for start in range(0, records, burst):
+        end = min(records, start + burst)
+        for i in range(start, end):
+            server.publish_record(
+                loopbus.PutRecord(
+                    name=f"train/m{i % names}",
+                    value=math.sin(i),  # a float of 16-18 digits, as a loss would be
+                    step=i // names,
+                    epoch=0,
+                    time=now,
+                    destinations=("external",),
+                )
+            )
+        deadline = time.monotonic() + 60
+        while True:
+            runs = dashboard_status(url)["runs"]
+            shown = sum(r["records"] for r in runs)
+            if shown + sum(r["gaps"] for r in runs) >= end:
+                break
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the dashboard took {shown} of {end} records in 60 s")
+            time.sleep(0.02)
+    return shown
+
+
+def settle(pid: int, url: str, pages: int | None, within: float = 60.0) -> float:
+    """The dashboard's RSS once it stopped moving (and, where its status tells the open
+    pages, once ``pages`` are open)."""
+    deadline = time.monotonic() + within
+    last = rss_mib(pid)
+    while time.monotonic() < deadline:
+        time.sleep(1.0)
+        now = rss_mib(pid)
+        opened = dashboard_status(url).get("pages", pages)
+        if abs(now - last) < 1.0 and (pages is None or opened == pages):
+            return now
+        last = now
+    return last
+
+
+def stalled_page(url: str) -> socket.socket:
+    """A connection that asks for the event stream and never reads."""
+    host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
+    sock = socket.create_connection((host, int(port)))
+    sock.sendall(
+        b"GET /events HTTP/1.1\r\nHost: %s\r\nAccept: text/event-stream\r\n\r\n" % host.encode()
+    )
+    return sock
+
+
+def bench_pages(history: int, pages: int) -> dict[str, Any]:
+    """The dashboard's RSS with ``history`` records kept: before, with ``pages`` pages
+    that never read, and after they left."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = f"{tmp}/source.sock"
+        server = Server(host=None, path=path)
+        server.start_in_thread()
+        dashboard, url = start_dashboard(f"unix://{path}")
+        try:
+            deadline = time.monotonic() + 60
+            while server.subscribers < 1:
+                if time.monotonic() > deadline:
+                    raise SystemExit("the dashboard did not subscribe to the source in 60 s")
+                time.sleep(0.02)
+            started = time.perf_counter()
+            shown = fill(server, url, history)
+            filled_s = time.perf_counter() - started
+            time.sleep(1.0)  # the last flush
+            before = settle(dashboard.pid, url, 0)
+            socks = [stalled_page(url) for _ in range(pages)]
+            with_pages = settle(dashboard.pid, url, pages)
+            status = dashboard_status(url)  # the open pages and the bytes queued for them
+            for sock in socks:
+                sock.close()
+            after = settle(dashboard.pid, url, 0)
+            left = dashboard_status(url).get("pages")
+        finally:
+            dashboard.terminate()
+            dashboard.wait(timeout=15)
+            if dashboard.stderr is not None:
+                dashboard.stderr.close()
+            server.close()
+            server.join(10)
+    return {
+        "history_records": shown,
+        "history_mib": round(status["history_bytes"] / 2**20, 1)
+        if "history_bytes" in status
+        else None,
+        "fill_s": round(filled_s, 1),
+        "pages": pages,
+        "rss_mib": {
+            "before": round(before, 1),
+            "with_pages": round(with_pages, 1),
+            "after": round(after, 1),
+        },
+        "pages_open": status.get("pages"),
+        "queued_bytes": status.get("queued"),
+        "pages_left_after": left,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", choices=("cost", "pages"), help="one section (default both)")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--records", type=int, default=2, help="records put per step")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--no-pin", dest="pin", action="store_false")
+    parser.add_argument("--history", type=int, default=1_000_000, help="records (pages)")
+    parser.add_argument("--pages", type=int, default=30, help="pages that never read")
     parser.add_argument("--read", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.read:
         read_events(args.read, args.clients)
+        return
+    if args.only in (None, "pages"):
+        pages = bench_pages(args.history, args.pages)
+        print(json.dumps(pages, indent=1))
+        rss = pages["rss_mib"]
+        print(
+            f"dashboard with {pages['history_records']} records of history: RSS "
+            f"{rss['before']:.0f} MiB, with {args.pages} pages that never read "
+            f"{rss['with_pages']:.0f} MiB, after they left {rss['after']:.0f} MiB",
+            flush=True,
+        )
+    if args.only == "pages":
         return
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if args.pin and len(cpus) >= 2:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import anyio
-from starlette.types import ASGIApp, Message
+from starlette.types import ASGIApp, Message, Scope
 
 
 class Event:
@@ -33,6 +33,24 @@ def parse(text: str) -> list[Event]:
         if fields:
             events.append(Event(fields))
     return events
+
+
+def request(path: str, headers: Sequence[tuple[str, str]] = (), query: str = "") -> Scope:
+    """The ASGI scope of ``GET path?query`` with ``headers``."""
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": "GET",
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "root_path": "",
+        "query_string": query.encode(),
+        "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
+        "client": ("127.0.0.1", 50000),
+        "server": ("127.0.0.1", 80),
+    }
 
 
 async def read_events(
@@ -62,20 +80,7 @@ async def read_events(
             if until(parse(body.decode())) or not message.get("more_body", False):
                 done.set()
 
-    scope = {
-        "type": "http",
-        "asgi": {"version": "3.0"},
-        "http_version": "1.1",
-        "method": "GET",
-        "scheme": "http",
-        "path": path,
-        "raw_path": path.encode(),
-        "root_path": "",
-        "query_string": query.encode(),
-        "headers": [(k.lower().encode(), v.encode()) for k, v in headers],
-        "client": ("127.0.0.1", 50000),
-        "server": ("127.0.0.1", 80),
-    }
+    scope = request(path, headers, query)
     with anyio.fail_after(within):
         await app(scope, receive, send)
     response_headers = {k.decode(): v.decode() for k, v in start.get("headers", [])}

@@ -282,3 +282,71 @@ def test_dense_epoch_markers_thin_out_and_charts_use_the_page_width(
         finally:
             browser.close()
     assert errors == []
+
+
+def _chunked_history() -> tuple[list[bytes], int]:
+    """The event stream a page gets from a hub with a long history, as the chunks the
+    hub hands its connection, and the records per name in it."""
+    from loopbus.dashboard import Hub
+
+    hub = Hub(chunk_bytes=4096)
+    run = hub.add_run("job", "unix:///job.sock")
+    run.started("fit", 0, 0)
+    for flush in range(200):
+        for i in range(25):
+            step = flush * 25 + i
+            run.record("train/loss", 1.0 / (step + 1), step, 0)
+            run.record("val/loss", 2.0 / (step + 1), step, 0)
+        run.epoch_ended(flush, flush * 25 + 24)
+        hub.flush()
+    page = hub.open_page(0)
+    chunks = []
+    while (chunk := page.next_chunk()) is not None:
+        chunks.append(chunk)
+        page.written()
+    hub.close_page(page)
+    return chunks, 200 * 25
+
+
+def test_a_long_history_in_many_chunks_fills_the_charts(dashboard: tuple[str, Path]) -> None:
+    """The history arrives in bounded chunks, each with whole messages: the page charts
+    every record and marker of it."""
+    from playwright import sync_api
+
+    url, _ = dashboard
+    chunks, per_name = _chunked_history()
+    assert len(chunks) > 20
+    served: list[str] = []
+
+    def events(route: sync_api.Route) -> None:
+        if served:  # the stream once; then 204, which stops the page reconnecting
+            route.fulfill(status=204)
+            return
+        served.append(route.request.url)
+        route.fulfill(
+            status=200,
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"},
+            body=b"".join(chunks),
+        )
+
+    errors: list[str] = []
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=_chromium(),
+            args=["--no-sandbox", "--disable-gpu", "--no-first-run", "--disable-sync"],
+        )
+        try:
+            page = browser.new_page()
+            page.on("pageerror", lambda exc: errors.append(str(exc)))
+            page.route("**/events", events)
+            page.goto(url)
+            page.wait_for_function(
+                f"document.body.dataset.records === '{2 * per_name}'", timeout=30_000
+            )
+            for name in ("train/loss", "val/loss"):
+                chart = page.locator(f".chart[data-name='{name}']")
+                assert chart.get_attribute("data-points") == str(per_name)
+            assert page.evaluate("document.body.dataset.epochs") == "200"
+        finally:
+            browser.close()
+    assert errors == []

@@ -21,11 +21,26 @@ from ._app import STATIC as STATIC
 from ._app import Dashboard as Dashboard
 from ._app import page as page
 from ._app import routes as routes
+from ._hub import CHUNK_BYTES as CHUNK_BYTES
+from ._hub import MESSAGE_POINTS as MESSAGE_POINTS
 from ._hub import Hub as Hub
+from ._hub import Page as Page
 from ._hub import RunFeed as RunFeed
 from ._serve import serve as serve
 from ._source import follow as follow
 
-__all__ = ["STATIC", "Dashboard", "Hub", "RunFeed", "follow", "page", "routes", "serve"]
+__all__ = [
+    "CHUNK_BYTES",
+    "MESSAGE_POINTS",
+    "STATIC",
+    "Dashboard",
+    "Hub",
+    "Page",
+    "RunFeed",
+    "follow",
+    "page",
+    "routes",
+    "serve",
+]
 
 _fixup_module_metadata(__name__, globals())

@@ -11,7 +11,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
-from sse_starlette import EventSourceResponse, ServerSentEvent
+from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -45,27 +45,26 @@ def page(title: str = "loopbus dashboard", controls: str = "") -> str:
     return text.replace("<!-- controls -->", controls)
 
 
-def _stream(hub: Hub, start: int) -> AsyncIterator[bytes | ServerSentEvent]:
-    async def events() -> AsyncIterator[bytes | ServerSentEvent]:
-        status = -1
-        position = start
-        while True:
-            if hub.status_version != status:
-                status = hub.status_version
-                yield ServerSentEvent(hub.status().decode(), event="status")
-            first, messages = hub.read(position)
-            if first > position:
-                yield ServerSentEvent(str(first - position), event="forgotten")
-            if messages:
-                # One write for what is ready; each message is one event.
-                yield b"".join(
-                    b"id: %d\nevent: data\ndata: %s\n\n" % (i, message)
-                    for i, message in enumerate(messages, first)
-                )
-                position = first + len(messages)
-                continue
-            if hub.status_version == status:
-                await hub.wait()
+def _stream(hub: Hub, start: int) -> AsyncIterator[bytes]:
+    """The event stream of a page that wants the messages from id ``start`` on: its
+    history and then the live messages, a chunk at a time (see
+    :class:`~loopbus.dashboard.Page`)."""
+
+    async def events() -> AsyncIterator[bytes]:
+        page = hub.open_page(start)
+        try:
+            while True:
+                chunk = page.next_chunk()
+                if chunk is None:
+                    await hub.wait()
+                    continue
+                # Resumed only once the connection took the chunk (uvicorn's send waits
+                # while the connection's buffer is full): the page's pace.
+                yield chunk
+                del chunk
+                page.written()
+        finally:  # the page went (or the dashboard stops): nothing of it is kept
+            hub.close_page(page)
 
     return events()
 

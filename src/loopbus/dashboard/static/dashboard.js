@@ -7,7 +7,10 @@
 //                   records, gaps}], "time", "started"}
 //   event "data":   {"id", "parts": [{"run": i, "records": {name: [[steps], [values]]},
 //                   "markers": [{"kind": "epoch"|"stage"|"gap", "step", "label"}]}]}
-//   event "forgotten": how many messages the dashboard no longer keeps (history limit).
+//   event "forgotten": how many messages the dashboard no longer keeps (history limit),
+//                   or skipped while this page lagged behind; the next message follows.
+// The history arrives as many "data" messages (the dashboard sends them in bounded chunks,
+// at the page's pace), then the live ones: each is handled alone, as it arrives.
 // The page raises "loopbus:status" on document with the runs, for pages that add controls.
 (() => {
 "use strict";
@@ -81,6 +84,7 @@ const state = {
   log: false,
   filter: "",
   records: 0,
+  counts: { epoch: 0, stage: 0, gap: 0 },  // markers received, by kind
   started: null,
   source: null,
 };
@@ -319,13 +323,16 @@ function onData(message) {
       state.records += steps.length;
     }
     if (part.markers.length) {
-      (state.markers[run] = state.markers[run] || []).push(...part.markers);
+      const list = (state.markers[run] = state.markers[run] || []);
+      for (const m of part.markers) {  // one at a time: a long history is many of them
+        list.push(m);
+        state.counts[m.kind] = (state.counts[m.kind] || 0) + 1;
+      }
       for (const chart of state.charts.values()) chart.dirty = true;
     }
   }
   document.body.dataset.records = String(state.records);
-  const counts = { epoch: 0, stage: 0, gap: 0 };
-  for (const list of state.markers) for (const m of list || []) counts[m.kind] = (counts[m.kind] || 0) + 1;
+  const counts = state.counts;
   document.body.dataset.epochs = String(counts.epoch);
   document.body.dataset.stages = String(counts.stage);
   document.body.dataset.gaps = String(counts.gap);
@@ -372,6 +379,7 @@ function reset() {
   state.groups.clear();
   state.markers = [];
   state.records = 0;
+  state.counts = { epoch: 0, stage: 0, gap: 0 };
   el("groups").querySelectorAll("section.group").forEach((s) => s.remove());
   el("empty").classList.remove("hidden");
   if (state.source) { state.source.close(); connect(); }

@@ -9,13 +9,20 @@ from types import ModuleType
 import pytest
 
 import loopbus
+import loopbus.dashboard
 import loopbus.events
 import loopbus.plugins
 import loopbus.stream
 from tests.helpers import ROOT
 
 DOC = ROOT / "docs" / "reference.md"
-PACKAGES: tuple[ModuleType, ...] = (loopbus, loopbus.plugins, loopbus.events, loopbus.stream)
+PACKAGES: tuple[ModuleType, ...] = (
+    loopbus,
+    loopbus.plugins,
+    loopbus.events,
+    loopbus.stream,
+    loopbus.dashboard,
+)
 HEADING = re.compile(r"^(#{2,6}) (.*)$", re.M)
 CODE = re.compile(r"`([^`]+)`")
 

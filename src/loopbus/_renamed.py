@@ -20,13 +20,13 @@ from ._exceptions import MisconfigurationError
 
 __all__ = ["RENAMED", "renamed_keywords", "warn_once"]
 
-#: Old name -> new name, for every renamed option.
+#: Old name -> new name, for the renamed keywords of the strategies (``DDPStrategy``,
+#: ``FSDPStrategy``), the default of :func:`renamed_keywords`. The ``Trainer``'s renamed
+#: options are declared with the options themselves (``renamed_from``, listed by
+#: ``TrainerOptions.declarations()``) and passed as ``renames``.
 RENAMED: Mapping[str, str] = {
-    "yield_interval": "yield_interval_s",
-    "drain_timeout": "drain_timeout_s",
     "process_group_timeout": "process_group_timeout_s",
     "stop_check_interval": "stop_check_interval_s",
-    "preemption_grace": "preemption_grace_s",
 }
 
 #: The old names that warned already in this process (``Trainer(yield_interval=)``,
@@ -59,17 +59,23 @@ def _ours(module: str) -> bool:
 
 
 def renamed_keywords(
-    owner: str, passed: Mapping[str, Any], *, takes: Collection[str], given: Collection[str]
+    owner: str,
+    passed: Mapping[str, Any],
+    *,
+    takes: Collection[str],
+    given: Collection[str],
+    renames: Mapping[str, str] = RENAMED,
 ) -> dict[str, Any]:
     """The values ``passed`` to ``owner(...)`` under old names, keyed by their new names.
 
     ``takes`` are the options ``owner`` has, ``given`` those the call passed by their
-    new names. Each old name warns once; one passed with its new name raises a
+    new names, ``renames`` the old names (old -> new; default: the strategies'). Each old
+    name warns once; one passed with its new name raises a
     :class:`MisconfigurationError`; a name that is no old name of an option of
     ``owner`` raises the ``TypeError`` Python raises for an unexpected keyword."""
     values: dict[str, Any] = {}
     for old, value in passed.items():
-        new = RENAMED.get(old)
+        new = renames.get(old)
         if new is None or new not in takes:
             raise TypeError(f"{owner}() got an unexpected keyword argument {old!r}")
         if new in given:

@@ -1,31 +1,57 @@
-"""The groups of the trainer's options: one frozen, typed value per concern, each built
-from ``Trainer(...)``'s flat keywords by a parser that checks every option it holds (a
-full sentence naming the option, the bad value and the fix).
+"""The groups of the trainer's options: one frozen, typed value per concern, each field
+an option declared once (:func:`~loopbus.stage._declarations.option`: the type
+``Trainer(...)`` accepts, its default, unit, check, docstring, whether it may change
+later, its old name), or a value derived from options
+(:func:`~loopbus.stage._declarations.derived`).
 
 :class:`~loopbus.TrainerOptions` holds one of each: ``lengths``, ``validation``,
 ``step``, ``distribution``, ``signals``, ``responsiveness``, ``diagnostics``. Each
 option keeps its flat name inside its group (``options.lengths.max_epochs``), so the
 flat name (``options.max_epochs``, ``trainer.max_epochs``) reads the same value.
+
+:func:`build_groups` is the one path from checked values to groups, for ``Trainer(...)``
+and for every later change alike: it resolves what follows from several options
+(``fast_dev_run``'s limits, the default ``max_epochs``, ``compile_optimizer``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
 
 import torch
 
-from loopbus.distributed._strategy import Strategy
-from loopbus.state._scope import LeakCheck, leak_check_from_env
+from loopbus.distributed._strategy import Strategy, StrategyName
+from loopbus.state._scope import LeakCheck
 
-from .._exceptions import MisconfigurationError
-from .._validate import check_choice, check_int, check_number
+from ._declarations import (
+    OptionDeclaration,
+    check_clip,
+    check_compile,
+    check_dev_run,
+    check_device,
+    check_exit_code,
+    check_flag,
+    check_leak_check,
+    check_length,
+    check_limit,
+    check_preemption,
+    check_strategy,
+    choice,
+    compile_optimizer_option,
+    declared,
+    derived,
+    integer,
+    option,
+    seconds,
+)
 
 __all__ = [
+    "DECLARATIONS",
+    "DERIVED",
     "GROUPS",
     "Diagnostics",
     "Distribution",
@@ -35,207 +61,386 @@ __all__ = [
     "RunLengths",
     "StepSettings",
     "ValidationSchedule",
-    "check_clip",
-    "check_limit",
-    "compile_optimizer_option",
-    "compile_options",
-    "parse_groups",
-    "resolve_device",
+    "build_groups",
 ]
 
 Executor = Literal["inline", "thread"]
 
+_SETS_LIMITS = "it set the stages' limits and the notice when the trainer was built"
+_STRATEGY_BUILT = "the trainer's strategy was built from it"
+_PREEMPTION_BUILT = "the trainer's preemption handling was built with it"
+
+
+def _limit(stage: str) -> Any:
+    return option(
+        None,
+        accepts=int | float | None,
+        check=check_limit,
+        unit="batches",
+        doc=f"batches per {stage} pass: an int (a number of batches) or a float in [0, 1] "
+        "(a fraction of the loader's length); None: all.",
+        examples=(0, 3, 0.5, 1.0),
+    )
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class RunLengths:
-    """How long each stage runs.
+    """How long each stage runs."""
 
-    * ``max_epochs`` / ``max_steps``: stop after this many epochs / optimizer steps
-      (when neither is given: 1000 epochs, with a notice logged on rank 0, and
-      ``defaulted_epochs`` is True; ``-1`` means no limit, as in Lightning; no limit
-      reads as ``math.inf``).
-    * ``limit_{train,val,test,predict}_batches``: batches per pass: an int (a number of
-      batches) or a float in [0, 1] (a fraction of the loader's length); None: all.
-    * ``fast_dev_run``: ``True`` (1) or N runs N batches of each stage (train,
-      validation, test, predict) and one epoch, with no sanity check, and leaves out the
-      plugins that write files (``Plugin.writes_files``: checkpoints, loggers), so
-      nothing is written; a notice says so. For a quick check that a script runs end
-      to end.
-    """
-
-    max_epochs: float = 1000
-    max_steps: float = math.inf
-    #: Whether max_epochs is the default (neither limit was given).
-    defaulted_epochs: bool = False
-    limit_train_batches: int | float | None = None
-    limit_val_batches: int | float | None = None
-    limit_test_batches: int | float | None = None
-    limit_predict_batches: int | float | None = None
-    fast_dev_run: int = 0
+    max_epochs: float = option(
+        None,
+        accepts=int | None,
+        check=check_length,
+        unit="epochs",
+        doc="stop after this many epochs. When neither it nor ``max_steps`` is given: "
+        "1000, with a notice logged on rank 0 (``defaulted_epochs``); given ``max_steps`` "
+        "alone, no epoch limit, whether given to ``Trainer(...)`` or set later. ``-1`` "
+        "(Lightning's word) or ``math.inf``: no limit; no limit reads as ``math.inf``.",
+        examples=(0, 1, 3, -1, math.inf),
+    )
+    max_steps: float = option(
+        None,
+        accepts=int | None,
+        check=check_length,
+        unit="optimizer steps",
+        doc="stop after this many optimizer steps (None: no step limit; ``-1`` or "
+        "``math.inf``: no limit; no limit reads as ``math.inf``).",
+        examples=(0, 5, 100, -1, math.inf),
+    )
+    defaulted_epochs: bool = derived(
+        doc="whether ``max_epochs`` is the default 1000 (neither limit was given).",
+        follows="max_epochs and max_steps",
+    )
+    limit_train_batches: int | float | None = _limit("training")
+    limit_val_batches: int | float | None = _limit("validation")
+    limit_test_batches: int | float | None = _limit("test")
+    limit_predict_batches: int | float | None = _limit("predict")
+    fast_dev_run: int = option(
+        False,
+        accepts=bool | int,
+        check=check_dev_run,
+        unit="batches",
+        fixed_because=_SETS_LIMITS,
+        doc="``True`` (1) or N runs N batches of each stage (train, validation, test, "
+        "predict) and one epoch, with no sanity check, and leaves out the plugins that "
+        "write files (``Plugin.writes_files``: checkpoints, loggers), so nothing is "
+        "written; a notice says so. It overrides the limits, the epochs and steps and "
+        "the validation schedule. For a quick check that a script runs end to end.",
+        examples=(True, 1, 2),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class ValidationSchedule:
-    """When ``fit`` validates.
+    """When ``fit`` validates."""
 
-    * ``val_check_interval``: validate every N training batches (a number of batches);
-      None (default) validates once at the end of every ``check_val_every_n_epoch``-th
-      epoch (a number of epochs, default 1).
-    * ``num_sanity_val_steps``: validation batches run before ``fit``'s first training
-      step, so a broken ``validation_step`` fails in seconds (default 2; ``-1`` runs the
-      whole validation set, 0 turns it off). Its records are dropped (no logger, plugin
-      or ``trainer.latest`` sees them), it leaves the random generators as it found
-      them, and a ``fit`` resumed from a checkpoint taken mid-epoch skips it.
-    """
-
-    val_check_interval: int | None = None
-    check_val_every_n_epoch: int = 1
-    num_sanity_val_steps: int = 2
+    val_check_interval: int | None = option(
+        None,
+        accepts=int | None,
+        check=integer(allow_none=True),
+        unit="training batches",
+        doc="validate every N training batches as well as at the end of the epoch; None "
+        "validates at the end of every ``check_val_every_n_epoch``-th epoch only.",
+        examples=(1, 50),
+    )
+    check_val_every_n_epoch: int = option(
+        1,
+        accepts=int,
+        check=integer(),
+        unit="epochs",
+        doc="validate at the end of every N-th epoch.",
+        examples=(2, 5),
+    )
+    num_sanity_val_steps: int = option(
+        2,
+        accepts=int,
+        check=integer(
+            minimum=-1, hint="-1 runs the whole validation set, 0 turns the sanity check off"
+        ),
+        unit="batches",
+        doc="validation batches run before ``fit``'s first training step, so a broken "
+        "``validation_step`` fails in seconds (``-1``: the whole validation set, 0: off). "
+        "Its records are dropped (no logger, plugin or ``trainer.latest`` sees them), it "
+        "leaves the random generators as it found them, and a ``fit`` resumed from a "
+        "checkpoint taken mid-epoch skips it.",
+        examples=(-1, 0, 5),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class StepSettings:
-    """How each step runs.
+    """How each step runs. The precision (``Trainer(precision=...)``) is the trainer's
+    ``precision`` object."""
 
-    * ``accumulate_grad_batches``: batches whose gradients add up before one optimizer
-      step; ``gradient_clip_val`` (None: no clipping) and ``gradient_clip_algorithm``
-      (``"norm"``: the total norm, or ``"value"``: each element).
-    * ``executor``: ``"inline"`` runs steps on the event loop thread (lowest overhead);
-      ``"thread"`` runs them in a worker thread so the host application stays responsive.
-    * ``compile``: None (``Trainer(compile=False)``, the default) runs the steps
-      eagerly; ``True`` or a dict of ``torch.compile`` options (``backend``, ``mode``,
-      ``fullgraph``, ``dynamic``, ``options``) compiles the training step (the module's
-      ``training_step``, the loss included; its backward runs the compiled backward) and
-      the validation, test and predict steps, once per stage; held here as the
-      ``torch.compile`` keyword arguments (read-only). ``put`` inside them causes no
-      graph break. A short last batch costs one more compilation (dimensions that
-      changed become dynamic), not one per epoch. CUDA graphs (``mode="reduce-overhead"``)
-      are refused for now. The dict's ``"target"`` key compiles only a part instead:
-      ``"forward"`` (the module's call) or a submodule's (dotted) name, the steps then
-      eager. torchmetrics metrics always run eagerly. See ``docs/performance.md``.
-    * ``compile_optimizer``: the dict's ``"optimizer"`` key (``"auto"``, the default;
-      ``True``; ``False``): whether the optimizer step is compiled as well; with
-      ``"auto"`` wherever it can be (automatic optimization, no grad scaler, no DTensor
-      parameters, a tensor learning rate where a scheduler changes it, one of
-      ``torch.optim``'s optimizers).
-
-    The precision (``Trainer(precision=...)``) is the trainer's ``precision`` object.
-    """
-
-    accumulate_grad_batches: int = 1
-    gradient_clip_val: float | None = None
-    gradient_clip_algorithm: Literal["norm", "value"] = "norm"
-    executor: Executor = "inline"
-    #: ``torch.compile`` options of the steps (None: eager).
-    compile: Mapping[str, Any] | None = None
-    #: Whether the optimizer step is compiled too (with ``compile``): ``"auto"`` where
-    #: it can be, True (raise where it cannot), False.
-    compile_optimizer: bool | Literal["auto"] = "auto"
+    accumulate_grad_batches: int = option(
+        1,
+        accepts=int,
+        check=integer(),
+        unit="batches",
+        doc="batches whose gradients add up before one optimizer step.",
+        examples=(2, 8),
+    )
+    gradient_clip_val: float | None = option(
+        None,
+        accepts=float | None,
+        check=check_clip,
+        doc="clip gradients to this total norm (or value, per ``gradient_clip_algorithm``); "
+        "None: no clipping.",
+        examples=(0.5, 1, 10.0),
+    )
+    gradient_clip_algorithm: Literal["norm", "value"] = option(
+        "norm",
+        accepts=Literal["norm", "value"],
+        check=choice(("norm", "value")),
+        doc='``"norm"``: clip the total norm; ``"value"``: each element.',
+        examples=("value",),
+    )
+    executor: Executor = option(  # noqa: RUF009 (a field specifier)
+        "inline",
+        accepts=Executor,
+        check=choice(
+            {
+                "inline": "steps on the event loop thread",
+                "thread": "steps in a worker thread",
+            }
+        ),
+        doc='``"inline"`` runs steps on the event loop thread (lowest overhead); '
+        '``"thread"`` runs them in a worker thread so the host application stays '
+        "responsive.",
+        examples=("thread",),
+    )
+    compile: Mapping[str, Any] | None = option(
+        False,
+        accepts=bool | Mapping[str, Any],
+        check=check_compile,
+        fixed_because="a trainer's steps are compiled, or not, for its whole life, so "
+        "that its stages run the same code",
+        doc="``False`` (held as None) runs the steps eagerly; ``True`` or a dict of "
+        "``torch.compile`` options (``backend``, ``mode``, ``fullgraph``, ``dynamic``, "
+        "``options``) compiles the training step (the module's ``training_step``, the "
+        "loss included; its backward runs the compiled backward) and the validation, "
+        "test and predict steps, once per stage; held here as the ``torch.compile`` "
+        "keyword arguments (read-only). ``put`` inside them causes no graph break. A "
+        "short last batch costs one more compilation (dimensions that changed become "
+        'dynamic), not one per epoch. CUDA graphs (``mode="reduce-overhead"``) are '
+        'refused for now. The dict\'s ``"target"`` key compiles only a part instead: '
+        "``\"forward\"`` (the module's call) or a submodule's (dotted) name, the steps "
+        'then eager; its ``"optimizer"`` key is ``compile_optimizer``. torchmetrics '
+        "metrics always run eagerly. See ``docs/performance.md``.",
+        examples=(True, {"backend": "eager"}, {"backend": "eager", "optimizer": False}),
+    )
+    compile_optimizer: bool | Literal["auto"] = derived(
+        doc='the ``compile`` dict\'s ``"optimizer"`` key (``"auto"``, the default; '
+        "``True``; ``False``): whether the optimizer step is compiled as well; with "
+        '``"auto"`` wherever it can be (automatic optimization, no grad scaler, no '
+        "DTensor parameters, a tensor learning rate where a scheduler changes it, one of "
+        "``torch.optim``'s optimizers).",
+        follows="compile",
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Distribution:
-    """Where the run runs, and over how many processes.
+    """Where the run runs, and over how many processes."""
 
-    * ``device``: ``"auto"`` (CUDA if available: ``cuda:LOCAL_RANK`` when the launcher
-      sets ``LOCAL_RANK``, as torchrun does), ``"cpu"``, ``"cuda"``, ``"cuda:N"``;
-      held resolved, as a ``torch.device``.
-    * ``strategy``: ``"auto"`` (default) runs DDP when launched by ``torchrun`` with
-      more than one process (``WORLD_SIZE > 1``), else in this process; ``"ddp"`` or
-      ``"single"`` force one; ``"fsdp"`` shards the module over the processes (FSDP2),
-      and a strategy object (``loopbus.FSDPStrategy(units=[Block], ...)``) carries its
-      options (see ``docs/distributed.md``). Under DDP and FSDP the trainer joins the
-      process group unless the script already did (gloo on CPU, NCCL on CUDA).
-    * ``process_group_timeout_s``: seconds a collective may wait for the other ranks
-      before it fails (default 1800, torch's default); a rank that dies is normally
-      noticed sooner, since torchrun then stops the others.
-    * ``stop_check_interval_s``: under DDP, about how many seconds apart the ranks
-      exchange stop requests (default 0.05), in a small asynchronous all-reduce no step
-      waits for: a stop asked on any rank stops every rank at the same step boundary,
-      one to two intervals later. 0 exchanges at every step boundary (a stop then lands
-      one boundary after it was asked, whatever the timing; one all-reduce per step).
-      See ``docs/distributed.md``.
-    """
-
-    device: torch.device = dataclasses.field(default_factory=lambda: torch.device("cpu"))
-    strategy: str | Strategy = "auto"
-    process_group_timeout_s: float = 1800.0
-    stop_check_interval_s: float = 0.05
+    device: torch.device = option(  # noqa: RUF009 (a field specifier)
+        "auto",
+        accepts=str | torch.device | None,
+        check=check_device,
+        fixed_because=_STRATEGY_BUILT + " and set up on it",
+        doc='``"auto"`` (CUDA if available: ``cuda:LOCAL_RANK`` when the launcher sets '
+        '``LOCAL_RANK``, as torchrun does), ``"cpu"``, ``"cuda"``, ``"cuda:N"``; '
+        "held resolved, as a ``torch.device``.",
+        examples=("cpu", torch.device("cpu")),
+    )
+    strategy: str | Strategy = option(  # noqa: RUF009 (a field specifier)
+        "auto",
+        accepts=StrategyName | Strategy,
+        check=check_strategy,
+        fixed_because=_STRATEGY_BUILT,
+        doc='``"auto"`` runs DDP when launched by ``torchrun`` with more than one '
+        'process (``WORLD_SIZE > 1``), else in this process; ``"ddp"`` or '
+        '``"single"`` force one; ``"fsdp"`` shards the module over the processes '
+        "(FSDP2), and a strategy object (``loopbus.FSDPStrategy(units=[Block], ...)``) "
+        "carries its options (see ``docs/distributed.md``). Under DDP and FSDP the "
+        "trainer joins the process group unless the script already did (gloo on CPU, "
+        "NCCL on CUDA). Held as given; ``trainer.strategy`` is the strategy object.",
+        examples=("single",),
+    )
+    process_group_timeout_s: float = option(
+        1800.0,
+        accepts=float,
+        check=seconds(exclusive_minimum=0),
+        unit="seconds",
+        renamed_from="process_group_timeout",
+        fixed_because=_STRATEGY_BUILT,
+        doc="how long a collective may wait for the other ranks before it fails "
+        "(torch's default); a rank that dies is normally noticed sooner, since torchrun "
+        "then stops the others.",
+        examples=(60, 0.5),
+    )
+    stop_check_interval_s: float = option(
+        0.05,
+        accepts=float,
+        check=seconds(
+            minimum=0, hint="seconds between the ranks' stop checks under DDP (0: every step)"
+        ),
+        unit="seconds",
+        renamed_from="stop_check_interval",
+        fixed_because=_STRATEGY_BUILT,
+        doc="under DDP, about how far apart the ranks exchange stop requests, in a small "
+        "asynchronous all-reduce no step waits for: a stop asked on any rank stops every "
+        "rank at the same step boundary, one to two intervals later. 0 exchanges at "
+        "every step boundary (a stop then lands one boundary after it was asked, "
+        "whatever the timing; one all-reduce per step). See ``docs/distributed.md``.",
+        examples=(0, 1),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class PreemptionSignals:
-    """What the preemption signals do (see ``docs/checkpointing.md``).
+    """What the preemption signals do (see ``docs/checkpointing.md``)."""
 
-    * ``preemption``: what SIGTERM and SIGUSR1 (SLURM's early warning with ``--signal``)
-      do while a stage runs. ``"auto"`` (default): handled when an active plugin acts on
-      preemption (``Plugin.handles_preemption``, as ``Checkpoint`` does), else left
-      alone; ``True``: always handled; ``False``: never (the signals keep whatever
-      behaviour the process had). Handled, the signal asks the stage to stop at the next
-      step boundary (every rank at the same one); ``PreemptionRequested`` is published
-      there (``Checkpoint`` saves a checkpoint that resumes exactly), the stage ends as a
-      stopped one (teardown events, queues drained) and raises
-      :class:`~loopbus.Preempted`, a ``SystemExit``. A second signal ends the process at
-      once. Handlers are installed in the main thread only, for the stage's duration,
-      and call the handler the application had.
-    * ``preemption_exit_code``: the exit status :class:`~loopbus.Preempted` carries; None
-      (default) is the signal's usual one, 128 + its number (143 for SIGTERM).
-    * ``preemption_grace_s``: seconds after the first signal at which the process ends
-      regardless, as a second signal would (None, default: no limit of loopbus's own;
-      the platform's SIGKILL is the limit).
-    """
-
-    preemption: bool | Literal["auto"] = "auto"
-    preemption_exit_code: int | None = None
-    preemption_grace_s: float | None = None
+    preemption: bool | Literal["auto"] = option(
+        "auto",
+        accepts=bool | Literal["auto"],
+        check=check_preemption,
+        fixed_because=_PREEMPTION_BUILT,
+        doc="what SIGTERM and SIGUSR1 (SLURM's early warning with ``--signal``) do while "
+        'a stage runs. ``"auto"``: handled when an active plugin acts on preemption '
+        "(``Plugin.handles_preemption``, as ``Checkpoint`` does), else left alone; "
+        "``True``: always handled; ``False``: never (the signals keep whatever "
+        "behaviour the process had). Handled, the signal asks the stage to stop at the "
+        "next step boundary (every rank at the same one); ``PreemptionRequested`` is "
+        "published there (``Checkpoint`` saves a checkpoint that resumes exactly), the "
+        "stage ends as a stopped one (teardown events, queues drained) and raises "
+        ":class:`~loopbus.Preempted`, a ``SystemExit``. A second signal ends the process "
+        "at once. Handlers are installed in the main thread only, for the stage's "
+        "duration, and call the handler the application had.",
+        examples=(True, False),
+    )
+    preemption_exit_code: int | None = option(
+        None,
+        accepts=int | None,
+        check=check_exit_code,
+        fixed_because=_PREEMPTION_BUILT,
+        doc="the exit status :class:`~loopbus.Preempted` carries; None is the signal's "
+        "usual one, 128 + its number (143 for SIGTERM).",
+        examples=(0, 143, 255),
+    )
+    preemption_grace_s: float | None = option(
+        None,
+        accepts=float | None,
+        check=seconds(
+            exclusive_minimum=0,
+            allow_none=True,
+            hint="seconds after the first signal at which the process ends; None: no limit",
+        ),
+        unit="seconds",
+        renamed_from="preemption_grace",
+        fixed_because=_PREEMPTION_BUILT,
+        doc="how long after the first signal the process ends regardless, as a second "
+        "signal would (None: no limit of loopbus's own; the platform's SIGKILL is the "
+        "limit).",
+        examples=(30, 0.5),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Responsiveness:
-    """How the run shares the event loop and overlaps the host's work with the steps.
+    """How the run shares the event loop and overlaps the host's work with the steps."""
 
-    * ``yield_interval_s``: the longest time (seconds) inline steps run before yielding
-      to other tasks (0: after every step).
-    * ``drain_timeout_s``: how long (seconds) a cancelled or failed stage waits for
-      queued subscribers to finish (a normal end always waits for all of them).
-    * ``prefetch``: 0 (default) fetches each batch when the loop needs it; N >= 1 has a
-      worker thread fetch up to N batches ahead while the steps run, which overlaps
-      loading that releases the GIL (file I/O, decoding in C, torch ops) with compute.
-      Random draws in the loading code then share torch's global generator with the
-      step from another thread: give the dataset its own ``torch.Generator`` to keep
-      runs reproducible. Checkpoints save the position of the last batch trained on.
-    * ``device_prefetch``: on a CUDA device, how many batches are copied to the device
-      ahead of the step, on a side stream, while the step computes (default 1; 0 moves
-      each batch in its own iteration on the compute stream). Unpinned batches are
-      pinned first (by the prefetch worker when ``prefetch`` is on).
-    * ``put_lag``: on a CUDA device, tensors put during a step are copied to the host
-      without the host waiting, and their records are delivered once the copy is done
-      (checked at every step boundary) or, at the latest, when more than ``put_lag``
-      steps' records wait (a number of steps, default 4; 0: at once, a host sync per
-      step). Every other boundary (epoch, validation, stage end) delivers everything
-      first. See ``docs/performance.md``.
-    """
-
-    yield_interval_s: float = 0.005
-    drain_timeout_s: float = 10.0
-    prefetch: int = 0
-    device_prefetch: int = 1
-    put_lag: int = 4
+    yield_interval_s: float = option(
+        0.005,
+        accepts=float,
+        check=seconds(minimum=0),
+        unit="seconds",
+        renamed_from="yield_interval",
+        doc="the longest time inline steps run before yielding to other tasks (0: after "
+        "every step).",
+        examples=(0, 0.1),
+    )
+    drain_timeout_s: float = option(
+        10.0,
+        accepts=float,
+        check=seconds(minimum=0),
+        unit="seconds",
+        renamed_from="drain_timeout",
+        doc="how long a cancelled or failed stage waits for queued subscribers to finish "
+        "(a normal end always waits for all of them).",
+        examples=(0, 2.5),
+    )
+    prefetch: int = option(
+        0,
+        accepts=int,
+        check=integer(
+            minimum=0,
+            hint="0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
+        ),
+        unit="batches",
+        doc="0 fetches each batch when the loop needs it; N >= 1 has a worker thread fetch "
+        "up to N batches ahead while the steps run, which overlaps loading that releases "
+        "the GIL (file I/O, decoding in C, torch ops) with compute. Random draws in the "
+        "loading code then share torch's global generator with the step from another "
+        "thread: give the dataset its own ``torch.Generator`` to keep runs reproducible. "
+        "Checkpoints save the position of the last batch trained on.",
+        examples=(1, 4),
+    )
+    device_prefetch: int = option(
+        1,
+        accepts=int,
+        check=integer(
+            minimum=0,
+            hint="0 moves each batch on the compute stream; N >= 1 copies up to N ahead",
+        ),
+        unit="batches",
+        doc="on a CUDA device, how many batches are copied to the device ahead of the "
+        "step, on a side stream, while the step computes (0 moves each batch in its own "
+        "iteration on the compute stream). Unpinned batches are pinned first (by the "
+        "prefetch worker when ``prefetch`` is on).",
+        examples=(0, 2),
+    )
+    put_lag: int = option(
+        4,
+        accepts=int,
+        check=integer(
+            minimum=0,
+            hint="how many steps' records may wait for their values to reach the host",
+        ),
+        unit="steps",
+        fixed_because="the trainer's recorder was built with it",
+        doc="on a CUDA device, tensors put during a step are copied to the host without "
+        "the host waiting, and their records are delivered once the copy is done "
+        "(checked at every step boundary) or, at the latest, when more than ``put_lag`` "
+        "steps' records wait (0: at once, a host sync per step). Every other boundary "
+        "(epoch, validation, stage end) delivers everything first. See "
+        "``docs/performance.md``.",
+        examples=(0, 8),
+    )
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
 class Diagnostics:
-    """What the run checks and shows about itself.
+    """What the run checks and shows about itself."""
 
-    * ``leak_check``: ``"raise"``/``"warn"`` verify that scopes free what they held;
-      ``Trainer``'s default (``"env"``) reads the ``LOOPBUS_LEAK_CHECK`` environment
-      variable (off if unset).
-    * ``enable_model_summary``: whether the ``ModelSummary`` plugin (one of the default
-      plugins) prints its table of the module's layers when ``fit`` starts (default
-      True).
-    """
-
-    leak_check: LeakCheck = None
-    enable_model_summary: bool = True
+    leak_check: LeakCheck = option(  # noqa: RUF009 (a field specifier)
+        "env",
+        accepts=LeakCheck | Literal["env"],
+        check=check_leak_check,
+        fixed_because="the trainer's loops were attached with it",
+        doc='``"raise"``/``"warn"`` verify that scopes free what they held; '
+        '``"env"`` reads the ``LOOPBUS_LEAK_CHECK`` environment variable (off if '
+        "unset); None: off. Held resolved.",
+        examples=(None, "warn", "raise"),
+    )
+    enable_model_summary: bool = option(
+        True,
+        accepts=bool,
+        check=check_flag,
+        doc="whether the ``ModelSummary`` plugin (one of the default plugins) prints its "
+        "table of the module's layers when ``fit`` starts.",
+        examples=(False,),
+    )
 
 
 #: Each group of :class:`~loopbus.TrainerOptions`, by its field name there.
@@ -250,27 +455,19 @@ GROUPS: dict[str, type] = {
 }
 
 
-def parse_groups(raw: dict[str, Any]) -> dict[str, Any]:
-    """Every group, from ``Trainer(...)``'s keywords (``raw``: each one, the defaults
-    filled in), checked and resolved."""
-    lengths, validation = _run_length(raw)
-    return {
-        "lengths": lengths,
-        "validation": validation,
-        "step": _step_settings(raw),
-        "distribution": _distribution(raw),
-        "signals": _preemption_signals(raw),
-        "responsiveness": _responsiveness(raw),
-        "diagnostics": _diagnostics(raw),
-    }
+def _collect() -> tuple[dict[str, OptionDeclaration], dict[str, str]]:
+    options: dict[str, OptionDeclaration] = {}
+    follows: dict[str, str] = {}
+    for group, kind in GROUPS.items():
+        declarations, derived_fields = declared(group, kind)
+        options.update((d.name, d) for d in declarations)
+        follows.update(derived_fields)
+    return options, follows
 
 
-_STRATEGIES = {
-    "auto": "DDP under torchrun, else one process",
-    "ddp": "DistributedDataParallel, one process per device",
-    "fsdp": "FSDP2: the module sharded over the processes",
-    "single": "this process only",
-}
+#: Every option's declaration, by name, in the groups' order; and each derived value's
+#: name, with the options it follows from.
+DECLARATIONS, DERIVED = _collect()
 
 _LIMITS = (
     "limit_train_batches",
@@ -280,337 +477,30 @@ _LIMITS = (
 )
 
 
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    """The device of ``Trainer(device=...)`` ("auto": ``cuda:LOCAL_RANK`` under a
-    launcher that sets it, else ``cuda``, else the CPU)."""
-    if device is None or device == "auto":
-        if not torch.cuda.is_available():
-            return torch.device("cpu")
-        local_rank = os.environ.get("LOCAL_RANK")
-        if local_rank is not None and local_rank.isdigit():
-            return torch.device("cuda", int(local_rank) % torch.cuda.device_count())
-        return torch.device("cuda")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise MisconfigurationError(
-            f"device={device!r} is not a device; use 'auto', 'cpu', 'cuda' or 'cuda:N'."
-        ) from exc
-    if resolved.type == "cuda" and not torch.cuda.is_available():
-        raise MisconfigurationError(
-            f"device={device!r} but CUDA is not available here; use device='auto' or 'cpu'."
-        )
-    return resolved
+def build_groups(checked: Mapping[str, Any]) -> dict[str, Any]:
+    """Every group, from each option's checked value (``checked``: every option, by
+    name), with what follows from several options resolved:
 
-
-def check_limit(name: str, value: Any) -> Any:
-    """A ``limit_*_batches`` option checked: None, an int >= 0 or a float in [0, 1]."""
-    if value is None:
-        return None
-    if isinstance(value, float) and 0.0 <= value <= 1.0:
-        return value
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    raise MisconfigurationError(
-        f"{name} must be a number of batches (int >= 0) or a fraction (float in [0, 1]), "
-        f"got {value!r}."
-    )
-
-
-def check_clip(value: Any) -> float | None:
-    """``gradient_clip_val`` checked: a positive number or None."""
-    if value is not None and (
-        isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0
-    ):
-        raise MisconfigurationError(
-            f"gradient_clip_val must be a positive number or None, got {value!r}."
-        )
-    return value
-
-
-def _run_length(raw: dict[str, Any]) -> tuple[RunLengths, ValidationSchedule]:
-    """How long each stage runs: epochs, steps, batch limits, validation schedule,
-    sanity check; ``fast_dev_run`` overrides them."""
-    fast_dev_run = raw["fast_dev_run"]
-    if fast_dev_run is True or fast_dev_run is False:
-        fast_dev_run = int(fast_dev_run)
-    dev_run = check_int(
-        "fast_dev_run",
-        fast_dev_run,
-        minimum=0,
-        hint="True runs 1 batch of each stage, N runs N; False (0) turns it off",
-    )
-    sanity = check_int(
-        "num_sanity_val_steps",
-        raw["num_sanity_val_steps"],
-        minimum=-1,
-        hint="-1 runs the whole validation set, 0 turns the sanity check off",
-    )
+    * ``fast_dev_run`` N > 0 sets each ``limit_*_batches`` to N, one epoch, no step
+      limit, validation at each epoch's end and no sanity check;
+    * neither ``max_epochs`` nor ``max_steps`` given (None): 1000 epochs and
+      ``defaulted_epochs``; one of them None otherwise: no limit (``math.inf``);
+    * ``compile``'s ``"optimizer"`` key becomes ``compile_optimizer``.
+    """
+    held = dict(checked)
+    dev_run = held["fast_dev_run"]
     if dev_run:
-        limits = dict.fromkeys(_LIMITS, dev_run)
-        raw = {**raw, **limits, "max_epochs": 1, "max_steps": None}
-        raw.update(val_check_interval=None, check_val_every_n_epoch=1)
-        sanity = 0
-    max_epochs, max_steps = raw["max_epochs"], raw["max_steps"]
-    # -1 is Lightning's "no limit" (None here); asked for, it replaces the default.
-    unlimited = False
-    if max_epochs == -1 and type(max_epochs) is int:
-        max_epochs, unlimited = None, True
-    if max_steps == -1 and type(max_steps) is int:
-        max_steps, unlimited = None, True
-    check_int("max_epochs", max_epochs, minimum=0, allow_none=True)
-    check_int("max_steps", max_steps, minimum=0, allow_none=True)
-    defaulted = max_epochs is None and max_steps is None and not unlimited
-    if defaulted:
-        max_epochs = 1000
-    lengths = RunLengths(
-        max_epochs=math.inf if max_epochs is None else max_epochs,
-        max_steps=math.inf if max_steps is None else max_steps,
-        defaulted_epochs=defaulted,
-        **{name: check_limit(name, raw[name]) for name in _LIMITS},
-        fast_dev_run=dev_run,
-    )
-    validation = ValidationSchedule(
-        val_check_interval=check_int(
-            "val_check_interval", raw["val_check_interval"], allow_none=True
-        ),
-        check_val_every_n_epoch=check_int(
-            "check_val_every_n_epoch", raw["check_val_every_n_epoch"]
-        ),
-        num_sanity_val_steps=sanity,
-    )
-    return lengths, validation
-
-
-def _step_settings(raw: dict[str, Any]) -> StepSettings:
-    """Accumulation, clipping, the executor and compilation."""
-    algorithm, executor = raw["gradient_clip_algorithm"], raw["executor"]
-    if algorithm not in ("norm", "value"):
-        raise MisconfigurationError(
-            f"gradient_clip_algorithm must be 'norm' or 'value', got {algorithm!r}."
-        )
-    if executor not in ("inline", "thread"):
-        raise MisconfigurationError(
-            f"executor must be 'inline' (steps on the event loop thread) or 'thread' (steps "
-            f"in a worker thread), got {executor!r}."
-        )
-    return StepSettings(
-        accumulate_grad_batches=check_int(
-            "accumulate_grad_batches", raw["accumulate_grad_batches"]
-        ),
-        gradient_clip_val=check_clip(raw["gradient_clip_val"]),
-        gradient_clip_algorithm=algorithm,
-        executor=executor,
-        compile=compile_options(raw["compile"]),
-        compile_optimizer=compile_optimizer_option(raw["compile"]),
-    )
-
-
-def _distribution(raw: dict[str, Any]) -> Distribution:
-    """The device, the strategy and its collectives."""
-    if not isinstance(raw["strategy"], Strategy):
-        check_choice(
-            "strategy",
-            raw["strategy"],
-            _STRATEGIES,
-            hint="or a strategy object, such as loopbus.FSDPStrategy(units=[Block])",
-        )
-    return Distribution(
-        device=resolve_device(raw["device"]),
-        strategy=raw["strategy"],
-        process_group_timeout_s=float(
-            check_number(
-                "process_group_timeout_s",
-                raw["process_group_timeout_s"],
-                exclusive_minimum=0,
-            )
-        ),
-        stop_check_interval_s=float(
-            check_number(
-                "stop_check_interval_s",
-                raw["stop_check_interval_s"],
-                minimum=0,
-                hint="seconds between the ranks' stop checks under DDP (0: every step)",
-            )
-        ),
-    )
-
-
-def _responsiveness(raw: dict[str, Any]) -> Responsiveness:
-    """Yields, drains, and the work done ahead of (or behind) the steps."""
-    yield_interval = raw["yield_interval_s"]
-    if not isinstance(yield_interval, (int, float)) or yield_interval < 0:
-        raise MisconfigurationError(
-            f"yield_interval_s must be a number of seconds >= 0, got {yield_interval!r}."
-        )
-    hints = {
-        "prefetch": "0 fetches batches inline; N >= 1 fetches up to N ahead in a worker thread",
-        "device_prefetch": "0 moves each batch on the compute stream; N >= 1 copies up to N ahead",
-        "put_lag": "how many steps' records may wait for their values to reach the host",
+        held.update(dict.fromkeys(_LIMITS, dev_run), max_epochs=1, max_steps=None)
+        held.update(val_check_interval=None, check_val_every_n_epoch=1, num_sanity_val_steps=0)
+    max_epochs, max_steps = held["max_epochs"], held["max_steps"]
+    held["defaulted_epochs"] = defaulted = max_epochs is None and max_steps is None
+    held["max_epochs"] = 1000 if defaulted else math.inf if max_epochs is None else max_epochs
+    held["max_steps"] = math.inf if max_steps is None else max_steps
+    compiled = held["compile"]
+    held["compile_optimizer"] = compile_optimizer_option(compiled)
+    if compiled is not None and "optimizer" in compiled:
+        held["compile"] = MappingProxyType({k: v for k, v in compiled.items() if k != "optimizer"})
+    return {
+        group: kind(**{field.name: held[field.name] for field in dataclasses.fields(kind)})
+        for group, kind in GROUPS.items()
     }
-    return Responsiveness(
-        yield_interval_s=float(yield_interval),
-        drain_timeout_s=float(raw["drain_timeout_s"]),
-        **{name: check_int(name, raw[name], minimum=0, hint=hint) for name, hint in hints.items()},
-    )
-
-
-def _diagnostics(raw: dict[str, Any]) -> Diagnostics:
-    """The leak check and the model summary."""
-    leak_check = raw["leak_check"]
-    if leak_check == "env":
-        leak_check = leak_check_from_env()
-    if leak_check not in (None, "raise", "warn"):
-        raise MisconfigurationError(
-            f"leak_check must be None, 'warn' or 'raise', got {leak_check!r}."
-        )
-    if not isinstance(raw["enable_model_summary"], bool):
-        raise MisconfigurationError(
-            f"enable_model_summary must be True or False, got {raw['enable_model_summary']!r}."
-        )
-    return Diagnostics(leak_check=leak_check, enable_model_summary=raw["enable_model_summary"])
-
-
-def _preemption_signals(raw: dict[str, Any]) -> PreemptionSignals:
-    """What the preemption signals do (see ``docs/checkpointing.md``)."""
-    mode = raw["preemption"]
-    if not (mode == "auto" or isinstance(mode, bool)):
-        raise MisconfigurationError(
-            f"preemption must be 'auto' (handle SIGTERM/SIGUSR1 when a plugin such as "
-            f"Checkpoint acts on preemption), True (always) or False (never), got {mode!r}."
-        )
-    code = raw["preemption_exit_code"]
-    if code is not None and (
-        isinstance(code, bool) or not isinstance(code, int) or not 0 <= code <= 255
-    ):
-        raise MisconfigurationError(
-            f"preemption_exit_code must be an exit status in 0..255 or None (128 + the "
-            f"signal's number, 143 for SIGTERM), got {code!r}."
-        )
-    grace = check_number(
-        "preemption_grace_s",
-        raw["preemption_grace_s"],
-        exclusive_minimum=0,
-        allow_none=True,
-        hint="seconds after the first signal at which the process ends; None: no limit",
-    )
-    return PreemptionSignals(
-        preemption=mode,
-        preemption_exit_code=code,
-        preemption_grace_s=None if grace is None else float(grace),
-    )
-
-
-#: The ``torch.compile`` options ``Trainer(compile={...})`` passes on.
-_COMPILE_KEYS = ("backend", "mode", "fullgraph", "dynamic", "options")
-#: The keys of ``Trainer(compile={...})`` that are loopbus's own.
-_OWN_COMPILE_KEYS = ("optimizer", "target")
-_COMPILE_MODES = (None, "default", "max-autotune", "max-autotune-no-cudagraphs")
-_NO_CUDA_GRAPHS = (
-    "CUDA graphs are not supported by loopbus yet (the design, with the static input "
-    "buffers the device prefetch must fill, is in docs/performance.md); use compile=True "
-    "or mode='max-autotune-no-cudagraphs'"
-)
-
-
-def compile_options(value: Any) -> Mapping[str, Any] | None:
-    """``Trainer(compile=...)`` checked: None when off, else the ``torch.compile``
-    keyword arguments (read-only), with ``"target"`` (a tuple of names) when only a
-    part of the module is compiled."""
-    if value is False or value is None:
-        return None
-    if value is True:
-        return MappingProxyType({})
-    if isinstance(value, str):
-        raise MisconfigurationError(
-            f"compile={value!r} is not supported: {_NO_CUDA_GRAPHS}."
-            if value in ("cudagraphs", "reduce-overhead")
-            else f"compile must be True, False or a dict of torch.compile options "
-            f"(keys {list(_COMPILE_KEYS)}), got {value!r}; for a backend or mode write "
-            f"compile={{'backend': ...}} or compile={{'mode': ...}}."
-        )
-    if not isinstance(value, Mapping):
-        raise MisconfigurationError(
-            f"compile must be True, False or a dict of torch.compile options (keys "
-            f"{list(_COMPILE_KEYS)}), got {type(value).__name__}: {value!r}."
-        )
-    unknown = sorted(str(k) for k in value if k not in _COMPILE_KEYS + _OWN_COMPILE_KEYS)
-    if unknown:
-        raise MisconfigurationError(
-            f"compile={{...}} got unknown torch.compile option(s) {unknown}; the options it "
-            f"passes on are {list(_COMPILE_KEYS)}, 'optimizer' says whether the "
-            "optimizer step is compiled too and 'target' what is compiled."
-        )
-    compile_optimizer_option(value)
-    mode = value.get("mode")
-    if mode == "reduce-overhead" or value.get("backend") == "cudagraphs":
-        raise MisconfigurationError(f"compile={dict(value)!r}: {_NO_CUDA_GRAPHS}.")
-    if mode not in _COMPILE_MODES:
-        raise MisconfigurationError(
-            f"compile={{'mode': {mode!r}}} is not a torch.compile mode loopbus runs; use one "
-            f"of {[m for m in _COMPILE_MODES if m]} or leave it out."
-        )
-    if not isinstance(value.get("fullgraph", False), bool):
-        raise MisconfigurationError(
-            f"compile={{'fullgraph': ...}} must be True or False, got {value['fullgraph']!r}."
-        )
-    if not isinstance(value.get("options", {}), Mapping):
-        raise MisconfigurationError(
-            f"compile={{'options': ...}} must be a dict of backend options, got "
-            f"{value['options']!r}."
-        )
-    if value.get("dynamic") not in (None, True, False):
-        raise MisconfigurationError(
-            f"compile={{'dynamic': ...}} must be None (automatic), True or False, got "
-            f"{value['dynamic']!r}."
-        )
-    backend = value.get("backend", "inductor")
-    if not (isinstance(backend, str) or callable(backend)):
-        raise MisconfigurationError(
-            f"compile={{'backend': ...}} must be a backend name (such as 'inductor' or "
-            f"'aot_eager') or a callable backend, got {backend!r}."
-        )
-    options = {k: v for k, v in value.items() if k in _COMPILE_KEYS}
-    target = _compile_target(value.get("target", "steps"))
-    return MappingProxyType({**options, "target": target} if target else options)
-
-
-def _compile_target(value: Any) -> tuple[str, ...]:
-    """The ``"target"`` key of ``Trainer(compile={...})`` checked: the names of the
-    modules compiled (``"forward"``: the module's call; dotted names: its submodules),
-    empty for ``"steps"`` (the steps compiled whole, the default). Whether the module
-    has such submodules is checked when a stage starts."""
-    names = (value,) if isinstance(value, str) else value
-    if (
-        not isinstance(names, (list, tuple))
-        or not names
-        or not all(isinstance(n, str) and n and not n.startswith(".") for n in names)
-    ):
-        raise MisconfigurationError(
-            f"compile={{'target': ...}} must be 'steps' (the default: the training and "
-            f"evaluation steps compiled whole), 'forward' (only the module's call), a "
-            f"submodule's name ('encoder', dotted paths such as 'encoder.layers') or a list "
-            f"of such names, got {value!r}."
-        )
-    if "steps" in names:
-        if len(names) > 1:
-            raise MisconfigurationError(
-                f"compile={{'target': {value!r}}}: 'steps' compiles the steps whole and "
-                "cannot be combined with other targets."
-            )
-        return ()
-    return tuple(names)
-
-
-def compile_optimizer_option(value: Any) -> bool | Literal["auto"]:
-    """The ``"optimizer"`` key of ``Trainer(compile={...})`` checked (``"auto"`` when
-    absent, or when ``compile`` is not a dict)."""
-    if not isinstance(value, Mapping):
-        return "auto"
-    choice = value.get("optimizer", "auto")
-    if choice is True or choice is False or choice == "auto":
-        return choice  # type: ignore[no-any-return]
-    raise MisconfigurationError(
-        f"compile={{'optimizer': ...}} must be 'auto' (compile the optimizer step where it "
-        f"can be), True (compile it, or say why not) or False (keep it eager), got {choice!r}."
-    )

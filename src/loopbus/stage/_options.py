@@ -1,22 +1,23 @@
 """The trainer's options: one frozen, validated value (:class:`TrainerOptions`) made of
-frozen, typed groups (``_option_groups``), each option also readable by its flat name.
+frozen, typed groups (``_option_groups``), each option declared once there and also
+readable by its flat name.
 
-``Trainer(**options)`` hands its keyword arguments to :meth:`TrainerOptions.parse`,
-which checks every one (a full sentence naming the option, the bad value and the fix)
-and resolves what follows from them (``fast_dev_run``'s limits, the default
-``max_epochs``, the device). The trainer reads its options from the result; changing one
-later (``trainer.max_epochs = 4``) replaces the value with a validated copy. The old
-names of renamed options (``yield_interval``, now ``yield_interval_s``) still work, as
-deprecated aliases (``loopbus._renamed``).
+``Trainer(**options)`` hands its keyword arguments to :meth:`TrainerOptions.parse`, and
+a later change (``trainer.max_epochs = 4``, :meth:`TrainerOptions.replace`) takes the
+same path: each value is checked by its declaration's check, then what follows from
+several options is resolved (``fast_dev_run``'s limits, the default ``max_epochs``,
+``compile_optimizer``) from every option's value as given, so a change ends where
+``Trainer(...)`` with that value would. The old names of renamed options
+(``yield_interval``, now ``yield_interval_s``) still work, as deprecated aliases.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
 from collections.abc import Mapping
 from operator import attrgetter
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar, overload
 
 import torch
@@ -24,9 +25,16 @@ import torch
 from loopbus.distributed._strategy import Strategy
 from loopbus.state._scope import LeakCheck
 
-from .._renamed import RENAMED, renamed_keywords, warn_once
-from .._validate import check_int
+from .._renamed import renamed_keywords, warn_once
+from ._declarations import (
+    OptionDeclaration,
+    compile_optimizer_option,
+    compile_options,
+    resolve_device,
+)
 from ._option_groups import (
+    DECLARATIONS,
+    DERIVED,
     GROUPS,
     Diagnostics,
     Distribution,
@@ -36,18 +44,15 @@ from ._option_groups import (
     RunLengths,
     StepSettings,
     ValidationSchedule,
-    check_clip,
-    check_limit,
-    compile_optimizer_option,
-    compile_options,
-    parse_groups,
-    resolve_device,
+    build_groups,
 )
 
 __all__ = [
+    "OLD_NAMES",
     "Executor",
     "Option",
     "OptionAttributes",
+    "OptionDeclaration",
     "RenamedOption",
     "TrainerOptions",
     "compile_optimizer_option",
@@ -57,6 +62,11 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+#: The old name of each renamed option -> its name (from the declarations).
+OLD_NAMES: Mapping[str, str] = MappingProxyType(
+    {d.renamed_from: d.name for d in DECLARATIONS.values() if d.renamed_from}
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
@@ -78,6 +88,13 @@ class TrainerOptions:
     ``put_lag``) and ``diagnostics`` (:class:`Diagnostics`: ``leak_check``,
     ``enable_model_summary``). Each option is also readable by its flat name
     (``options.max_epochs`` is ``options.lengths.max_epochs``), at no extra Python call.
+    :meth:`declarations` lists the options with their types, defaults and docs.
+
+    ``given`` holds each option as given (its default where none was), checked:
+    ``Trainer(**options.given, plugins=..., precision=...)`` builds a trainer with the
+    same options, and ``Trainer(**options.replace(max_steps=10).given, ...)`` one that
+    differs in one. It is not compared: two options are equal when they hold the same
+    values.
 
     Times in seconds end in ``_s``. Their old names (``yield_interval``,
     ``drain_timeout``, ``process_group_timeout``, ``stop_check_interval``,
@@ -85,13 +102,15 @@ class TrainerOptions:
     they warn once and stand for the new option.
     """
 
-    lengths: RunLengths = dataclasses.field(default_factory=RunLengths)
-    validation: ValidationSchedule = dataclasses.field(default_factory=ValidationSchedule)
-    step: StepSettings = dataclasses.field(default_factory=StepSettings)
-    distribution: Distribution = dataclasses.field(default_factory=Distribution)
-    signals: PreemptionSignals = dataclasses.field(default_factory=PreemptionSignals)
-    responsiveness: Responsiveness = dataclasses.field(default_factory=Responsiveness)
-    diagnostics: Diagnostics = dataclasses.field(default_factory=Diagnostics)
+    lengths: RunLengths
+    validation: ValidationSchedule
+    step: StepSettings
+    distribution: Distribution
+    signals: PreemptionSignals
+    responsiveness: Responsiveness
+    diagnostics: Diagnostics
+    # Each option as given (its default where none was), checked: read as ``given``.
+    _given: tuple[tuple[str, Any], ...] = dataclasses.field(compare=False, repr=False)
 
     if TYPE_CHECKING:  # The flat names, made below from the groups' fields.
 
@@ -158,52 +177,56 @@ class TrainerOptions:
         @property
         def enable_model_summary(self) -> bool: ...
 
+    @property
+    def given(self) -> Mapping[str, Any]:
+        """Each option as given (its default where none was), checked (read-only)."""
+        return MappingProxyType(dict(self._given))
+
+    @classmethod
+    def declarations(cls) -> tuple[OptionDeclaration, ...]:
+        """Every option, as declared in its group (name, group, type, default, unit,
+        doc, whether it may change after the trainer is built, old name), in the
+        groups' order."""
+        return tuple(DECLARATIONS.values())
+
     @classmethod
     def parse(cls, **given: Any) -> TrainerOptions:
         """Validate ``Trainer``'s keyword arguments (those given; the rest take the
         Trainer's defaults) and resolve what follows from them. An old name of a renamed
         option warns (once) and stands for the new one; given with it, it raises."""
-        old = {name: given.pop(name) for name in list(given) if name in RENAMED}
-        if old:
-            given.update(renamed_keywords("Trainer", old, takes=_GIVEN_DEFAULTS, given=given))
-        unknown = set(given) - set(_GIVEN_DEFAULTS)
-        if unknown:
-            raise unknown_options(dict.fromkeys(unknown), list(_GIVEN_DEFAULTS))
-        return cls(**parse_groups({**_GIVEN_DEFAULTS, **given}))
+        given = _new_names("Trainer", given)
+        checked = {
+            name: declaration.check(given[name] if name in given else declaration.default)
+            for name, declaration in DECLARATIONS.items()
+        }
+        return cls(**build_groups(checked), _given=tuple(checked.items()))
 
     def replace(self, **changes: Any) -> TrainerOptions:
-        """These options with ``changes`` (by flat name), validated as :meth:`parse`
-        validates them."""
-        for name, value in changes.items():
-            if name in ("max_epochs", "max_steps"):
-                if value is None or (value == -1 and type(value) is int):
-                    value = math.inf
-                elif value != math.inf:
-                    check_int(name, value, minimum=0)
-                changes[name] = value
-            elif name.startswith("limit_"):
-                check_limit(name, value)
-            elif name in ("accumulate_grad_batches", "check_val_every_n_epoch"):
-                check_int(name, value)
-            elif name == "gradient_clip_val":
-                check_clip(value)
-            elif name == "val_check_interval":
-                check_int(name, value, allow_none=True)
-            else:
-                raise AttributeError(
-                    f"Trainer.{name} cannot be changed after the trainer is built; build a "
-                    f"new Trainer({name}=...)."
-                )
-        grouped: dict[str, dict[str, Any]] = {}
-        for name, value in changes.items():
-            grouped.setdefault(_GROUP_OF[name], {})[name] = value
-        return dataclasses.replace(
-            self,
-            **{
-                group: dataclasses.replace(getattr(self, group), **values)
-                for group, values in grouped.items()
-            },
+        """These options with ``changes`` (by flat name): each checked as :meth:`parse`
+        checks it, and what follows from it resolved again from the options as given,
+        so the result is what ``parse`` makes of :attr:`given` with the changes."""
+        changes = _new_names("TrainerOptions.replace", changes)
+        checked = dict(self._given)
+        checked.update((name, DECLARATIONS[name].check(v)) for name, v in changes.items())
+        groups = build_groups(checked)
+        for name, group in groups.items():  # an unchanged group stays the same object
+            if group == getattr(self, name):
+                groups[name] = getattr(self, name)
+        return TrainerOptions(**groups, _given=tuple(checked.items()))
+
+
+def _new_names(owner: str, given: dict[str, Any]) -> dict[str, Any]:
+    """``given`` with the old names of renamed options replaced by the new ones (each
+    warns once; one given with its new name raises); an unknown name raises."""
+    old = {name: given.pop(name) for name in list(given) if name in OLD_NAMES}
+    if old:
+        given.update(
+            renamed_keywords(owner, old, takes=DECLARATIONS, given=given, renames=OLD_NAMES)
         )
+    unknown = [name for name in given if name not in DECLARATIONS]
+    if unknown:
+        raise unknown_options(dict.fromkeys(unknown), list(DECLARATIONS), owner=owner)
+    return given
 
 
 #: Each option's group in :class:`TrainerOptions`, by the option's (flat) name.
@@ -215,11 +238,12 @@ _GROUP_OF: dict[str, str] = {
 def _renamed_field(old: str, new: str) -> property:
     """``options.<old>``: the value of ``options.<new>``, with a deprecation warning."""
     read_new = attrgetter(f"{_GROUP_OF[new]}.{new}")
+    unit = DECLARATIONS[new].unit
 
     def read(options: TrainerOptions) -> Any:
         warn_once(
             f"TrainerOptions.{old}",
-            f"TrainerOptions.{old} is deprecated: read {new} (the same value, in seconds).",
+            f"TrainerOptions.{old} is deprecated: read {new} (the same value, in {unit}).",
         )
         return read_new(options)
 
@@ -231,7 +255,7 @@ def _add_flat_names() -> None:
     Python call per read), and each old name of a renamed option."""
     for name, group in _GROUP_OF.items():
         setattr(TrainerOptions, name, property(attrgetter(f"{group}.{name}")))
-    for old, new in RENAMED.items():
+    for old, new in OLD_NAMES.items():
         setattr(TrainerOptions, old, _renamed_field(old, new))
 
 
@@ -254,6 +278,9 @@ class Option(Generic[T]):
     """A trainer attribute that reads (and, validated, replaces) one of its options."""
 
     __slots__ = ("name",)
+
+    def __init__(self, name: str = "") -> None:
+        self.name = name
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -279,8 +306,9 @@ class RenamedOption:
 
     __slots__ = ("name", "new")
 
-    def __init__(self, new: str) -> None:
+    def __init__(self, new: str, name: str = "") -> None:
         self.new = new
+        self.name = name
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
@@ -305,54 +333,106 @@ class RenamedOption:
         warn_once(
             f"Trainer.{self.name}",
             f"Trainer.{self.name} is deprecated: it is now trainer.{self.new} (the same "
-            "value, in seconds).",
+            f"value, in {DECLARATIONS[self.new].unit}).",
         )
 
 
+#: The options read on the options only: ``trainer.strategy`` is the strategy object the
+#: option was resolved to (``trainer.options.strategy`` is the option as given).
+NOT_ATTRIBUTES = frozenset({"strategy"})
+
+
 class OptionAttributes:
-    """Each option of :attr:`options` as an attribute of its own (``trainer.max_epochs``):
-    read from the options, and set (``trainer.max_epochs = 4``) by :meth:`set_options`,
-    which validates the change and replaces the frozen options with the new value."""
+    """Each option of :attr:`options` as an attribute of its own (``trainer.max_epochs``),
+    and each value that follows from options (``trainer.defaulted_epochs``): read from
+    the options, and set (``trainer.max_epochs = 4``) by :meth:`set_options`, which
+    validates the change and replaces the frozen options with the new value. The
+    attributes are made from the declarations (below the class); ``strategy`` is the
+    exception: ``trainer.strategy`` is the strategy object the option resolved to."""
 
     options: TrainerOptions
 
-    max_epochs: Option[float] = Option()
-    max_steps: Option[float] = Option()
-    val_check_interval: Option[int | None] = Option()
-    check_val_every_n_epoch: Option[int] = Option()
-    limit_train_batches: Option[int | float | None] = Option()
-    limit_val_batches: Option[int | float | None] = Option()
-    limit_test_batches: Option[int | float | None] = Option()
-    limit_predict_batches: Option[int | float | None] = Option()
-    accumulate_grad_batches: Option[int] = Option()
-    gradient_clip_val: Option[float | None] = Option()
-    gradient_clip_algorithm: Option[Literal["norm", "value"]] = Option()
-    executor: Option[Executor] = Option()
-    device: Option[torch.device] = Option()
-    leak_check: Option[LeakCheck] = Option()
-    yield_interval_s: Option[float] = Option()
-    drain_timeout_s: Option[float] = Option()
-    prefetch: Option[int] = Option()
-    device_prefetch: Option[int] = Option()
-    put_lag: Option[int] = Option()
-    num_sanity_val_steps: Option[int] = Option()
-    fast_dev_run: Option[int] = Option()
-    enable_model_summary: Option[bool] = Option()
-    preemption: Option[bool | Literal["auto"]] = Option()
-    preemption_exit_code: Option[int | None] = Option()
-    preemption_grace_s: Option[float | None] = Option()
-    compile: Option[Mapping[str, Any] | None] = Option()
-
-    # The old names of renamed options (deprecated).
-    yield_interval = RenamedOption("yield_interval_s")
-    drain_timeout = RenamedOption("drain_timeout_s")
-    preemption_grace = RenamedOption("preemption_grace_s")
+    if TYPE_CHECKING:  # The attributes, made below from the declarations.
+        max_epochs: Option[float] = Option()
+        max_steps: Option[float] = Option()
+        defaulted_epochs: Option[bool] = Option()
+        limit_train_batches: Option[int | float | None] = Option()
+        limit_val_batches: Option[int | float | None] = Option()
+        limit_test_batches: Option[int | float | None] = Option()
+        limit_predict_batches: Option[int | float | None] = Option()
+        fast_dev_run: Option[int] = Option()
+        val_check_interval: Option[int | None] = Option()
+        check_val_every_n_epoch: Option[int] = Option()
+        num_sanity_val_steps: Option[int] = Option()
+        accumulate_grad_batches: Option[int] = Option()
+        gradient_clip_val: Option[float | None] = Option()
+        gradient_clip_algorithm: Option[Literal["norm", "value"]] = Option()
+        executor: Option[Executor] = Option()
+        compile: Option[Mapping[str, Any] | None] = Option()
+        compile_optimizer: Option[bool | Literal["auto"]] = Option()
+        device: Option[torch.device] = Option()
+        process_group_timeout_s: Option[float] = Option()
+        stop_check_interval_s: Option[float] = Option()
+        preemption: Option[bool | Literal["auto"]] = Option()
+        preemption_exit_code: Option[int | None] = Option()
+        preemption_grace_s: Option[float | None] = Option()
+        yield_interval_s: Option[float] = Option()
+        drain_timeout_s: Option[float] = Option()
+        prefetch: Option[int] = Option()
+        device_prefetch: Option[int] = Option()
+        put_lag: Option[int] = Option()
+        leak_check: Option[LeakCheck] = Option()
+        enable_model_summary: Option[bool] = Option()
+        # The old names of renamed options (deprecated).
+        yield_interval = RenamedOption("yield_interval_s")
+        drain_timeout = RenamedOption("drain_timeout_s")
+        process_group_timeout = RenamedOption("process_group_timeout_s")
+        stop_check_interval = RenamedOption("stop_check_interval_s")
+        preemption_grace = RenamedOption("preemption_grace_s")
 
     def set_options(self, **changes: Any) -> None:
         """Change options between stages, each validated as ``Trainer(...)`` validates
-        it; only the limits and the step options can change after the trainer is built
-        (the others shaped what it built)."""
+        it, with what follows from it resolved as ``Trainer(...)`` resolves it (setting
+        ``max_steps`` on a trainer built without ``max_epochs`` leaves no epoch limit,
+        as ``Trainer(max_steps=...)`` does). Only the options declared mutable can
+        change (``TrainerOptions.declarations()``); the others shaped what the trainer
+        built, and setting one raises an ``AttributeError`` that says why. A change
+        takes effect at the next stage."""
+        for name in changes:
+            refused = _refusal(OLD_NAMES.get(name, name))
+            if refused:
+                raise AttributeError(refused)
         self.options = self.options.replace(**changes)
+
+
+def _refusal(name: str) -> str | None:
+    """Why ``trainer.<name>`` cannot be set, or None if it can."""
+    if name in DERIVED:
+        return (
+            f"Trainer.{name} cannot be set: it is no option but follows from "
+            f"{DERIVED[name]}; set those instead."
+        )
+    declaration = DECLARATIONS.get(name)
+    if declaration is None or declaration.mutable:
+        return None
+    return (
+        f"Trainer.{name} cannot be changed after the trainer is built: "
+        f"{declaration.fixed_because}. Build a new trainer for another value: "
+        f"Trainer({name}=...), or Trainer(**trainer.options.replace({name}=...).given, "
+        "plugins=..., precision=...) to keep the other options."
+    )
+
+
+def _add_attributes() -> None:
+    """Each option and derived value as a trainer attribute, and each old name."""
+    for name in _GROUP_OF:
+        if name not in NOT_ATTRIBUTES:
+            setattr(OptionAttributes, name, Option(name))
+    for old, new in OLD_NAMES.items():
+        setattr(OptionAttributes, old, RenamedOption(new, old))
+
+
+_add_attributes()
 
 
 #: Lightning's names for what loopbus calls otherwise.
@@ -371,11 +451,17 @@ _LIGHTNING_NAMES = {
 }
 
 
-def unknown_options(unknown: dict[str, Any], known: list[str]) -> TypeError:
+def unknown_options(
+    unknown: dict[str, Any], known: list[str], *, owner: str = "Trainer"
+) -> TypeError:
     """The error for ``Trainer(**unknown)``: Lightning's names for what loopbus calls
-    otherwise, with the way to say it here, or the closest known option."""
+    otherwise, with the way to say it here, a value that follows from options, or the
+    closest known option."""
     lines = []
     for name in unknown:
+        if name in DERIVED:
+            lines.append(f"{name!r} is no option but follows from {DERIVED[name]}")
+            continue
         if name in _LIGHTNING_NAMES:
             lines.append(f"{name!r}: {_LIGHTNING_NAMES[name]}")
             continue
@@ -384,39 +470,5 @@ def unknown_options(unknown: dict[str, Any], known: list[str]) -> TypeError:
             f"{name!r}: did you mean `{close[0]}`?" if close else f"{name!r} is not an option"
         )
     return TypeError(
-        "Trainer() got unknown option(s): " + "; ".join(lines) + f". Its options are {known}."
+        f"{owner}() got unknown option(s): " + "; ".join(lines) + f". Its options are {known}."
     )
-
-
-#: What each option is when ``Trainer(...)`` is not given it (as given, before parsing).
-_GIVEN_DEFAULTS: dict[str, Any] = {
-    "max_epochs": None,
-    "max_steps": None,
-    "val_check_interval": None,
-    "check_val_every_n_epoch": 1,
-    "limit_train_batches": None,
-    "limit_val_batches": None,
-    "limit_test_batches": None,
-    "limit_predict_batches": None,
-    "accumulate_grad_batches": 1,
-    "gradient_clip_val": None,
-    "gradient_clip_algorithm": "norm",
-    "executor": "inline",
-    "device": "auto",
-    "leak_check": "env",
-    "yield_interval_s": 0.005,
-    "drain_timeout_s": 10.0,
-    "prefetch": 0,
-    "device_prefetch": 1,
-    "put_lag": 4,
-    "strategy": "auto",
-    "process_group_timeout_s": 1800.0,
-    "stop_check_interval_s": 0.05,
-    "num_sanity_val_steps": 2,
-    "fast_dev_run": False,
-    "enable_model_summary": True,
-    "preemption": "auto",
-    "preemption_exit_code": None,
-    "preemption_grace_s": None,
-    "compile": False,
-}

@@ -34,7 +34,6 @@ from loopbus.step._optim import LRSchedulers, SchedulerConfig, parse_optimizers
 from loopbus.step._precision import Precision, resolve_precision
 
 from .._exceptions import MisconfigurationError
-from .._renamed import RENAMED
 from ..events import Event, EventBus, Subscription
 from ._assembly import (
     StageHost,
@@ -42,7 +41,7 @@ from ._assembly import (
     build_host,
 )
 from ._lifecycle import prepared_fit, resume_from, running_stage, sanity_check, subscribed
-from ._options import Executor, OptionAttributes, TrainerOptions, unknown_options
+from ._options import OLD_NAMES, Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._preemption import Preemption
 from ._run import lightning_arguments, stage_method
@@ -87,9 +86,12 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     Its options (all keyword-only: ``max_epochs``, ``max_steps``, ``precision``,
     ``plugins``, ``executor``, ``device``, ``strategy``, ...) are validated into one
     frozen :class:`TrainerOptions` (``trainer.options``; each is also an attribute,
-    ``trainer.max_epochs``), held in typed groups whose docstrings say what each one
-    does. Times in seconds end in ``_s`` (``yield_interval_s``); their earlier names
-    (``yield_interval``, ...) are deprecated aliases that warn once. ``plugins`` are
+    ``trainer.max_epochs``), held in typed groups where each is declared once, with its
+    docstring (``TrainerOptions.declarations()`` lists them; the signature below is
+    tested against them). Times in seconds end in ``_s`` (``yield_interval_s``); their
+    earlier names (``yield_interval``, ...) are deprecated aliases that warn once. Setting
+    an option later (``trainer.max_steps = 100``) validates and resolves it as
+    ``Trainer(max_steps=100)`` would. ``plugins`` are
     the plugins of every stage (None: the default set, a progress bar and a model summary; ``[]``: none);
     ``precision`` is ``"32"`` (default) or a registered name such as ``"bf16-mixed"``.
 
@@ -479,7 +481,7 @@ def _parse_options(named: dict[str, Any], unknown: dict[str, Any]) -> TrainerOpt
     the very default object of the signature, so only those passed are handed on),
     ``unknown`` the others: the deprecated old names of renamed options, or mistakes
     (explained)."""
-    mistakes = {name: value for name, value in unknown.items() if name not in RENAMED}
+    mistakes = {name: value for name, value in unknown.items() if name not in OLD_NAMES}
     if mistakes:
         known = [p for p in inspect.signature(Trainer).parameters if p != "unknown"]
         raise unknown_options(mistakes, known)

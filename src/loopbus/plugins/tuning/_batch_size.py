@@ -219,29 +219,19 @@ class _Snapshot:
 
 
 def _trial_options(trainer: loopbus.Trainer, steps: int) -> dict[str, Any]:
-    """A trial trainer's options: the run's, ``steps`` optimizer steps, no plugins."""
-    options = trainer.options
-    return {
-        "max_steps": steps,
-        "max_epochs": -1,
-        "plugins": [],
-        "device": options.device,
-        "precision": trainer.precision,
-        "accumulate_grad_batches": options.accumulate_grad_batches,
-        "gradient_clip_val": options.gradient_clip_val,
-        "gradient_clip_algorithm": options.gradient_clip_algorithm,
-        "executor": options.executor,
-        "compile": False if options.compile is None else dict(options.compile),
-        "prefetch": options.prefetch,
-        "device_prefetch": options.device_prefetch,
-        "put_lag": options.put_lag,
-        "yield_interval_s": options.yield_interval_s,
-        "drain_timeout_s": options.drain_timeout_s,
-        "leak_check": options.leak_check,
-        "num_sanity_val_steps": 0,
-        "enable_model_summary": False,
-        "preemption": False,
-    }
+    """A trial trainer's keywords: every option of the run (and its strategy object and
+    precision), but ``steps`` optimizer steps, no sanity check, no summary, no
+    preemption handling, no dev run and no plugins."""
+    options = trainer.options.replace(
+        max_steps=steps,
+        max_epochs=-1,
+        num_sanity_val_steps=0,
+        enable_model_summary=False,
+        preemption=False,
+        fast_dev_run=False,
+        strategy=trainer.strategy,
+    )
+    return {**options.given, "plugins": [], "precision": trainer.precision}
 
 
 def _free(device: torch.device, thorough: bool = True) -> None:

@@ -503,34 +503,22 @@ def _target_attribute(trainer: Any, module: Any, update_attr: bool, attr_name: s
 def _sweep_trainer(
     trainer: loopbus.Trainer, finder: LRFinder, precision: Any, plugins: list[Plugin]
 ) -> loopbus.Trainer:
-    """A trainer for the sweep: ``trainer``'s step, device, strategy and pacing options,
-    ``num_training`` steps, no validation, no summary, only the finder and ``plugins``."""
-    options = trainer.options
-    # The class of the caller's trainer (a subclass stays one).
-    return type(trainer)(
+    """A trainer for the sweep: every option of ``trainer`` (and its strategy object),
+    but ``num_training`` steps, eager steps (the sweep is not compiled yet, see
+    ``docs/tuning.md``), no sanity check, no summary, no preemption handling and no dev
+    run, with only the finder and ``plugins``."""
+    options = trainer.options.replace(
         max_steps=finder.num_training,
         max_epochs=finder.num_training,
-        limit_train_batches=options.limit_train_batches,
-        accumulate_grad_batches=options.accumulate_grad_batches,
-        gradient_clip_val=options.gradient_clip_val,
-        gradient_clip_algorithm=options.gradient_clip_algorithm,
-        executor=options.executor,
-        device=options.device,
-        precision=precision,
-        strategy=trainer.strategy,
-        leak_check=options.leak_check,
-        yield_interval_s=options.yield_interval_s,
-        drain_timeout_s=options.drain_timeout_s,
-        prefetch=options.prefetch,
-        device_prefetch=options.device_prefetch,
-        put_lag=options.put_lag,
-        process_group_timeout_s=options.process_group_timeout_s,
-        stop_check_interval_s=options.stop_check_interval_s,
+        compile=False,
         num_sanity_val_steps=0,
         enable_model_summary=False,
         preemption=False,
-        plugins=[finder, *plugins],
+        fast_dev_run=False,
+        strategy=trainer.strategy,
     )
+    # The class of the caller's trainer (a subclass stays one).
+    return type(trainer)(**options.given, precision=precision, plugins=[finder, *plugins])
 
 
 class _Snapshot:

@@ -12,6 +12,7 @@ import loopbus
 import loopbus.dashboard
 import loopbus.events
 import loopbus.plugins
+import loopbus.plugins.tuning
 import loopbus.stream
 from tests.helpers import ROOT
 
@@ -19,6 +20,7 @@ DOC = ROOT / "docs" / "reference.md"
 PACKAGES: tuple[ModuleType, ...] = (
     loopbus,
     loopbus.plugins,
+    loopbus.plugins.tuning,
     loopbus.events,
     loopbus.stream,
     loopbus.dashboard,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
@@ -29,10 +29,12 @@ if TYPE_CHECKING:
 __all__ = ["TrainerView"]
 
 
+@runtime_checkable
 class TrainerView(Protocol):
     """The trainer as the parts it runs see it: where the run is, the ranks, the latest
     records, the parts of the run, and the calls a module or a plugin makes on it
-    (stop, subscribe, publish, checkpoint). ``loopbus.Trainer`` satisfies it."""
+    (stop, subscribe, publish, checkpoint). ``loopbus.Trainer`` satisfies it, also as
+    ``isinstance(trainer, TrainerView)`` checks (every member present)."""
 
     # -- where the run is
     @property

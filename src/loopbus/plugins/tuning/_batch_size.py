@@ -19,24 +19,24 @@ import random
 import re
 import weakref
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch.utils.data import DataLoader, IterableDataset
 
-import loopbus
 from loopbus import (
     MisconfigurationError,
     Plugin,
+    TrainerView,
     check_choice,
     check_int,
     check_number,
+    is_datamodule,
     on,
+    prepare_datamodule,
+    run_or_return,
 )
 from loopbus.events import FitStarted
-
-if TYPE_CHECKING:
-    from loopbus import TrainerView
 
 __all__ = ["BatchSizeFinder", "find_batch_size", "is_out_of_memory"]
 
@@ -162,7 +162,7 @@ class _Snapshot:
     modules' modes, the random generators (Python, NumPy, torch, CUDA, the loader's), the
     precision's state (a grad scaler), and each optimizer and scheduler as first seen."""
 
-    def __init__(self, trainer: loopbus.Trainer, module: torch.nn.Module, train_data: Any) -> None:
+    def __init__(self, trainer: TrainerView, module: torch.nn.Module, train_data: Any) -> None:
         self.weights = _to_host(module.state_dict())
         self.grads = [
             (p, None if p.grad is None else _to_host(p.grad)) for p in module.parameters()
@@ -187,7 +187,7 @@ class _Snapshot:
         self.parts: dict[int, tuple[weakref.ref[Any], dict[str, Any]]] = {}
         self.see(trainer)
 
-    def see(self, trainer: loopbus.Trainer) -> None:
+    def see(self, trainer: TrainerView) -> None:
         """Remember the optimizers and schedulers of ``trainer`` not seen before."""
         parts: list[Any] = list(trainer.optimizers)
         parts += [config.scheduler for config in trainer.lr_scheduler_configs]
@@ -195,7 +195,7 @@ class _Snapshot:
             if id(part) not in self.parts:
                 self.parts[id(part)] = (weakref.ref(part), _to_host(part.state_dict()))
 
-    def restore(self, trainer: loopbus.Trainer, module: torch.nn.Module) -> None:
+    def restore(self, trainer: TrainerView, module: torch.nn.Module) -> None:
         module.load_state_dict(self.weights)
         for param, grad in self.grads:
             param.grad = None if grad is None else grad.to(param.device)
@@ -218,7 +218,7 @@ class _Snapshot:
             numpy.random.set_state(self.numpy)
 
 
-def _trial_options(trainer: loopbus.Trainer, steps: int) -> dict[str, Any]:
+def _trial_options(trainer: TrainerView, steps: int) -> dict[str, Any]:
     """A trial trainer's keywords: every option of the run (and its strategy object and
     precision), but ``steps`` optimizer steps, no sanity check, no summary, no
     preemption handling, no dev run and no plugins."""
@@ -306,7 +306,7 @@ class BatchSizeFinder(Plugin):
 
     async def prepare_fit(self, trainer: TrainerView, module: Any, train_data: Any) -> Any:
         make = loader_factory(train_data, self.loader)
-        if isinstance(trainer, loopbus.Trainer) and trainer.options.fast_dev_run:
+        if isinstance(trainer, TrainerView) and trainer.options.fast_dev_run:
             return train_data  # a quick check of the code, not a run to size
         size = await self.search(trainer, module, train_data)
         return make(size)
@@ -319,7 +319,7 @@ class BatchSizeFinder(Plugin):
     async def search(self, trainer: TrainerView, module: Any, train_data: Any = None) -> int:
         """Run the search for ``module`` on ``trainer`` (outside a stage) and return the
         batch size found; the weights, optimizers and generators are restored after it."""
-        if not isinstance(trainer, loopbus.Trainer):
+        if not isinstance(trainer, TrainerView):
             raise MisconfigurationError(
                 f"the batch-size finder needs a loopbus.Trainer, got {type(trainer).__name__}."
             )
@@ -336,8 +336,8 @@ class BatchSizeFinder(Plugin):
             raise MisconfigurationError(
                 f"the batch-size finder needs a loopbus.Module, got {type(module).__name__}."
             )
-        if loopbus.is_datamodule(train_data):  # readied as fit readies it; its loader
-            train_data, _ = loopbus.prepare_datamodule(
+        if is_datamodule(train_data):  # readied as fit readies it; its loader
+            train_data, _ = prepare_datamodule(
                 train_data, "fit", trainer=trainer, wanted=lambda m: m == "train_dataloader"
             )
         make = loader_factory(train_data, self.loader)
@@ -357,7 +357,7 @@ class BatchSizeFinder(Plugin):
 
     async def _trial(
         self,
-        trainer: loopbus.Trainer,
+        trainer: TrainerView,
         module: Any,
         make: LoaderFactory,
         snapshot: _Snapshot,
@@ -370,9 +370,9 @@ class BatchSizeFinder(Plugin):
         return fitted
 
     async def _fit(
-        self, trainer: loopbus.Trainer, module: Any, data: Any, snapshot: _Snapshot
+        self, trainer: TrainerView, module: Any, data: Any, snapshot: _Snapshot
     ) -> bool:
-        trial = loopbus.Trainer(**_trial_options(trainer, self.steps_per_trial))
+        trial = type(trainer)(**_trial_options(trainer, self.steps_per_trial))
         trial.subscribe(FitStarted, lambda event: snapshot.see(trial))
         try:
             await trial.fit(module, data)
@@ -413,7 +413,7 @@ class BatchSizeFinder(Plugin):
 
 
 def find_batch_size(
-    trainer: loopbus.Trainer,
+    trainer: TrainerView,
     module: Any,
     train_data: Any = None,
     *,
@@ -436,4 +436,4 @@ def find_batch_size(
         margin=margin,
         loader=loader,
     )
-    return loopbus.run_or_return(functools.partial(finder.search, trainer, module, train_data))
+    return run_or_return(functools.partial(finder.search, trainer, module, train_data))

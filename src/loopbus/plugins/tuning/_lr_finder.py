@@ -24,20 +24,21 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 import torch.distributed as dist
 
-import loopbus
 from loopbus import (
     CustomEvent,
     Delivery,
     MisconfigurationError,
     Plugin,
+    TrainerView,
     check_choice,
     check_int,
     on,
+    run_or_return,
 )
 from loopbus.events import TrainBatchCompleted, TrainBatchStarted
 
 if TYPE_CHECKING:
-    from loopbus import Module, TrainerView
+    from loopbus import Module
 
 __all__ = ["LRFinder", "LRFinderPoint", "LRFinderResult", "find_lr", "steepest_descent"]
 
@@ -376,7 +377,7 @@ def _loss_device(trainer: TrainerView) -> torch.device:
 
 # ---------------------------------------------------------------- the function form
 def find_lr(
-    trainer: loopbus.Trainer,
+    trainer: TrainerView,
     module: Module,
     train_data: Any,
     *,
@@ -425,13 +426,13 @@ def find_lr(
             raise MisconfigurationError(
                 f"find_lr(plugins=...) takes loopbus.Plugin instances, got {plugin!r}."
             )
-    return loopbus.run_or_return(
+    return run_or_return(
         functools.partial(_find_lr, trainer, module, train_data, finder, attr, extra)
     )
 
 
 async def _find_lr(
-    trainer: loopbus.Trainer,
+    trainer: TrainerView,
     module: Module,
     train_data: Any,
     finder: LRFinder,
@@ -468,7 +469,7 @@ async def _find_lr(
 
 def _target_attribute(trainer: Any, module: Any, update_attr: bool, attr_name: str) -> str | None:
     """Check the call before anything runs; the attribute ``update_attr`` sets."""
-    if not isinstance(trainer, loopbus.Trainer):
+    if not isinstance(trainer, TrainerView):
         raise MisconfigurationError(
             f"find_lr(trainer, module, train_data) needs a loopbus.Trainer first, got "
             f"{type(trainer).__name__}."
@@ -501,8 +502,8 @@ def _target_attribute(trainer: Any, module: Any, update_attr: bool, attr_name: s
 
 
 def _sweep_trainer(
-    trainer: loopbus.Trainer, finder: LRFinder, precision: Any, plugins: list[Plugin]
-) -> loopbus.Trainer:
+    trainer: TrainerView, finder: LRFinder, precision: Any, plugins: list[Plugin]
+) -> TrainerView:
     """A trainer for the sweep: every option of ``trainer`` (and its strategy object),
     but ``num_training`` steps, eager steps (the sweep is not compiled yet, see
     ``docs/tuning.md``), no sanity check, no summary, no preemption handling and no dev
@@ -527,7 +528,7 @@ class _Snapshot:
     train/eval modes; the trainer's optimizers and schedulers; the random generators;
     the loader's state and generators."""
 
-    def __init__(self, trainer: loopbus.Trainer, module: Module, data: Any) -> None:
+    def __init__(self, trainer: TrainerView, module: Module, data: Any) -> None:
         with torch.no_grad():
             self.tensors = [(t, t.detach().clone()) for t in _module_tensors(module)]
             self.grads = [

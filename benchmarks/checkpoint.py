@@ -26,8 +26,17 @@ to a local folder and to the S3 server (the shards through DCP's fsspec writer, 
 blocked time over the local background save's of the same kind (the target: within
 1.2x).
 
+Last, a store that stalls (``--stall``): the same fit of ``--saves`` remote saves through
+a TCP proxy in front of the S3 server, healthy, then switched at the first step to accept
+connections and read nothing (a store that stops reading). Every store call is held to
+``StoreDeadlines(call_s=--call-s, save_wait_s=--save-wait-s)`` (connect and read:
+``--call-s`` too), ``upload_retries=1``: the stalled upload is abandoned and tried again,
+a save due meanwhile is skipped after ``save_wait_s``. The figures: each fit's wall time,
+its longest step, the saves skipped and the uploads that failed.
+
     ./dev bench checkpoint
     ./dev bench checkpoint --saves 30 --width 2048
+    ./dev bench checkpoint --stall --saves 10 --call-s 2 --save-wait-s 0.5
 """
 
 from __future__ import annotations
@@ -36,8 +45,11 @@ import argparse
 import copy
 import importlib.util
 import logging
+import select
+import socket
 import statistics
 import tempfile
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -48,7 +60,7 @@ import torch
 from torch.utils.data import DataLoader, TensorDataset
 
 import loopbus
-from loopbus import Module, Plugin, RemotePath, Trainer, on
+from loopbus import Module, Plugin, RemotePath, StoreDeadlines, Trainer, on
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
 from loopbus.storage import Store
@@ -193,6 +205,110 @@ def s3_server() -> tuple[Any, RemotePath] | None:
     return server, RemotePath("s3://loopbus-bench/checkpoint", options)
 
 
+class StallingProxy:
+    """A TCP proxy on 127.0.0.1 in front of ``upstream``; while :attr:`stalled` is set it
+    accepts connections and reads nothing, and stops forwarding on those it has."""
+
+    def __init__(self, upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        self.stalled = threading.Event()
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
+        self.sockets: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self.server.accept()
+            except OSError:  # closed
+                return
+            self.sockets.append(client)
+            if self.stalled.is_set():
+                continue  # parked: never read, never answered
+            upstream = socket.create_connection(self.upstream)
+            self.sockets.append(upstream)
+            for source, target in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(source, target), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, target: socket.socket) -> None:
+        try:
+            while True:
+                if self.stalled.is_set() or not select.select([source], [], [], 0.05)[0]:
+                    time.sleep(0.01 if self.stalled.is_set() else 0)
+                    continue
+                data = source.recv(1 << 16)
+                if not data:
+                    break
+                target.sendall(data)
+        except (OSError, ValueError):  # closed by the other side or the other pipe
+            pass
+        finally:
+            source.close()
+            target.close()
+
+    def close(self) -> None:
+        for sock in [self.server, *self.sockets]:
+            sock.close()
+
+
+class Stall(Plugin):
+    """Stalls the proxy at the first step (once the folder is claimed); records the
+    longest time between two steps."""
+
+    def __init__(self, proxy: StallingProxy, stall: bool) -> None:
+        self.proxy, self.stall = proxy, stall
+        self.last: float | None = None
+        self.longest = 0.0
+
+    @on(TrainBatchCompleted)
+    def _step(self, event: TrainBatchCompleted) -> None:
+        now = time.perf_counter()
+        if self.last is not None:
+            self.longest = max(self.longest, now - self.last)
+        self.last = now
+        if self.stall:
+            self.proxy.stalled.set()
+
+
+def stalled_store(
+    url: RemotePath, width: int, saves: int, every: int, deadlines: StoreDeadlines
+) -> None:
+    """A fit of ``saves`` remote saves through a proxy, healthy, then stalled."""
+    host, port = url.storage_options["client_kwargs"]["endpoint_url"][7:].split(":")
+    torch.manual_seed(0)
+    x = torch.randn(32 * every * saves, 32)
+    data = DataLoader(TensorDataset(x, torch.randint(0, 10, (len(x),))), batch_size=32)
+    for stalled in (False, True):
+        proxy = StallingProxy((host, int(port)))
+        options = url.storage_options
+        options["client_kwargs"] = dict(options["client_kwargs"], endpoint_url=proxy.endpoint)
+        where = RemotePath(f"{url.url}/stall-{stalled}", options)
+        watch = Stall(proxy, stalled)
+        checkpoint = Checkpoint(
+            where,
+            every_n_steps=every,
+            save_on_end=False,
+            upload_retries=1,
+            store_deadlines=deadlines,
+        )
+        trainer = Trainer(max_epochs=1, plugins=[checkpoint, watch], device="cpu")
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loopbus.run(trainer.fit, Wide(width), data)
+        took = time.perf_counter() - start
+        proxy.close()
+        messages = [str(w.message) for w in caught]
+        skipped = sum("skipped the save" in m for m in messages)
+        failed = sum(m.startswith("a checkpoint upload to") for m in messages)
+        print(
+            f"{'stalled' if stalled else 'healthy':>12} store: fit of {saves} saves "
+            f"{took:6.1f} s, longest step {watch.longest:5.2f} s, saves skipped {skipped}, "
+            f"uploads failed {failed}"
+        )
+
+
 def report(kind: str, blocked: list[float], host: list[float]) -> None:
     ratios = [b / h for b, h in zip(blocked, host, strict=True)]
     print(
@@ -207,12 +323,31 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--saves", type=int, default=20)
     parser.add_argument("--every", type=int, default=5)
+    parser.add_argument("--stall", action="store_true", help="only the stalled-store figures")
+    parser.add_argument("--call-s", type=float, default=2.0)
+    parser.add_argument("--save-wait-s", type=float, default=0.5)
     args = parser.parse_args()
     params = sum(p.numel() for p in Wide(args.width).parameters())
     print(
         f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB, and as much "
         f"momentum); {args.saves} saves, every {args.every} steps"
     )
+    if args.stall:
+        found = s3_server()
+        if found is None:
+            print(
+                "stalled store: skipped (needs moto, s3fs and boto3: pip install 'loopbus[test]')"
+            )
+            return
+        server, url = found
+        c = args.call_s
+        deadlines = StoreDeadlines(connect_s=c, read_s=c, call_s=c, save_wait_s=args.save_wait_s)
+        print(f"deadlines: call_s={c:g} s (connect, read too), save_wait_s={args.save_wait_s:g} s")
+        try:
+            stalled_store(url, args.width, args.saves, args.every, deadlines)
+        finally:
+            server.stop()
+        return
     local: list[float] = []
     # The synchronous save first: the process's first run pays for warming up (the
     # allocator, the first torch.save), which the local background save compared with
@@ -223,7 +358,9 @@ def main() -> None:
         local = blocked
     found = s3_server()
     if found is None:
-        print("      remote save: skipped (needs moto, s3fs and boto3: pip install 'loopbus[test]')")
+        print(
+            "      remote save: skipped (needs moto, s3fs and boto3: pip install 'loopbus[test]')"
+        )
         return
     server, url = found
     try:

@@ -106,6 +106,7 @@ if TYPE_CHECKING:
     from .step import TrainerView as TrainerView
     from .step import register_precision as register_precision
     from .storage import RemotePath as RemotePath
+    from .storage import StoreDeadlines as StoreDeadlines
     from .storage import is_url as is_url
 
 
@@ -136,6 +137,7 @@ _ENGINE_NAMES = {
     "Progress": "loop",
     "Publication": "records",
     "RemotePath": "storage",
+    "StoreDeadlines": "storage",
     "SchedulerConfig": "step",
     "Scope": "state",
     "SingleProcess": "distributed",
@@ -197,6 +199,7 @@ __all__ = [
     "PutRecord",
     "RemotePath",
     "SchedulerConfig",
+    "StoreDeadlines",
     "Scope",
     "ScopeLeakError",
     "SingleProcess",

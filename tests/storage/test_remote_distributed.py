@@ -101,7 +101,10 @@ def test_killed_in_a_remote_file_upload_under_ddp_resumes_bit_identical(
     common = ("--epochs", "2", "--ckpt", "10", "--keep-last", "2", *_to(s3))
     proc = launch(tmp_path, *common, "--kill-in-upload", "20")
     assert proc.returncode != 0
+    # The killed job's folder lease is left behind; the resumed job on this host takes
+    # it over (its holder's process is gone).
     assert sorted(s3.keys()) == [
+        ".loopbus-lease",
         "epoch=0-step=10.ckpt",
         "epoch=0-step=10.ckpt.complete",
         "last.json",

@@ -66,6 +66,7 @@ from ._registry import CheckpointRegistry, RegistrySource
 from ._write import (
     _json_bytes,
     _pointer_state,
+    _remote_cause,
     _write_durably,
     _write_json,
     find_os_error,
@@ -139,8 +140,8 @@ def _discard(temp: Path | RemotePath) -> None:
     """Remove what was written of a checkpoint that will not be completed: its temporary
     directory, or under a URL its prefix (marker first; the store may be what failed)."""
     if isinstance(temp, RemotePath):
-        with contextlib.suppress(Exception):
-            remove_remote_tree(Store(temp.parent), temp.name)
+        with contextlib.suppress(Exception):  # one try: what is left is never complete
+            remove_remote_tree(Store(temp.parent, retries=0), temp.name)
     else:
         shutil.rmtree(temp, ignore_errors=True)
 
@@ -213,7 +214,7 @@ class ShardedSave:
                     with open(staged, "wb") as file:
                         save_plain(plain, file)
                     inside.upload(staged, SHARDED_STATE)
-            listed = inside.retried(inside.listing)
+            listed = inside.listing()
             files = {n: size for n, size in sorted(listed.items()) if n != SHARDED_MARKER}
             info = dict(self.info, files=files, checkpoint=target.name)
             stage = SHARDED_MARKER
@@ -222,7 +223,7 @@ class ShardedSave:
             _discard(target)
             raise CheckpointError(
                 f"could not complete the sharded checkpoint {target}: writing {stage} failed "
-                f"after {self.retries} retries: {type(exc).__name__}: {exc}. It has no marker, "
+                f"after {self.retries} retries: {_remote_cause(exc)}. It has no marker, "
                 "so no reader takes it; what was written of it is removed, and "
                 f"{_pointer_state(target.parent)}."
             ) from exc
@@ -233,7 +234,7 @@ class ShardedSave:
                 raise CheckpointError(
                     f"the sharded checkpoint {target} is complete, but "
                     f"{target.parent / LAST_POINTER} could not be moved to it: "
-                    f"{type(exc).__name__}: {exc}. The checkpoint loads by its URL."
+                    f"{_remote_cause(exc)}. The checkpoint loads by its URL."
                 ) from exc
 
     def _complete(self) -> None:
@@ -379,7 +380,7 @@ class ShardedCheckpointWriter:
         ``path`` may be a URL (a :class:`~loopbus.RemotePath` carries storage options):
         the shards go straight to the store, under the checkpoint's prefix; a checkpoint
         of that name there is deleted first (marker first), unless the caller knows the
-        name is ``fresh``. Rank 0's uploads are tried again up to ``retries`` times."""
+        name is ``fresh``. Rank 0's uploads keep the URL's deadlines, ``retries`` retries."""
         registry = run if isinstance(run, CheckpointRegistry) else run.checkpoint_registry()
         strategy = registry.strategy
         zero = strategy.is_global_zero

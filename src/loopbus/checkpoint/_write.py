@@ -230,7 +230,8 @@ def _pointer_state(directory: Path | RemotePath) -> str:
     pointer = directory / LAST_POINTER
     try:
         if isinstance(directory, RemotePath):
-            name = read_remote_json(Store(directory), LAST_POINTER, Pointer).checkpoint
+            # One try: this only words a failure, perhaps of this very store.
+            name = read_remote_json(Store(directory, retries=0), LAST_POINTER, Pointer).checkpoint
         else:
             name = read_json(directory / LAST_POINTER, Pointer).checkpoint
     except FileNotFoundError:
@@ -275,8 +276,9 @@ def write_checkpoint(
     ``path`` may be a URL (``s3://bucket/run/x.ckpt``; a :class:`~loopbus.RemotePath`
     carries storage options): the file is serialised to a local temporary file, uploaded
     under its final name, then its marker ``<name>.complete`` and, with ``update_last``,
-    the pointer are written (see :func:`_write_remote`); each upload is tried again up
-    to ``retries`` times with exponential backoff. Returns the ``RemotePath`` written.
+    the pointer are written (see :func:`_write_remote`); each upload is held to the
+    URL's :class:`~loopbus.StoreDeadlines` (one abandoned at ``call_s``) and tried again
+    up to ``retries`` times with exponential backoff. Returns the ``RemotePath`` written.
     """
     if is_url(path):
         return _write_remote(state, remote_path(path), update_last, retries)  # type: ignore[return-value]
@@ -403,9 +405,16 @@ def _write_remote(
             stage = "pointer"
             store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
     except Exception as exc:
-        cause = describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-        raise CheckpointError(_remote_failed(target, stage, cause, update_last)) from exc
+        raise CheckpointError(_remote_failed(target, stage, _remote_cause(exc), update_last)) from exc
     return target
+
+
+def _remote_cause(exc: Exception) -> str:
+    """What a failed remote write's error says: the store's own message (it names the
+    URL, the cause and the tries), a local file's error, or the error as it is."""
+    if isinstance(exc, CheckpointError):
+        return str(exc).rstrip(".")
+    return describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
 
 
 def _remote_failed(target: RemotePath, stage: str, cause: str, update_last: bool) -> str:

@@ -45,7 +45,7 @@ from ._checkpoint_files import CheckpointFiles, remote_directory
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import TrainerView
+    from loopbus import StoreDeadlines, TrainerView
 
 __all__ = ["Checkpoint", "CheckpointSaved"]
 
@@ -77,10 +77,13 @@ def _renamed(old: str, new: str) -> None:
 
 
 def _directory(
-    dirpath: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+    dirpath: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
 ) -> Path | RemotePath:
-    if is_url(dirpath) or storage_options is not None:  # s3://bucket/run, any fsspec URL
-        return remote_directory(dirpath, storage_options)
+    remote = storage_options is not None or store_deadlines is not None
+    if is_url(dirpath) or remote:  # s3://bucket/run, any fsspec URL
+        return remote_directory(dirpath, storage_options, store_deadlines)
     check_local_path("dirpath", dirpath, owner="Checkpoint")
     if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
         raise MisconfigurationError(
@@ -89,16 +92,29 @@ def _directory(
     return Path(os.fspath(dirpath))
 
 
+def _schedule(
+    every_n_steps: int | None, every_n_epochs: int | None, monitor: str | None
+) -> tuple[int | None, int | None]:
+    """The periodic saves, checked (and ``monitor``); none and no monitor: each epoch."""
+    steps = _optional_count("every_n_steps", every_n_steps, _OFF)
+    epochs = _optional_count("every_n_epochs", every_n_epochs, _OFF)
+    _check_monitor(monitor)
+    if monitor is None and steps is None and epochs is None:
+        epochs = 1
+    return steps, epochs
+
+
 def _files(
     dirpath: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None,
     upload_retries: int,
     upload_errors: str,
+    store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
 ) -> CheckpointFiles:
     """How the checkpoints are written (see ``_checkpoint_files``); when is decided by
     the plugin."""
     return CheckpointFiles(
-        _directory(dirpath, storage_options),
+        _directory(dirpath, storage_options, store_deadlines),
         retries=check_int("upload_retries", upload_retries, minimum=0, owner="Checkpoint"),
         on_error=check_choice("upload_errors", upload_errors, _UPLOAD_ERRORS, owner="Checkpoint"),
     )
@@ -289,14 +305,10 @@ class Checkpoint(_DeprecatedNames, Plugin):
     * ``save_on_end``: once more when ``fit`` completes or is stopped, unless nothing
       happened since the last save (a failed or cancelled ``fit`` saves nothing, so the
       last checkpoint stays the last good state).
-    * on preemption (SIGTERM, SIGUSR1; ``Trainer(preemption="auto")`` handles them while
-      this plugin is active): at ``PreemptionRequested``, at the step boundary where the
-      stop took effect, a checkpoint that resumes exactly there (mid-epoch, inside an
-      accumulation window in one process; under DDP and FSDP the stop waits for the
-      window's end); none when the last save was taken at that very boundary (it is the
-      one to resume from); nothing is saved after it in that ``fit`` (an epoch-end or
-      end-of-fit save would record the epoch as cut short). See
-      ``docs/checkpointing.md``, "Preemption".
+    * on preemption (SIGTERM, SIGUSR1, while this plugin is active): at
+      ``PreemptionRequested``, a checkpoint that resumes exactly at the step boundary
+      where the stop took effect, unless the last save was taken there; nothing after it
+      in that ``fit``. See ``docs/checkpointing.md``, "Preemption".
 
     What is kept: the ``keep_last`` most recent periodic checkpoints (None: all), the
     ``keep_best`` best ones (None: all), and always the newest, which the directory's
@@ -304,18 +316,16 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     ``background=True``: the step pays only for copying the state to host memory; the
     file is written in a worker thread. At most one save is in flight (a save waits for
-    the previous one), and ``fit`` returns only once the last one is durable. A failed
-    background write is raised at the next save or when ``fit`` ends.
+    the previous one; to a URL at most ``store_deadlines``' ``save_wait_s``, then the due
+    save is skipped with a warning), and ``fit`` returns only once the last one is
+    durable. A failed background write is raised at the next save or when ``fit`` ends.
 
     ``sharded=True`` (the default under a strategy that shards the model's state, such as
-    FSDP; an option under DDP and in one process): every rank writes its own shards
-    through ``torch.distributed.checkpoint`` into a checkpoint *directory* (``dirpath``
-    must then be one directory that every rank sees), which resumes at any world size.
-    ``background`` then defaults to True and uses ``dcp.async_save``: the step waits
-    while the state is staged to host memory, a thread writes the shards; a save due
-    while the previous one is still writing waits for it (none is skipped). A sharded
-    checkpoint is complete (rank 0 writes its marker and renames it into place once
-    every rank has written its shards) or ignored. See ``docs/checkpointing.md``.
+    FSDP; an option otherwise): every rank writes its own shards through
+    ``torch.distributed.checkpoint`` into a checkpoint *directory* that every rank sees,
+    which resumes at any world size; ``background`` then defaults to True
+    (``dcp.async_save``). A sharded checkpoint is complete (rank 0 writes its marker
+    once every rank has written) or ignored. See ``docs/checkpointing.md``.
 
     File names come from ``filename`` (fields ``{epoch}`` and ``{step}``) plus ``.ckpt``.
     A save never replaces a checkpoint: when that name is taken (two saves at the same
@@ -323,11 +333,11 @@ class Checkpoint(_DeprecatedNames, Plugin):
     checkpoint a previous run left in ``dirpath``), the save is named ``<name>-v1.ckpt``
     (``-v2``, ... if that is taken too), as Lightning's ``ModelCheckpoint`` does.
 
-    ``dirpath`` is this run's: when ``fit`` starts, a folder that already holds
-    checkpoints (or a ``last.json``) that this plugin did not write is refused with a
-    ``MisconfigurationError``, before anything is written, unless the run resumes from
-    a checkpoint in it (``ckpt_path="last"`` or a path inside it) or ``exist_ok=True``
-    adds this run's checkpoints to the folder (with the ``-v1`` names above).
+    ``dirpath`` is this run's: ``fit`` takes the folder's lease, held until it ends (a run
+    writing there now is refused: docs/checkpointing.md, "One writer per folder"), and
+    refuses a folder holding checkpoints (or a ``last.json``) this plugin did not write,
+    before anything is written, unless the run resumes from one in it (``ckpt_path="last"``
+    or a path inside it) or ``exist_ok=True`` adds this run's ones (``-v1`` names above).
 
     Under DDP the plugin runs on every rank (its saves gather every rank's random
     generators, so all ranks decide to save at the same boundaries; a monitored value
@@ -359,14 +369,13 @@ class Checkpoint(_DeprecatedNames, Plugin):
         storage_options: Mapping[str, Any] | None = None,
         upload_retries: int = 3,
         upload_errors: Literal["warn", "raise"] = "warn",
+        store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
     ) -> None:
-        self._files = _files(dirpath, storage_options, upload_retries, upload_errors)
-        self.every_n_steps = _optional_count("every_n_steps", every_n_steps, _OFF)
-        self.every_n_epochs = _optional_count("every_n_epochs", every_n_epochs, _OFF)
-        _check_monitor(monitor)
+        self._files = _files(
+            dirpath, storage_options, upload_retries, upload_errors, store_deadlines
+        )
+        self.every_n_steps, self.every_n_epochs = _schedule(every_n_steps, every_n_epochs, monitor)
         check_choice("mode", mode, _MODES, owner="Checkpoint")
-        if monitor is None and self.every_n_steps is None and self.every_n_epochs is None:
-            self.every_n_epochs = 1
         self.monitor = monitor
         self.mode: Literal["min", "max"] = mode
         self.keep_last = _optional_count("keep_last", keep_last, _ALL)
@@ -407,8 +416,9 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     @property
     def dirpath(self) -> Path:
-        """The directory the checkpoints are written into: a URL (``storage_options`` and
-        ``upload_*`` apply) is a ``RemotePath``; see docs/checkpointing.md, "Remote storage"."""
+        """The directory the checkpoints are written into: a URL (``storage_options``,
+        ``upload_*`` and ``store_deadlines`` apply) is a ``RemotePath``; see
+        docs/checkpointing.md, "Remote storage"."""
         return self._files.dirpath  # type: ignore[return-value]
 
     @dirpath.setter
@@ -487,6 +497,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         if self._record_sub is not None:
             self._record_sub.unsubscribe()
             self._record_sub = None
+        self._files.release()  # the folder's lease: the fit is over, however it ended
         self._trainer = None
         self._task_group = None
 
@@ -640,6 +651,8 @@ class Checkpoint(_DeprecatedNames, Plugin):
         assert trainer is not None
         self._claim()  # a save before FitStarted (a preemption)
         files = self._files
+        if not await files.ready(trainer):
+            return  # the previous upload is still in flight: skipped, with a warning
         await files.wait_idle()
         await files.announce(trainer)
         step, epoch = trainer.global_step, trainer.current_epoch

@@ -9,6 +9,7 @@ Written against the public API only, like a user's plugin.
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -31,7 +32,13 @@ from loopbus import (
     remove_stale_temporaries,
     write_checkpoint,
 )
-from loopbus.storage import require_backend
+from loopbus.storage import (
+    FolderLease,
+    StoreDeadlines,
+    folder_lease,
+    remote_path,
+    require_backend,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -70,6 +77,7 @@ class CheckpointFiles:
         #: to date by this plugin's own saves (None: not listed yet).
         self._names: set[str] | None = None
         self._writer = ShardedCheckpointWriter()
+        self._lease: FolderLease | None = None  #: rank 0's on ``dirpath``, while a fit writes
         # Per stage: the background save in flight, its failure, and its announcement.
         self._idle: anyio.Event | None = None
         self._error: BaseException | None = None
@@ -135,13 +143,15 @@ class CheckpointFiles:
             remove_stale_temporaries(self.dirpath)
 
     def claim(self, trainer: TrainerView, *, resumes_here: bool, exist_ok: bool) -> None:
-        """Before this plugin writes into ``dirpath`` for the first time: refuse (a
-        ``MisconfigurationError``, nothing written) when it holds checkpoints of another
-        run, unless the run resumes from them or ``exist_ok``; then :meth:`prepare`.
-        Rank 0 looks; every rank raises the same."""
+        """Before this plugin first writes into ``dirpath``: take its lease (held until
+        :meth:`release`); refuse (``MisconfigurationError``, nothing written) when another
+        run holds it, or holds checkpoints there, unless the run resumes from them or
+        ``exist_ok``; then :meth:`prepare`. Rank 0 looks; every rank raises the same."""
         refusal: str | None = None
-        if trainer.is_global_zero and not (resumes_here or exist_ok):
-            refusal = self._refusal()
+        if trainer.is_global_zero:  # rank 0 alone holds the lease: its job's one writer
+            self._lease, refusal = _leased(self.dirpath, self.retries)
+            if refusal is None and not (resumes_here or exist_ok):
+                refusal = self._refusal()  # a refused fit releases the lease as it ends
         if trainer.world_size > 1:
             refusal = trainer.strategy.broadcast_object(refusal)
         if refusal is not None:
@@ -160,6 +170,11 @@ class CheckpointFiles:
                         stacklevel=2,
                     )
             self.prepare()
+
+    def release(self) -> None:
+        """Give up the lease on ``dirpath``, if held (when the fit ends, however)."""
+        if self._lease is not None:
+            self._lease.release()
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` (a checkpoint file or sharded directory) is in ``dirpath``."""
@@ -215,8 +230,9 @@ class CheckpointFiles:
         """``<stem>.ckpt``, or ``<stem>-v<N>.ckpt`` with the smallest N whose name is free:
         a save never replaces a checkpoint (in ``dirpath``, or one of the ``known`` names
         the plugin recorded). Rank 0 looks (the previous save is complete there); every
-        rank takes its answer."""
+        rank takes its answer, or raises the ``CheckpointError`` of a lease lost since."""
         name: str | None = None
+        lost = _lost(self._lease) if trainer.is_global_zero else None
         if trainer.is_global_zero:
             taken = self._taken() if self.remote else None
             name = f"{stem}.ckpt"
@@ -229,9 +245,46 @@ class CheckpointFiles:
             if self._names is not None:
                 self._names.add(name)
         if trainer.world_size > 1:
-            name = trainer.strategy.broadcast_object(name)
+            name, lost = trainer.strategy.broadcast_object((name, lost))
+        if lost is not None:
+            raise CheckpointError(lost)
         assert name is not None
         return name
+
+    async def ready(self, trainer: TrainerView) -> bool:
+        """Whether the save now due may start. A save in flight to a URL is waited for
+        at most the store's ``save_wait_s`` (a stalled store never holds the step longer);
+        still in flight then, the due save is skipped: False, with a warning naming the
+        store and the wait. Rank 0 decides, every rank takes its answer. A local save in
+        flight is waited for by :meth:`wait_idle`."""
+        if not isinstance(self.dirpath, RemotePath):
+            return True
+        deadlines = self.dirpath.deadlines
+        waited: float | None = None
+        idle = self._idle
+        if trainer.is_global_zero and idle is not None:
+            start = time.monotonic()
+            with anyio.move_on_after(deadlines.save_wait_s):
+                await idle.wait()
+            if not idle.is_set():
+                waited = time.monotonic() - start
+        if trainer.world_size > 1:
+            waited = trainer.strategy.broadcast_object(waited)
+        if waited is None:
+            return True
+        if trainer.is_global_zero:
+            warnings.warn(
+                f"Checkpoint skipped the save due at step {trainer.global_step}: the previous "
+                f"checkpoint upload to {self.dirpath.public_url} is still in flight after "
+                f"{waited:.1f} s (store_deadlines save_wait_s={deadlines.save_wait_s:g}); the "
+                f"store may be stalled. Training goes on; that upload ends within its "
+                f"deadlines (each store call abandoned after call_s={deadlines.call_s:g} s, "
+                f"tried {self.retries + 1} times), and the next save due is tried as usual. "
+                "For a store that is slow but healthy, raise save_wait_s.",
+                UserWarning,
+                stacklevel=3,
+            )
+        return False
 
     async def wait_idle(self) -> None:
         """Wait for the save in flight; raise its failure, if it failed."""
@@ -401,13 +454,40 @@ class CheckpointFiles:
             done.set()
 
 
+def _leased(dirpath: Path | RemotePath, retries: int) -> tuple[FolderLease, str | None]:
+    """The lease on ``dirpath`` (see ``loopbus.storage.folder_lease``), taken, and None;
+    or, when another run holds it, the refusal that names that run."""
+    shown = dirpath.public_url if isinstance(dirpath, RemotePath) else str(dirpath)
+    lease = folder_lease(dirpath, owner=f"Checkpoint({shown!r})", retries=retries)
+    try:
+        lease.acquire()
+    except MisconfigurationError as exc:
+        return lease, str(exc)
+    return lease, None
+
+
+def _lost(lease: FolderLease | None) -> str | None:
+    """Why the ``lease`` this run held was lost since (a ``CheckpointError``'s message),
+    or None."""
+    try:
+        if lease is not None:
+            lease.check()
+    except CheckpointError as exc:
+        return str(exc)
+    return None
+
+
 def remote_directory(
-    dirpath: str | os.PathLike[str], storage_options: Mapping[str, Any] | None
+    dirpath: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None,
+    store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
 ) -> RemotePath:
-    """A URL ``dirpath`` with its storage options, its scheme's package checked now."""
+    """A URL ``dirpath`` with its storage options and deadlines, its scheme's package
+    checked now."""
     if not is_url(dirpath):
+        option = "storage_options" if storage_options is not None else "store_deadlines"
         raise MisconfigurationError(
-            "Checkpoint(storage_options=...) applies to a URL dirpath such as "
+            f"Checkpoint({option}=...) applies to a URL dirpath such as "
             f"'s3://bucket/run'; {os.fspath(dirpath)!r} is a local path."
         )
     if storage_options is not None and not isinstance(storage_options, Mapping):
@@ -415,10 +495,10 @@ def remote_directory(
             "Checkpoint(storage_options=...) must be a dict of fsspec storage options, got "
             f"a {type(storage_options).__name__}."
         )
-    if isinstance(dirpath, RemotePath) and storage_options is None:
-        remote = dirpath
-    else:
-        remote = RemotePath(dirpath, storage_options)
+    remote = remote_path(dirpath, storage_options)
+    deadlines = StoreDeadlines.of(store_deadlines, owner="Checkpoint(store_deadlines=...)")
+    if deadlines is not None:
+        remote = RemotePath(remote.url, remote.storage_options, deadlines)
     require_backend(remote, owner=f"Checkpoint(dirpath={remote.url!r})")
     return remote
 

@@ -1,20 +1,38 @@
 """Object storage for checkpoints: URLs (``s3://``, ``gs://``, any fsspec URL), the
-optional package each scheme needs (``loopbus[s3]``, ``loopbus[gcs]``), and a directory
-of objects with retried writes.
+optional package each scheme needs (``loopbus[s3]``, ``loopbus[gcs]``), a directory of
+objects whose every call is held to deadlines (:class:`StoreDeadlines`) and retried, and
+the lease that keeps one writer per checkpoint folder.
 
 Imports the base layer, the standard library and, only when a URL is used, fsspec; a
 local path never imports fsspec. The checkpoint package builds its remote format
 (object, completeness marker, ``last.json``) on :class:`Store`.
 
-Modules: ``_store`` (URLs, :class:`RemotePath`, :class:`Store`).
+Modules: ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
+``_lease`` (:class:`FolderLease`, :func:`folder_lease`).
 """
 
 from __future__ import annotations
 
+from ._lease import LEASE_NAME as LEASE_NAME
+from ._lease import LEASE_TTL_S as LEASE_TTL_S
+from ._lease import FolderLease as FolderLease
+from ._lease import folder_lease as folder_lease
 from ._store import RemotePath as RemotePath
 from ._store import Store as Store
+from ._store import StoreDeadlines as StoreDeadlines
 from ._store import is_url as is_url
 from ._store import remote_path as remote_path
 from ._store import require_backend as require_backend
 
-__all__ = ["RemotePath", "Store", "is_url", "remote_path", "require_backend"]
+__all__ = [
+    "LEASE_NAME",
+    "LEASE_TTL_S",
+    "FolderLease",
+    "RemotePath",
+    "Store",
+    "StoreDeadlines",
+    "folder_lease",
+    "is_url",
+    "remote_path",
+    "require_backend",
+]

@@ -78,13 +78,13 @@ class StreamServer(Plugin):
 
     The other options are :class:`loopbus.stream.Server`'s: ``host``, ``port``,
     ``path``, ``token``, ``client_buffer``, ``send_buffer``, ``max_clients``,
-    ``max_frame``, ``flush_interval``, ``linger``, ``handshake_timeout``
-    (``docs/protocol.md`` describes each).
+    ``max_frame``, ``flush_interval``, ``linger``, ``handshake_timeout``,
+    ``subscribe_rate``, ``accept_rate`` (``docs/protocol.md`` describes each).
 
     Use :meth:`from_address` to build one from ``"tcp://HOST:PORT"`` or
     ``"unix:///path"``. :attr:`server` is the current server; its counters are repeated
     here: :attr:`connected`, :attr:`subscribers`, :attr:`accepted`, :attr:`rejected`,
-    :attr:`dropped`, :attr:`errors`.
+    :attr:`aborted`, :attr:`paced`, :attr:`dropped`, :attr:`errors`.
     """
 
     #: Inline, for the external destination, on rank 0 only in a distributed run.
@@ -105,6 +105,8 @@ class StreamServer(Plugin):
         flush_interval: float = 0.1,
         linger: float = 2.0,
         handshake_timeout: float = 10.0,
+        subscribe_rate: float = 10.0,
+        accept_rate: float = 10.0,
         announce: bool = True,
     ) -> None:
         self.scope = check_choice("scope", scope, _SCOPES, owner=_OWNER)
@@ -121,6 +123,8 @@ class StreamServer(Plugin):
             "flush_interval": flush_interval,
             "linger": linger,
             "handshake_timeout": handshake_timeout,
+            "subscribe_rate": subscribe_rate,
+            "accept_rate": accept_rate,
             "owner": _OWNER,
         }
         # Validates the options now, and is the server of the first stage.
@@ -187,6 +191,14 @@ class StreamServer(Plugin):
         return self._server.handshake_timeout
 
     @property
+    def subscribe_rate(self) -> float:
+        return self._server.subscribe_rate
+
+    @property
+    def accept_rate(self) -> float:
+        return self._server.accept_rate
+
+    @property
     def address(self) -> str | None:
         """The first address served, while the server serves (None otherwise)."""
         return self._server.address
@@ -210,6 +222,14 @@ class StreamServer(Plugin):
     @property
     def rejected(self) -> int:
         return self._server.rejected
+
+    @property
+    def aborted(self) -> int:
+        return self._server.aborted
+
+    @property
+    def paced(self) -> int:
+        return self._server.paced
 
     @property
     def errors(self) -> int:

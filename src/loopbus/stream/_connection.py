@@ -1,6 +1,7 @@
 """What the stream server keeps for each client, apart from the I/O: the bounded queue and
-its sequence numbers, batching into frames with exact gap notices, the name filter, and
-decoding what clients send (untrusted input)."""
+its sequence numbers, batching into frames with exact gap notices, the name filter and
+what it allows the client to subscribe, and decoding what clients send (untrusted
+input)."""
 
 from __future__ import annotations
 
@@ -13,14 +14,25 @@ from typing import TYPE_CHECKING, Any
 import anyio
 import msgspec
 
+from ._limits import (
+    PATTERN_BURST,
+    PATTERN_RATE,
+    ROUTE_CACHE_LIMIT,
+    SUBSCRIBE_BURST,
+    UNREAD_ACKS,
+    Allowance,
+)
 from ._untrusted import check_nesting, msgpack_kind
 from ._wire import (
+    MAX_PATTERN_LENGTH,
+    MAX_PATTERNS,
     MAX_SERVER_FRAME,
     PROTOCOL_VERSIONS,
     FrameReader,
     Gap,
     Hello,
     RawBatch,
+    Subscribe,
     Subscribed,
     append_frame,
 )
@@ -36,6 +48,7 @@ __all__ = [
     "decode_client_message",
     "match_nothing",
     "matcher",
+    "pattern_cost",
 ]
 
 #: Items per batch frame (about 45 bytes each for typical records).
@@ -45,25 +58,33 @@ CLIENT_TYPES = ("Hello", "Subscribe", "Bye")
 
 
 class Rejected(Exception):
-    """End a client's connection with ``Bye(code, reason)``."""
+    """End a client's connection with ``Bye(code, reason)``. ``abort`` for a client that
+    passed a bound: it is closed at once, without reading more of what it sent (its bye
+    may be lost); otherwise the server lets it read the bye first."""
 
-    def __init__(self, code: str, reason: str) -> None:
+    def __init__(self, code: str, reason: str, *, abort: bool = False) -> None:
         super().__init__(reason)
         self.code = code
         self.reason = reason
+        self.abort = abort
 
 
 class Connection:
-    """One connected client: its filters, its queue, its sequence numbers and what its
-    writer task is asked to do."""
+    """One connected client: its filters, its queue, its sequence numbers, what its
+    writer task is asked to do, and what it may still subscribe (``subscribe_rate``
+    Subscribe frames a second; see :mod:`._limits`)."""
 
     __slots__ = (
+        "_patterns",
+        "_seen",
+        "_subscribes",
         "acks",
         "bye",
         "dropped",
         "flush",
         "input_closed",
         "match",
+        "names",
         "next_seq",
         "peer",
         "queue",
@@ -71,12 +92,21 @@ class Connection:
         "scope",
         "sent_seq",
         "stream",
+        "subscribe_rate",
         "topics",
         "waiting",
         "wake",
     )
 
-    def __init__(self, stream: SocketStream, buffer: int, max_frame: int, peer: str) -> None:
+    def __init__(
+        self,
+        stream: SocketStream,
+        buffer: int,
+        max_frame: int,
+        peer: str,
+        *,
+        subscribe_rate: float,
+    ) -> None:
         self.stream = stream
         self.peer = peer
         #: What the client sent that was not yet handled (the server reads it one
@@ -92,14 +122,79 @@ class Connection:
         #: something to send; the server's pump sets it after queueing items.
         self.wake = anyio.Event()
         self.waiting = False
-        self.match: Callable[[str], Any] = match_nothing
+        #: The filters in force: the name patterns, compiled, and the topics.
+        self.names: tuple[str, ...] = ()
+        self.match: Callable[[str], bool] = match_nothing
         self.topics: frozenset[str] = frozenset()
+        # Whether the filters take a record name, remembered per name until they change.
+        self._seen: dict[str, bool] = {}
+        #: ``Subscribed`` answers the writer has yet to send (at most ``UNREAD_ACKS``).
         self.acks: list[Subscribed] = []
+        self.subscribe_rate = subscribe_rate
+        self._subscribes = Allowance(subscribe_rate, SUBSCRIBE_BURST)
+        self._patterns = Allowance(PATTERN_RATE, PATTERN_BURST)
         self.bye: tuple[str, str] | None = None
         self.flush = False
         self.scope: anyio.CancelScope | None = None
         #: Set when the client closed its side (or left): nothing more will be read.
         self.input_closed = anyio.Event()
+
+    def allow(self, message: Subscribe, now: float) -> int:
+        """Count a Subscribe the client sent at ``now`` (seconds) and return what its
+        patterns cost (:func:`pattern_cost`), or raise :class:`Rejected` (code
+        ``too_large``, ``abort``) naming the bound it passes: more Subscribe frames than
+        ``subscribe_rate`` a second, more characters of name patterns than
+        ``PATTERN_RATE`` a second (each after its burst), or more unread ``Subscribed``
+        answers than ``UNREAD_ACKS``."""
+        if not self._subscribes.take(1, now):
+            raise Rejected(
+                "too_large",
+                f"more than {self.subscribe_rate:g} Subscribe frames a second (after "
+                f"{SUBSCRIBE_BURST} at once); subscribe once and change the filters "
+                "only when they change.",
+                abort=True,
+            )
+        cost = sum(map(pattern_cost, message.names))
+        if not self._patterns.take(cost, now):
+            raise Rejected(
+                "too_large",
+                f"more than {PATTERN_RATE:,} characters of name patterns a second in "
+                f"Subscribe frames (after {PATTERN_BURST:,} at once; a range of "
+                "characters x-y counts a quarter of its width more).",
+                abort=True,
+            )
+        if len(self.acks) >= UNREAD_ACKS:
+            raise Rejected(
+                "too_large",
+                f"more than {UNREAD_ACKS} Subscribed answers waiting for the client to "
+                "read them; read what the server sends.",
+                abort=True,
+            )
+        return cost
+
+    def set_filters(self, names: list[str], topics: list[str]) -> bool:
+        """Take these filters; False (and nothing changes) if they are those in force."""
+        patterns = tuple(names)
+        chosen = frozenset(topics)
+        if patterns == self.names and chosen == self.topics:
+            return False
+        if patterns != self.names:
+            self.names = patterns
+            self.match = matcher(names)
+            self._seen = {}
+        self.topics = chosen
+        return True
+
+    def takes(self, name: str) -> bool:
+        """Whether the name filters accept the record name ``name`` (matched once per name
+        until the filters change; at most ``ROUTE_CACHE_LIMIT`` names are remembered)."""
+        seen = self._seen
+        taken = seen.get(name)
+        if taken is None:
+            if len(seen) >= ROUTE_CACHE_LIMIT:
+                seen.clear()
+            taken = seen[name] = self.match(name)
+        return taken
 
     def pending_drops(self) -> int:
         """Items that fell off the queue and are not yet reported in a gap notice."""
@@ -172,15 +267,40 @@ def _append_items(
     return dropped
 
 
-def match_nothing(name: str) -> None:
-    return None
+def match_nothing(name: str) -> bool:
+    return False
 
 
-def matcher(patterns: list[str]) -> Callable[[str], Any]:
+def matcher(patterns: list[str]) -> Callable[[str], bool]:
+    """A function that tells whether any of ``patterns`` (shell globs, case-sensitive)
+    matches a name whole.
+
+    Each pattern is compiled on its own (``re.compile`` of ``fnmatch.translate``): the
+    module cache of ``re`` then holds at most its 512 last patterns, each of one glob of
+    at most 256 characters (some 50 KB at the very most), never a client's whole
+    Subscribe at once."""
     if not patterns:
         return match_nothing
-    regex = "|".join(f"(?:{fnmatch.translate(p)})" for p in patterns)
-    return re.compile(regex).match
+    matches = [re.compile(fnmatch.translate(p)).match for p in dict.fromkeys(patterns)]
+    if len(matches) == 1:
+        first = matches[0]
+        return lambda name: first(name) is not None
+    return lambda name: any(match(name) is not None for match in matches)
+
+
+def pattern_cost(pattern: str) -> int:
+    """What compiling ``pattern`` costs the server, in characters of an ordinary pattern:
+    its length, plus a quarter of the width of each range of characters written
+    ``x-y`` in it (wherever it is: a character class over a wide range of Unicode takes
+    the ``re`` compiler time in proportion to the range, up to 65,536 characters)."""
+    cost = len(pattern)
+    start = pattern.find("-", 1)
+    while 0 < start < len(pattern) - 1:
+        low, high = ord(pattern[start - 1]), min(ord(pattern[start + 1]), 0xFFFF)
+        if high > low:
+            cost += (high - low) // 4
+        start = pattern.find("-", start + 1)
+    return cost
 
 
 class _Head(msgspec.Struct):
@@ -192,6 +312,37 @@ class _Head(msgspec.Struct):
 
 
 _decode_head = msgspec.msgpack.Decoder(_Head).decode
+
+
+class _Names(msgspec.Struct):
+    """A Subscribe's ``names`` without their limits: read to say which limit a frame
+    that failed them passed."""
+
+    names: list[str] = msgspec.field(default_factory=list)
+
+
+_decode_names = msgspec.msgpack.Decoder(_Names).decode
+
+
+def _pattern_limit(frame: bytes) -> str | None:
+    """Which pattern limit the Subscribe ``frame`` passes, in words (None: none, or its
+    names are not a list of str)."""
+    try:
+        names = _decode_names(frame).names
+    except Exception:
+        return None
+    if len(names) > MAX_PATTERNS:
+        return (
+            f"a Subscribe carries at most {MAX_PATTERNS} name patterns; this one has "
+            f"{len(names)}."
+        )
+    for i, name in enumerate(names):
+        if len(name) > MAX_PATTERN_LENGTH:
+            return (
+                f"a name pattern has at most {MAX_PATTERN_LENGTH} characters; names[{i}] "
+                f"has {len(name)}."
+            )
+    return None
 
 
 def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
@@ -206,6 +357,8 @@ def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
     * a ``Hello`` whose ``version`` is an integer: decoded by its version alone when the
       rest is invalid, so that a Hello of another protocol version gets ``version``
       whatever its other keys hold;
+    * a ``Subscribe`` with more than ``MAX_PATTERNS`` (64) name patterns or a pattern
+      longer than ``MAX_PATTERN_LENGTH`` (256): ``malformed``, naming that limit;
     * any other invalid key or value of a client message: ``malformed``.
     """
     try:
@@ -242,6 +395,8 @@ def decode_client_message(decode: Callable[[bytes], Any], frame: bytes) -> Any:
         else:
             if version not in PROTOCOL_VERSIONS:
                 return Hello(version=version)
+    if kind == "Subscribe" and (limit := _pattern_limit(frame)) is not None:
+        raise Rejected("malformed", f"invalid Subscribe message: {limit}")
     if kind in CLIENT_TYPES:
         raise Rejected("malformed", f"invalid {kind} message: {invalid}")
     raise Rejected(

@@ -2,7 +2,10 @@
 published items to the clients' queues.
 
 Each item is encoded once, however many clients take it; the clients a record name goes
-to are looked up once per name (until a subscription changes). A client's queue is
+to are looked up once per name (until a subscription changes), and each client's filters
+are matched against a name once (until that client's filters change: a subscription
+change costs one match per name for that client alone, and a Subscribe that repeats the
+filters in force costs none). A client's queue is
 bounded: when it falls behind, its oldest items fall off, and the numbers of what fell
 off are counted here until the client is told (a ``Gap``) or leaves. A version-1 client
 (``docs/protocol.md``, "Versions") is sent its bye at the end of the stage, after that
@@ -17,7 +20,7 @@ from typing import Any
 import anyio
 import msgspec
 
-from ._connection import Connection, match_nothing, matcher
+from ._connection import Connection
 from ._limits import ROUTE_CACHE_LIMIT
 from ._wire import EpochEnded, StageEnded, StageStarted, Subscribe, Subscribed
 
@@ -95,9 +98,8 @@ class Fanout:
         self.distribute()
         if client.bye is not None and client in self._stage_clients:
             return  # version 1: its stage ended, its bye is on the way
-        client.match = matcher(message.names)
-        client.topics = frozenset(message.topics)
-        self._routes_changed()
+        if client.set_filters(message.names, message.topics):
+            self._routes_changed()
         client.acks.append(
             Subscribed(seq=client.next_seq, names=list(message.names), topics=list(message.topics))
         )
@@ -221,8 +223,7 @@ class Fanout:
         for client in self._stage_clients:
             if client.bye is None:
                 client.close("end", f"the {event.stage} stage ended", flush=True)
-                client.match = match_nothing
-                client.topics = frozenset()
+                client.set_filters([], [])
         self._routes_changed()
 
     def _route(self, name: str) -> tuple[Connection, ...]:
@@ -231,5 +232,5 @@ class Fanout:
         routes = self._routes
         if len(routes) >= ROUTE_CACHE_LIMIT:
             routes.clear()
-        targets = routes[name] = tuple(c for c in self._record_clients if c.match(name))
+        targets = routes[name] = tuple(c for c in self._record_clients if c.takes(name))
         return targets

@@ -1,6 +1,7 @@
 """Where the stream server listens: checking the endpoint options (a TCP host and port, a
 Unix socket path, the token that other machines need), opening the listening sockets,
-accepting connections, and closing the sockets again (removing the Unix socket file)."""
+accepting connections (each when the server gives it its turn), and closing the sockets
+again (removing the Unix socket file)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import logging
 import os
 import socket
 import stat
-from collections.abc import Callable, Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -123,14 +124,16 @@ class Listeners:
         handle: Callable[[SocketStream], Coroutine[Any, Any, None]],
         task_group: TaskGroup,
         scope: anyio.CancelScope,
+        turn: Callable[[], Awaitable[None]],
     ) -> None:
         """Serve each connection with ``handle`` in ``task_group`` until ``scope`` is
-        cancelled; then stop listening."""
+        cancelled; then stop listening. Each listener awaits ``turn()`` before it accepts
+        a connection (until then, connections wait in the listen queue)."""
         try:
             with scope:
                 async with anyio.create_task_group() as tg:
                     for listener in self.listeners:
-                        tg.start_soon(_accept_loop, listener, handle, task_group)
+                        tg.start_soon(_accept_loop, listener, handle, task_group, turn)
         finally:
             await self.close()
 
@@ -148,8 +151,12 @@ async def _accept_loop(
     listener: Listener[Any],
     handle: Callable[[SocketStream], Coroutine[Any, Any, None]],
     task_group: TaskGroup,
+    turn: Callable[[], Awaitable[None]],
 ) -> None:
     while True:
+        # The turn is taken before the connection is accepted: one accepted and not
+        # read would still be read ahead by some event loops.
+        await turn()
         try:
             stream = await listener.accept()  # type: ignore[attr-defined]
         except (anyio.ClosedResourceError, anyio.BrokenResourceError):

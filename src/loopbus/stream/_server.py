@@ -44,7 +44,7 @@ import threading
 from collections import deque
 from collections.abc import Callable, Coroutine
 from types import TracebackType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Generic, TypeVar, overload
 
 import anyio
 import sniffio
@@ -68,6 +68,28 @@ logger = logging.getLogger("loopbus.stream")
 
 #: A queue length never reached: the pump is not to be woken.
 _NEVER = sys.maxsize
+
+_T = TypeVar("_T")
+
+
+class _Option(Generic[_T]):
+    """An option of a :class:`Server`, read-only: the value of that name in its
+    :attr:`Server.limits` (checked once)."""
+
+    __slots__ = ("_name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self._name = name
+
+    @overload
+    def __get__(self, server: None, owner: type | None = None) -> _Option[_T]: ...
+    @overload
+    def __get__(self, server: Server, owner: type | None = None) -> _T: ...
+    def __get__(self, server: Server | None, owner: type | None = None) -> _T | _Option[_T]:
+        if server is None:
+            return self
+        value: _T = getattr(server.limits, self._name)
+        return value
 
 
 def _threadsafe_caller() -> Callable[[Callable[[], None]], None]:
@@ -128,9 +150,8 @@ class Server:
       ``host=None`` serves no TCP.
     * ``path``: also (or, with ``host=None``, only) serve on this Unix socket (created
       with mode 0600; a stale socket file is replaced, a live one is an error).
-    * ``token``: a shared secret clients must present (compared in constant time).
-      Required to bind beyond loopback. It authenticates, it does not encrypt: across
-      untrusted networks, tunnel the port (``ssh -L``) instead.
+    * ``token``: a shared secret clients must present (compared in constant time), needed
+      beyond loopback. It authenticates, it does not encrypt: tunnel the port instead.
     * ``client_buffer``: items queued per client (sent to clients as
       ``Welcome.buffer``); when a client falls this far behind, its oldest items are
       dropped and it receives a gap notice.
@@ -139,26 +160,26 @@ class Server:
     * ``max_clients``: clients served at once; a ``Hello`` beyond this is turned away
       (``busy``), however many arrive together.
     * ``max_frame``: the largest frame (bytes) a client may send.
-    * ``flush_interval``: after handing items to the clients' writers, the server waits
-      this long (s) before the next hand-over, so that items published meanwhile go out
-      together; an item published after a quiet spell goes out at once, and half a
-      ``client_buffer`` of waiting items ends the wait early. 0 sends at once.
+    * ``flush_interval``: seconds between two hand-overs of items to the clients'
+      writers, so that items published meanwhile go out together (an item after a quiet
+      spell goes at once; half a ``client_buffer`` waiting ends the wait). 0: at once.
     * ``linger``: when the server closes, seconds to let clients receive what is queued
       and the closing bye before they are disconnected.
     * ``handshake_timeout``: seconds a new connection has to send its ``Hello``.
+    * ``subscribe_rate``: ``Subscribe`` frames a client may send a second (after 20); more
+      close it at once (``too_large``). ``docs/security.md`` lists the fixed bounds.
+    * ``accept_rate``: connections accepted a second, over all addresses (after 64);
+      beyond it they wait their turn, unread, in the listen queue.
 
     Serve with ``async with server:`` (or ``await server.serve()`` in a task group) on
     the current event loop, or :meth:`start_in_thread`; stop with :meth:`close` (any
     thread) or :meth:`aclose`. A server serves once. Counters for monitoring:
     :attr:`connected`, :attr:`subscribers`, :attr:`accepted`, :attr:`rejected`,
-    :attr:`dropped`, :attr:`errors`.
-
-    It speaks every protocol version of :attr:`versions`; each connection the one its
-    client's ``Hello`` names.
+    :attr:`aborted`, :attr:`paced`, :attr:`dropped`, :attr:`errors`. It speaks every
+    protocol version of :attr:`versions`; each connection the one its ``Hello`` names.
     """
 
-    #: The protocol versions the server speaks (told to clients in ``Welcome.versions``,
-    #: and in the reason of the ``Bye`` that refuses any other).
+    #: The protocol versions spoken (``Welcome.versions``; named when refusing others).
     versions: tuple[int, ...] = PROTOCOL_VERSIONS
 
     def __init__(
@@ -175,6 +196,8 @@ class Server:
         flush_interval: float = 0.1,
         linger: float = 2.0,
         handshake_timeout: float = 10.0,
+        subscribe_rate: float = 10.0,
+        accept_rate: float = 10.0,
         owner: str = "Server",
     ) -> None:
         check_endpoint(owner, host, port, path, token)
@@ -186,6 +209,8 @@ class Server:
             flush_interval=flush_interval,
             linger=linger,
             handshake_timeout=handshake_timeout,
+            subscribe_rate=subscribe_rate,
+            accept_rate=accept_rate,
             owner=owner,
         )
         self.host = host.strip() if host is not None else None
@@ -195,8 +220,7 @@ class Server:
         self._owner = owner
         #: Where the server listens while it serves ("tcp://127.0.0.1:PORT" first).
         self.addresses: tuple[str, ...] = ()
-        # Publishing: the items waiting for the pump, the queue length that wakes it, and
-        # whether records are wanted at all (read by publishers on any thread).
+        # Items waiting for the pump, the length that wakes it, whether records are wanted.
         self._pending: deque[Any] = deque()
         self._pump_at = _NEVER
         self._records_wanted = False
@@ -227,33 +251,20 @@ class Server:
         return cls(host=where.host, port=where.port, **options)
 
     # ------------------------------------------------------------ options (checked once)
-    @property
-    def client_buffer(self) -> int:
-        return self._limits.client_buffer
+    client_buffer: _Option[int] = _Option()
+    send_buffer: _Option[int | None] = _Option()
+    max_clients: _Option[int] = _Option()
+    max_frame: _Option[int] = _Option()
+    flush_interval: _Option[float] = _Option()
+    linger: _Option[float] = _Option()
+    handshake_timeout: _Option[float] = _Option()
+    subscribe_rate: _Option[float] = _Option()
+    accept_rate: _Option[float] = _Option()
 
     @property
-    def send_buffer(self) -> int | None:
-        return self._limits.send_buffer
-
-    @property
-    def max_clients(self) -> int:
-        return self._limits.max_clients
-
-    @property
-    def max_frame(self) -> int:
-        return self._limits.max_frame
-
-    @property
-    def flush_interval(self) -> float:
-        return self._limits.flush_interval
-
-    @property
-    def linger(self) -> float:
-        return self._limits.linger
-
-    @property
-    def handshake_timeout(self) -> float:
-        return self._limits.handshake_timeout
+    def limits(self) -> Limits:
+        """The options above, each checked once (one frozen value)."""
+        return self._limits
 
     # ------------------------------------------------------------ counters and position
     @property
@@ -273,8 +284,18 @@ class Server:
 
     @property
     def rejected(self) -> int:
-        """Connections turned away or closed for a protocol violation so far."""
+        """Connections turned away or closed for a protocol violation or a bound so far."""
         return self._sessions.rejected
+
+    @property
+    def aborted(self) -> int:
+        """Connections closed at once for passing a bound (also in :attr:`rejected`)."""
+        return self._sessions.aborted
+
+    @property
+    def paced(self) -> int:
+        """Times the server waited before accepting a connection (``accept_rate``)."""
+        return self._sessions.paced
 
     @property
     def errors(self) -> int:
@@ -492,7 +513,8 @@ class Server:
         assert close_event is not None
         accepting = anyio.CancelScope()
         async with anyio.create_task_group() as tg:
-            tg.start_soon(listeners.accept, self._sessions.handle, tg, accepting)
+            sessions = self._sessions
+            tg.start_soon(listeners.accept, sessions.handle, tg, accepting, sessions.turn)
             tg.start_soon(self._pump, name="loopbus stream pump")
             self._serving = True
             self._state = "serving"

@@ -1,7 +1,8 @@
 """The stream server's connections, each from its handshake to its bye: check the
 client's ``Hello`` (version, token, a free slot) and welcome it, then read its messages
-(subscriptions) while a writer sends what the fan-out queues for it, and end it with a
-reason (``Bye``).
+(subscriptions, within the limits of ``_limits``: a client that passes one is closed, and
+the server's work on subscriptions over all clients is paced) while a writer sends what
+the fan-out queues for it, and end it with a reason (``Bye``).
 
 Nothing a client sends reaches the publisher: bad frames end that client's connection
 with a reason, and an unexpected error in a connection's task is logged and ends only
@@ -24,7 +25,18 @@ from anyio.abc import SocketAttribute
 from .._exceptions import StreamError
 from .._version import __version__
 from ._connection import Connection, Rejected, decode_client_message
-from ._limits import BYE_TIMEOUT, DISCARD_LIMIT, RECEIVE_SIZE
+from ._limits import (
+    ABORT_PAUSE,
+    ACCEPT_BURST,
+    BYE_TIMEOUT,
+    DISCARD_LIMIT,
+    READ_AHEAD,
+    RECEIVE_SIZE,
+    SUBSCRIBE_WORK,
+    WORK_BURST,
+    WORK_RATE,
+    Allowance,
+)
 from ._listeners import close_now
 from ._wire import TOPICS, Bye, ClientMessage, Hello, Subscribe, Welcome, append_frame
 
@@ -79,8 +91,24 @@ class Sessions:
         self.accepted = 0
         self.rejected = 0
         self.errors = 0
+        #: Connections closed at once for passing a bound (counted in ``rejected`` too);
+        #: times a connection waited for its turn to be accepted (``accept_rate``).
+        self.aborted = 0
+        self.paced = 0
         self._encoder = msgspec.msgpack.Encoder()
         self._decode = msgspec.msgpack.Decoder(ClientMessage).decode
+        # The work on subscriptions the server may still do, over all its clients; the
+        # connections it may still accept.
+        self._work = Allowance(WORK_RATE, WORK_BURST)
+        self._accepts = Allowance(limits.accept_rate, ACCEPT_BURST)
+
+    async def turn(self) -> None:
+        """Wait until the server may accept one more connection (``accept_rate`` a
+        second after a burst of ``ACCEPT_BURST``, over all listeners, in turn)."""
+        wait = self._accepts.reserve(1, anyio.current_time())
+        if wait:
+            self.paced += 1
+            await anyio.sleep(wait)
 
     async def handle(self, stream: SocketStream) -> None:
         """Serve one connection until it ends, then close it."""
@@ -95,7 +123,13 @@ class Sessions:
             if raw is not None:
                 with contextlib.suppress(OSError):
                     raw.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
-        client = Connection(stream, limits.client_buffer, limits.max_frame, peer or "unix")
+        client = Connection(
+            stream,
+            limits.client_buffer,
+            limits.max_frame,
+            peer or "unix",
+            subscribe_rate=limits.subscribe_rate,
+        )
         try:
             try:
                 await self._serve(client)
@@ -221,17 +255,68 @@ class Sessions:
                     raise Rejected(
                         "malformed", f"unknown topic(s) {unknown}; topics are {list(TOPICS)}."
                     )
-                self.fanout.subscribe(client, message)
+                await self._subscribe(client, message)
         except Rejected as rejected:
             self.rejected += 1
             logger.info("stream server: closing %s: %s", client.peer, rejected.reason)
             client.close(rejected.code, rejected.reason, flush=False)
+            # The writer may be stuck sending to a client that does not read: the
+            # connection ends BYE_TIMEOUT from now, with its bye sent or not.
+            if client.scope is not None:
+                client.scope.deadline = anyio.current_time() + BYE_TIMEOUT
+            if rejected.abort:
+                self._abort(client)
+                return
         discarded = 0
         while discarded < DISCARD_LIMIT:
             try:
                 discarded += len(await client.stream.receive(RECEIVE_SIZE))
             except _GONE:
                 return
+
+    def _abort(self, client: Connection) -> None:
+        """``client`` passed a bound: read nothing more of it (the writer sends its bye
+        if the socket takes it; closing with its input unread resets the connection),
+        and pause accepting for ``ABORT_PAUSE`` seconds (a listener already waiting for
+        a connection still takes that one), so that no client can make the server read
+        and close connections as fast as it opens them."""
+        self.aborted += 1
+        client.reader.clear()
+        self._accepts.pause(ABORT_PAUSE, anyio.current_time())
+
+    async def _subscribe(self, client: Connection, message: Subscribe) -> None:
+        """Apply a Subscribe if the client may send it (else raise :class:`Rejected`),
+        once the server's work on subscriptions allows it: a Subscribe beyond that waits
+        its turn (and every Subscribe lets other tasks run before it is applied)."""
+        now = anyio.current_time()
+        cost = client.allow(message, now)
+        await self._take_input(client)
+        work = SUBSCRIBE_WORK + cost
+        await anyio.sleep(self._work.reserve(work, now))
+        self.fanout.subscribe(client, message)
+
+    async def _take_input(self, client: Connection) -> None:
+        """Take what the client sent ahead into its frame reader until nothing more has
+        arrived, or raise :class:`Rejected` past ``READ_AHEAD`` bytes. Some event loops
+        read a new connection without bound until a read finds nothing waiting; after
+        that, its socket is read only while the server waits for more."""
+        reader = client.reader
+        while True:
+            data = b""
+            with anyio.move_on_after(0.005):
+                try:
+                    data = await client.stream.receive(RECEIVE_SIZE)
+                except _GONE:
+                    return
+            if not data:
+                return
+            reader.push(data)
+            if reader.pending > READ_AHEAD:
+                raise Rejected(
+                    "too_large",
+                    f"more than {READ_AHEAD:,} bytes sent ahead of what the server handled.",
+                    abort=True,
+                )
 
     # ------------------------------------------------------------ writing
     async def _write(self, client: Connection) -> None:

@@ -19,6 +19,8 @@ __all__ = [
     "BYE_CODES",
     "HEADER_SIZE",
     "MAX_CLIENT_FRAME",
+    "MAX_PATTERNS",
+    "MAX_PATTERN_LENGTH",
     "MAX_SERVER_FRAME",
     "PROTOCOL_VERSION",
     "PROTOCOL_VERSIONS",
@@ -56,6 +58,9 @@ HEADER_SIZE: Final = 4
 MAX_CLIENT_FRAME: Final = 64 * 1024
 #: Servers never send a frame with a larger payload; clients refuse larger ones.
 MAX_SERVER_FRAME: Final = 16 * 1024 * 1024
+#: The most name patterns a ``Subscribe`` carries, and the most characters in one.
+MAX_PATTERNS: Final = 64
+MAX_PATTERN_LENGTH: Final = 256
 #: What a client can subscribe to: put records, and the lifecycle events below.
 TOPICS: Final = ("records", "events")
 #: ``Bye.code`` values. ``"end"`` is a normal end (the server closed, or the client is
@@ -72,7 +77,8 @@ BYE_CODES: Final = (
 )
 
 _Str = Annotated[str, msgspec.Meta(max_length=256)]
-_Patterns = Annotated[list[_Str], msgspec.Meta(max_length=64)]
+_Pattern = Annotated[str, msgspec.Meta(max_length=MAX_PATTERN_LENGTH)]
+_Patterns = Annotated[list[_Pattern], msgspec.Meta(max_length=MAX_PATTERNS)]
 _Topics = Annotated[list[Annotated[str, msgspec.Meta(max_length=32)]], msgspec.Meta(max_length=8)]
 
 
@@ -261,6 +267,11 @@ class FrameReader:
             del self._buffer[: self._pos]
             self._pos = 0
         self._buffer += data
+
+    def clear(self) -> None:
+        """Forget every byte received and not yet returned."""
+        self._buffer = bytearray()
+        self._pos = 0
 
     def next_frame(self) -> bytes | None:
         """The next whole frame's payload, or None until more bytes are pushed."""

@@ -7,7 +7,7 @@ The packages, each importing only those below it (a test enforces it):
     loop                         the Loop contract and the built-in loops
     checkpoint                   parts, file format, sharded checkpoints, RNG states
     storage                      URLs and object stores (fsspec, imported on use)
-    distributed                  strategies: one process, DDP, FSDP2
+    distributed                  strategies: one process, DDP, FSDP2, TP x FSDP2
     step                         Module, optimizers, precision, train/eval steps
     records                      put, the recorder
     data                         batch sources, device moves, the elastic sampler
@@ -79,6 +79,7 @@ if TYPE_CHECKING:
     from .data import prepare_datamodule as prepare_datamodule
     from .distributed import DDPStrategy as DDPStrategy
     from .distributed import FSDPStrategy as FSDPStrategy
+    from .distributed import ModelParallelStrategy as ModelParallelStrategy
     from .distributed import SingleProcess as SingleProcess
     from .distributed import Strategy as Strategy
     from .loop import EvaluationLoop as EvaluationLoop
@@ -127,6 +128,7 @@ _ENGINE_NAMES = {
     "Delivery": "stage",
     "EvaluationLoop": "loop",
     "FSDPStrategy": "distributed",
+    "ModelParallelStrategy": "distributed",
     "FitLoop": "loop",
     "Loop": "loop",
     "LoopEvents": "loop",
@@ -189,6 +191,7 @@ __all__ = [
     "LoopEvents",
     "LoopbusError",
     "MisconfigurationError",
+    "ModelParallelStrategy",
     "Module",
     "Plugin",
     "Precision",

@@ -1,6 +1,7 @@
-"""How a run spreads over processes: the ``Strategy`` interface, one process, DDP and
-FSDP2, and the stop control (``_stopping.py``): the one place that turns stop requests
-into a stop, agreed across ranks over the collectives a strategy gives.
+"""How a run spreads over processes: the ``Strategy`` interface, one process, DDP,
+FSDP2, tensor parallelism with FSDP2 on a named mesh, and the stop control
+(``_stopping.py``): the one place that turns stop requests into a stop, agreed across
+ranks over the collectives a strategy gives.
 
 Imports ``loopbus.step``, ``loopbus.data``, ``loopbus.state``.
 """
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 from ._ddp import DDPStrategy as DDPStrategy
 from ._fsdp import FSDPStrategy as FSDPStrategy
+from ._model_parallel import ModelParallelStrategy as ModelParallelStrategy
 from ._stopping import StopTransport as StopTransport
 from ._strategy import SingleProcess as SingleProcess
 from ._strategy import Strategy as Strategy
@@ -16,6 +18,7 @@ from ._strategy import Strategy as Strategy
 __all__ = [
     "DDPStrategy",
     "FSDPStrategy",
+    "ModelParallelStrategy",
     "SingleProcess",
     "StopTransport",
     "Strategy",

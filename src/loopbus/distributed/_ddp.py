@@ -170,14 +170,17 @@ class DataParallel(Strategy):
             warnings.warn(
                 f"under DDP the training data ({type(data).__name__}) is not a DataLoader, "
                 "so loopbus cannot give it a DistributedSampler: every rank trains on "
-                "whatever it yields. Shard it per rank yourself (trainer.global_rank, "
-                "trainer.world_size), or pass a torch DataLoader.",
+                "whatever it yields. Shard it per data-parallel replica yourself "
+                "(trainer.strategy.data_parallel_rank of data_parallel_size), or pass a "
+                "torch DataLoader.",
                 UserWarning,
                 stacklevel=4,
             )
             return data
-        if _distributed_sampler(data) is not None:
-            return data  # the user shards already
+        own = _distributed_sampler(data)
+        if own is not None:  # the user shards already
+            self._check_own_sampler(own)
+            return data
         if data.batch_size is None:
             # Built with batch_sampler=...: how it batches is the user's, not ours to redo.
             raise MisconfigurationError(
@@ -189,8 +192,8 @@ class DataParallel(Strategy):
         # DistributedSampler's order, resumable at another world size (see _sampler.py).
         sampler = ElasticDistributedSampler(
             data.dataset,
-            num_replicas=self.world_size,
-            rank=self.global_rank,
+            num_replicas=self.data_parallel_size,
+            rank=self.data_parallel_rank,
             shuffle=_shuffles(data.sampler),
             drop_last=data.drop_last,
         )
@@ -220,6 +223,21 @@ class DataParallel(Strategy):
             pin_memory_device=data.pin_memory_device,
             **extra,
         )
+
+    def _check_own_sampler(self, sampler: DistributedSampler[Any]) -> None:
+        """Refuse a user's ``DistributedSampler`` that splits the data otherwise than the
+        data-parallel replicas do: its ranks would read samples their replica does not
+        (under tensor parallelism, peers that must read one batch would read two)."""
+        size, rank = self.data_parallel_size, self.data_parallel_rank
+        if (sampler.num_replicas, sampler.rank) != (size, rank):
+            raise MisconfigurationError(
+                f"the training loader's DistributedSampler splits the data over "
+                f"num_replicas={sampler.num_replicas} with rank={sampler.rank}, but under "
+                f"strategy={self.name!r} this rank reads data-parallel replica {rank} of "
+                f"{size}. Build it with num_replicas=trainer.strategy.data_parallel_size "
+                "and rank=trainer.strategy.data_parallel_rank, or give the loader no "
+                "sampler and let loopbus shard it."
+            )
 
     def _stop_process_group(self) -> Any:
         """The group the stop flag travels on: the default one when it is gloo, else a

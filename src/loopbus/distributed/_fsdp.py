@@ -168,9 +168,7 @@ class FSDPStrategy(DataParallel):
         from torch.distributed.fsdp import FSDPModule, register_fsdp_forward_method
 
         if not isinstance(module, FSDPModule):
-            meta = _on_meta(module)
-            if not meta:
-                module.to(device)
+            meta = self._lay_out(module, device)
             options = self._shard_options(device, precision)
             units = _find_units(module, self.units)
             self._shard(module, units, device, meta, options)
@@ -180,13 +178,25 @@ class FSDPStrategy(DataParallel):
             _FORWARD_REGISTERED.add(module)
         self._sharded = module
 
-    def _shard_options(self, device: torch.device, precision: Precision) -> dict[str, Any]:
-        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+    def _lay_out(self, module: Module, device: torch.device) -> bool:
+        """Before sharding: move ``module`` to ``device``, unless it is on the ``meta``
+        device (materialised unit by unit while it is sharded). Whether it is on meta."""
+        meta = _on_meta(module)
+        if not meta:
+            module.to(device)
+        return meta
 
+    def _fsdp_mesh(self, device: torch.device) -> DeviceMesh:
+        """The ranks ``fully_shard`` shards over: all of them, in one dimension."""
         if self._mesh is None:
             from torch.distributed.device_mesh import init_device_mesh
 
             self._mesh = init_device_mesh(device.type, (self.world_size,))
+        return self._mesh
+
+    def _shard_options(self, device: torch.device, precision: Precision) -> dict[str, Any]:
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
         policy = self.mp_policy
         if policy is None:
             dtype = precision.param_dtype
@@ -196,7 +206,7 @@ class FSDPStrategy(DataParallel):
                 else MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32)
             )
         return {
-            "mesh": self._mesh,
+            "mesh": self._fsdp_mesh(device),
             "reshard_after_forward": self.reshard_after_forward,
             "mp_policy": policy,
             "offload_policy": CPUOffloadPolicy() if self.cpu_offload else OffloadPolicy(),

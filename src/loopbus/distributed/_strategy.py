@@ -14,7 +14,8 @@ What the rest of the engine asks of a strategy, and nothing more (loops and plug
 ask which one runs):
 
 * ``prepare_module`` (a stage starts: put the module where it runs; FSDP shards it),
-  ``prepare_optimizers`` (after ``configure_optimizers``), ``prepare_train_data``;
+  ``prepare_optimizers`` (after ``configure_optimizers``), ``prepare_train_data`` (over
+  ``data_parallel_size`` replicas, this rank reading replica ``data_parallel_rank``);
 * ``wrap`` (what the training step's forward calls), ``no_sync`` (the context of an
   accumulation window's non-final micro-batches), ``clip_gradients``;
 * ``stop_transport`` (the collectives the stop control exchanges requests with; None in
@@ -93,6 +94,21 @@ class Strategy:
     @property
     def distributed(self) -> bool:
         return False
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many data-parallel replicas the ranks form: the groups of ranks that read
+        different samples. The training loader is sharded over them, and a count of
+        samples summed over the ranks is summed over them. ``world_size`` here, under
+        DDP and under FSDP; fewer under :class:`~loopbus.ModelParallelStrategy`, whose
+        tensor-parallel peers read the same batch."""
+        return self.world_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        """This rank's data-parallel replica, ``0 <= data_parallel_rank <
+        data_parallel_size``: which shard of the training data it reads."""
+        return self.global_rank
 
     def setup_environment(self, device: torch.device) -> None:
         """Called when the trainer is built."""

@@ -22,6 +22,8 @@ from loopbus.state._scope import Scope
 from .._exceptions import CheckpointError, MisconfigurationError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from ._trainer_view import TrainerView
 
 __all__ = ["Hparams", "Module", "check_hparams"]
@@ -429,6 +431,14 @@ class Module(PutMixin, torch.nn.Module):
     def predict_step(self, batch: Any, ctx: Scope) -> Any:
         """Defaults to ``self(batch)``."""
         return self(batch)
+
+    def configure_model(self, mesh: DeviceMesh) -> None:
+        """Split the module's layers over the ``"tp"`` dimension of ``mesh`` (a named
+        ``DeviceMesh``), e.g. with ``torch.distributed.tensor.parallel.parallelize_module``.
+        Only :class:`~loopbus.ModelParallelStrategy` calls it: once per module, when the
+        first stage starts, after the module is on its device and initialised and before
+        ``configure_optimizers``; it then shards the module over the data-parallel
+        dimensions. Does nothing by default."""
 
     def configure_optimizers(self) -> Any:
         """Return an optimizer; a list of them; ``(optimizers, schedulers)``; or a dict

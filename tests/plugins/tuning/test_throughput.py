@@ -266,6 +266,26 @@ def test_all_reduce_host_in_one_process() -> None:
         strategy.all_reduce_host([1.0], "mean")  # type: ignore[arg-type]
 
 
+def test_samples_are_summed_over_data_parallel_replicas() -> None:
+    """Under tensor parallelism the peers of a replica read the same batch: the world's
+    samples are the replicas' (4 ranks in 2 replicas, each rank 100 samples/s), while
+    each rank's FLOPs are its own."""
+    from types import SimpleNamespace
+
+    from loopbus.plugins.tuning._throughput import _world
+
+    class FourRanksTwoReplicas(loopbus.SingleProcess):
+        world_size = 4
+        data_parallel_size = 2  # type: ignore[assignment]
+
+        def all_reduce_host(self, values: Any, op: Any = "sum") -> list[float]:
+            return [4 * float(v) for v in values]
+
+    trainer: Any = SimpleNamespace(world_size=4, strategy=FourRanksTwoReplicas())
+    world = _world(trainer, {"samples_per_sec": 100.0, "flops_per_sec": 10.0})
+    assert world == {"samples_per_sec": 200.0, "flops_per_sec": 40.0}
+
+
 @pytest.mark.parametrize(
     ("options", "match"),
     [

@@ -197,7 +197,9 @@ class ThroughputMonitor(Plugin):
 
     Rates are counted over a window of steps between two puts with
     ``time.perf_counter`` (validation excluded; no device sync) and summed over the ranks
-    (world totals); MFU is the mean of the ranks'. The FLOPs of a step are counted once
+    (world totals; samples, batches and items over the data-parallel replicas, since the
+    tensor-parallel peers of a replica read the same batch); MFU is the mean of the
+    ranks'. The FLOPs of a step are counted once
     per ``fit``, with ``torch.utils.flop_counter.FlopCounterMode`` around the forward
     and backward of the first training batch as the step runs it (no extra pass), unless
     ``flops_per_step`` is given. The peak comes from :data:`PEAK_FLOPS` for the GPU and
@@ -506,11 +508,13 @@ def _world(trainer: TrainerView, local: Mapping[str, float]) -> dict[str, float]
     for name in names:
         values += [local.get(name, 0.0), 1.0 if name in local else 0.0]
     total = trainer.strategy.all_reduce_host(values, "sum")
+    # The ranks that read each batch: the tensor-parallel peers of a data-parallel replica.
+    readers = trainer.world_size / trainer.strategy.data_parallel_size
     world: dict[str, float] = {}
     for i, name in enumerate(names):
         value, ranks = total[2 * i], total[2 * i + 1]
         if name in _SUMMED and ranks == trainer.world_size:
-            world[name] = value
+            world[name] = value if name == "flops_per_sec" else value / readers
         elif name in _AVERAGED and ranks > 0:
             world[name] = value / ranks
     return {name: world[name] for name in _ORDER if name in world}

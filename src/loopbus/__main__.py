@@ -8,6 +8,8 @@ per record instead, for piping into other tools. ``ADDRESS`` is what the run's
 ``loopbus consolidate CHECKPOINT OUT`` writes a sharded checkpoint as one file;
 ``CHECKPOINT`` may be the Checkpoint plugin's folder (its newest complete sharded
 checkpoint is taken, and named on stderr).
+``loopbus fit|validate|test|predict --config FILE`` runs a stage from configuration files
+and ``--KEY=VALUE`` overrides (``loopbus.cli``, which reads their arguments itself).
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ import anyio
 import msgspec
 
 from ._exceptions import StreamError
+from .cli import main as cli_main
+from .cli._main import COMMANDS, add_commands
 from .events import PutRecord
 from .stream import EpochEnded, Gap, StageEnded, StageStarted, Stream, connect
 
@@ -51,6 +55,7 @@ def _parser() -> argparse.ArgumentParser:
     _add_watch(commands)
     _add_dashboard(commands)
     _add_consolidate(commands)
+    add_commands(commands)  # fit, validate, test, predict: listed here, run by loopbus.cli
     return parser
 
 
@@ -329,8 +334,12 @@ def _dashboard(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``loopbus`` console script; returns the exit status. Each
-    subcommand's parser sets ``run``, the function that carries it out."""
-    args = _parser().parse_args(argv)
+    subcommand's parser sets ``run``, the function that carries it out; the
+    configuration commands read their own arguments (``loopbus.cli.main``)."""
+    given = list(sys.argv[1:] if argv is None else argv)
+    if given and given[0] in COMMANDS:
+        return cli_main(given)
+    args = _parser().parse_args(given)
     run: Any = args.run
     return int(run(args))
 

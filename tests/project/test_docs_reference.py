@@ -9,6 +9,7 @@ from types import ModuleType
 import pytest
 
 import loopbus
+import loopbus.cli
 import loopbus.dashboard
 import loopbus.events
 import loopbus.plugins
@@ -24,6 +25,7 @@ PACKAGES: tuple[ModuleType, ...] = (
     loopbus.events,
     loopbus.stream,
     loopbus.dashboard,
+    loopbus.cli,
 )
 HEADING = re.compile(r"^(#{2,6}) (.*)$", re.M)
 CODE = re.compile(r"`([^`]+)`")

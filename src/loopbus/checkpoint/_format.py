@@ -33,6 +33,7 @@ from .._exceptions import CheckpointError
 from .._untrusted import check_json_nesting, read_small
 from .._validate import check_local_path
 from .._version import __version__
+from ..state._run_config import json_safe
 from ..storage import RemotePath, Store, is_url, remote_path
 
 __all__ = [
@@ -50,6 +51,7 @@ __all__ = [
     "decode_json",
     "describe_os_error",
     "is_sharded_checkpoint",
+    "marker_config",
     "marker_path",
     "pointer_to",
     "read_json",
@@ -157,6 +159,7 @@ class Marker(msgspec.Struct, frozen=True, kw_only=True):
     created: float | None = None
     world_size: int | None = None
     strategy: str | None = None
+    config: dict[str, Any] | None = None
 
 
 class Pointer(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,6 +199,23 @@ def decode_json(data: bytes, schema: type[_Schema]) -> _Schema:
         raise ValueError(f"it is not valid JSON ({exc})") from None
 
 
+#: The largest configuration (as JSON) a completeness marker repeats from the header.
+_MARKER_CONFIG_MAX = 256 * 1024
+
+
+def marker_config(header: Mapping[str, Any]) -> dict[str, Any]:
+    """``{"config": ...}``: the run's configuration of a checkpoint's ``header``, as its
+    completeness marker repeats it (for :func:`checkpoint_info`), JSON-safe; ``{}``
+    without one, or for one over 256 KiB (the checkpoint itself still holds it)."""
+    config = header.get("config")
+    if not isinstance(config, dict):
+        return {}
+    safe = json_safe(config)
+    if len(msgspec.json.encode(safe)) > _MARKER_CONFIG_MAX:
+        return {}
+    return {"config": safe}
+
+
 def pointer_to(target: Path | RemotePath, info: Mapping[str, Any]) -> dict[str, Any]:
     """The ``last.json`` that names the checkpoint ``target``, with the step, epoch and
     time of creation its completeness marker ``info`` records."""
@@ -229,8 +249,10 @@ def checkpoint_info(
     path: PathLike, *, storage_options: Mapping[str, Any] | None = None
 ) -> dict[str, Any] | None:
     """The completeness marker of the checkpoint at ``path`` (size, CRC-32, step, epoch,
-    time of creation; for a sharded checkpoint every file's size), or None if it has
-    none. Keys that the marker leaves out (or sets to null) are left out. ``path`` may
+    time of creation; for a sharded checkpoint every file's size; ``config``: the run's
+    configuration, ``Trainer.run_config``, as a dict), or None if it has none. Keys that
+    the marker leaves out (or sets to null) are left out: ``config`` for a checkpoint of
+    a run without one, or written before checkpoints carried it. ``path`` may
     be a URL (``s3://bucket/run/epoch=0-step=10.ckpt``), reached with the fsspec
     ``storage_options`` (None: the backend's standard credentials)."""
     if is_url(path):

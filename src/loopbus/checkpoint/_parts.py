@@ -9,7 +9,7 @@ one dict that ``torch.load(path, weights_only=True)`` reads::
       "loopbus":          {"format": "loopbus.checkpoint", "format_version": 2,
                            "version": ..., "torch_version": ..., "created": <time.time()>,
                            "global_step": int, "epoch": int, "module_class": "pkg.Model",
-                           "parts": [key, ...]},
+                           "parts": [key, ...], "config": {...}},  # the run's, if any
       "run":              {"step": int, "epoch": int},
       "module":           module.state_dict(),
       "hparams":          {"values": module.hparams},  # save_hyperparameters()
@@ -463,6 +463,8 @@ def collect_state(registry: CheckpointRegistry, *, to_host: bool = False) -> dic
             "parts": list(parts),
         }
     }
+    if registry.config is not None:
+        state["loopbus"]["config"] = dict(registry.config)
     # Taking the state must not move the generators (a loader's state_dict may draw).
     with rng_preserved():
         for key, part in parts.items():

@@ -49,7 +49,8 @@ class CheckpointRegistry:
     shards; ``global_step`` and ``epoch``: how far the run is, for the header;
     ``strategy``: the ranks and collectives saving uses (:class:`SaveStrategy`);
     ``weights``: the module whose weights a sharded checkpoint writes as the module's,
-    if not ``module`` (``Trainer.checkpoint_weights_from``)."""
+    if not ``module`` (``Trainer.checkpoint_weights_from``); ``config``: the run's
+    configuration (``Trainer.run_config``), carried in the header, or None."""
 
     parts: Mapping[str, Stateful]
     module: torch.nn.Module | None
@@ -58,6 +59,7 @@ class CheckpointRegistry:
     epoch: int
     strategy: SaveStrategy
     weights: torch.nn.Module | None = None
+    config: Mapping[str, Any] | None = None
 
     def only(self, keep: Callable[[str], bool]) -> CheckpointRegistry:
         """This registry with only the parts whose key ``keep`` accepts."""

@@ -59,6 +59,7 @@ from ._format import (
     SHARDED_STATE,
     _temp_path,
     describe_os_error,
+    marker_config,
     pointer_to,
 )
 from ._parts import collect_state, qualname
@@ -461,6 +462,7 @@ def _sharded_marker(header: Mapping[str, Any]) -> dict[str, Any]:
         "created": header["created"],
         "world_size": header["sharded"]["world_size"],
         "strategy": header["sharded"]["strategy"],
+        **marker_config(header),
     }
 
 

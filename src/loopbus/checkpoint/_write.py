@@ -41,6 +41,7 @@ from ._format import (
     _temp_path,
     check_header,
     describe_os_error,
+    marker_config,
     marker_path,
     pointer_to,
     read_json,
@@ -330,6 +331,7 @@ def _file_marker(target: Path | RemotePath, header: dict[str, Any], writer: _Che
         "global_step": header.get("global_step"),
         "epoch": header.get("epoch"),
         "created": header.get("created"),
+        **marker_config(header),
     }
 
 

@@ -40,7 +40,7 @@ from loopbus.events import (
     ValidationCompleted,
 )
 
-from ._checkpoint_files import CheckpointFiles, remote_directory
+from ._checkpoint_files import CheckpointFiles, in_run_folder, latest_in, remote_directory
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -105,7 +105,7 @@ def _schedule(
 
 
 def _files(
-    dirpath: str | os.PathLike[str],
+    dirpath: str | os.PathLike[str] | None,
     storage_options: Mapping[str, Any] | None,
     upload_retries: int,
     upload_errors: str,
@@ -114,7 +114,7 @@ def _files(
     """How the checkpoints are written (see ``_checkpoint_files``); when is decided by
     the plugin."""
     return CheckpointFiles(
-        _directory(dirpath, storage_options, store_deadlines),
+        None if dirpath is None else _directory(dirpath, storage_options, store_deadlines),
         retries=check_int("upload_retries", upload_retries, minimum=0, owner="Checkpoint"),
         on_error=check_choice("upload_errors", upload_errors, _UPLOAD_ERRORS, owner="Checkpoint"),
     )
@@ -353,7 +353,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     def __init__(
         self,
-        dirpath: str | os.PathLike[str],
+        dirpath: str | os.PathLike[str] | None = None,
         *,
         every_n_steps: int | None = None,
         every_n_epochs: int | None = None,
@@ -448,7 +448,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         the path it returns (``checkpoint.last_checkpoint_path()``) still gives the same
         path, with a ``DeprecationWarning``; with no checkpoint yet the property is None,
         which cannot be called (``TypeError``), so such a call never passes silently."""
-        path = latest_checkpoint(self.dirpath)
+        path = latest_in(self._files)
         return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)
 
     @property
@@ -470,7 +470,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
             return
         self._trainer = trainer
         self._sharded_now = _shards(trainer, self.sharded)
-        self._files.reset()
+        in_run_folder(self._files, trainer).reset()
         self._saw_validation = False
         self._preempted = False
         self._batches = 0

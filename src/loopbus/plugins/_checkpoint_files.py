@@ -27,6 +27,7 @@ from loopbus import (
     ShardedSave,
     is_sharded_checkpoint,
     is_url,
+    latest_checkpoint,
     remove_checkpoint,
     remove_incomplete_checkpoints,
     remove_stale_temporaries,
@@ -45,12 +46,33 @@ if TYPE_CHECKING:
 
     from loopbus import TrainerView
 
-__all__ = ["CheckpointFiles", "remote_directory"]
+__all__ = ["CheckpointFiles", "in_run_folder", "latest_in", "remote_directory"]
 
 #: The names of checkpoint files (others count when they have a completeness marker).
 _SUFFIXES = (".ckpt", ".pt", ".pth")
 _MARKER = ".complete"
 _POINTER = "last.json"
+
+
+def in_run_folder(files: CheckpointFiles, trainer: TrainerView) -> CheckpointFiles:
+    """``files``; given no ``dirpath``, writing into the ``checkpoints/`` folder of
+    ``trainer``'s run folder (``trainer.run_dir``) from now on: an error without one."""
+    if files.dirpath is None:
+        run_dir = trainer.run_dir
+        if run_dir is None:
+            raise MisconfigurationError(
+                "Checkpoint() was given no dirpath and the trainer has no run folder to "
+                "write into: pass Checkpoint(dirpath='checkpoints'), or give the trainer one "
+                "with Trainer(root_dir='runs') (checkpoints then go to "
+                "runs/<name>/version_N/checkpoints)."
+            )
+        files.dirpath = Path(os.fspath(run_dir)) / "checkpoints"
+    return files
+
+
+def latest_in(files: CheckpointFiles) -> Path | RemotePath | None:
+    """The newest checkpoint in ``files.dirpath`` (None before it is known)."""
+    return None if files.dirpath is None else latest_checkpoint(files.dirpath)
 
 
 class CheckpointFiles:
@@ -63,9 +85,9 @@ class CheckpointFiles:
     :meth:`announce`, since a background task must not publish."""
 
     def __init__(
-        self, dirpath: Path | RemotePath, *, retries: int = 3, on_error: str = "warn"
+        self, dirpath: Path | RemotePath | None, *, retries: int = 3, on_error: str = "warn"
     ) -> None:
-        self.dirpath = dirpath
+        self.dirpath = dirpath  # None: the run folder's (in_run_folder)
         #: A URL's saves: each upload tried ``retries`` more times; a failed one warned
         #: about (``on_error="warn"``) or raised (``"raise"``).
         self.retries = retries

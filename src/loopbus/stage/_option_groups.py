@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, Literal
@@ -25,6 +26,7 @@ from typing import Any, Literal
 import torch
 
 from loopbus.distributed._strategy import Strategy, StrategyName
+from loopbus.state._run_folder import check_root_dir, check_run_name, check_run_version
 from loopbus.state._scope import LeakCheck
 
 from ._declarations import (
@@ -58,6 +60,7 @@ __all__ = [
     "Executor",
     "PreemptionSignals",
     "Responsiveness",
+    "RunFolderSettings",
     "RunLengths",
     "StepSettings",
     "ValidationSchedule",
@@ -69,6 +72,7 @@ Executor = Literal["inline", "thread"]
 _SETS_LIMITS = "it set the stages' limits and the notice when the trainer was built"
 _STRATEGY_BUILT = "the trainer's strategy was built from it"
 _PREEMPTION_BUILT = "the trainer's preemption handling was built with it"
+_FOLDER_CHOSEN = "the trainer's run folder was chosen from it when it was built"
 
 
 def _limit(stage: str) -> Any:
@@ -443,6 +447,46 @@ class Diagnostics:
     )
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True, slots=True)
+class RunFolderSettings:
+    """Where the run's files go: its folder ``root_dir/name/version_N`` (see
+    ``docs/plugins.md``, "Run folders")."""
+
+    root_dir: str | None = option(
+        None,
+        accepts=str | os.PathLike[str] | None,
+        check=check_root_dir,
+        fixed_because=_FOLDER_CHOSEN,
+        doc="the folder the runs are written under (Lightning's ``default_root_dir``): "
+        "the run gets ``root_dir/name/version_N`` (``trainer.run_dir``), created by rank 0 "
+        "when the trainer is built, holding ``config.yaml`` (the run's configuration), "
+        "``run.json`` (versions, git commit, host, start time, world size, the step a "
+        "resume continued from), ``checkpoints/`` (a ``Checkpoint()`` given no "
+        "``dirpath``) and the output of the file loggers given no ``save_dir``. None (the "
+        "default): no run folder, nothing written that a plugin was not asked to write. "
+        "A local path; ``fast_dev_run`` writes none.",
+        examples=("runs",),
+    )
+    name: str = option(
+        "loopbus_logs",
+        accepts=str,
+        check=check_run_name,
+        fixed_because=_FOLDER_CHOSEN,
+        doc="the experiment's folder inside ``root_dir`` (the file loggers' default name).",
+        examples=("exp",),
+    )
+    version: int | str | None = option(
+        None,
+        accepts=int | str | None,
+        check=check_run_version,
+        fixed_because=_FOLDER_CHOSEN,
+        doc="the run's folder inside ``name``: None takes the next free ``version_N`` "
+        "(one more than the highest); N is ``version_N``, continued if it exists (as a "
+        '``fit(ckpt_path="last")`` resuming it does); a string is the folder\'s name.',
+        examples=(0, 3, "baseline"),
+    )
+
+
 #: Each group of :class:`~loopbus.TrainerOptions`, by its field name there.
 GROUPS: dict[str, type] = {
     "lengths": RunLengths,
@@ -452,6 +496,7 @@ GROUPS: dict[str, type] = {
     "signals": PreemptionSignals,
     "responsiveness": Responsiveness,
     "diagnostics": Diagnostics,
+    "run": RunFolderSettings,
 }
 
 

@@ -41,6 +41,7 @@ from ._option_groups import (
     Executor,
     PreemptionSignals,
     Responsiveness,
+    RunFolderSettings,
     RunLengths,
     StepSettings,
     ValidationSchedule,
@@ -85,8 +86,9 @@ class TrainerOptions:
     (:class:`PreemptionSignals`: ``preemption``, ``preemption_exit_code``,
     ``preemption_grace_s``), ``responsiveness`` (:class:`Responsiveness`:
     ``yield_interval_s``, ``drain_timeout_s``, ``prefetch``, ``device_prefetch``,
-    ``put_lag``) and ``diagnostics`` (:class:`Diagnostics`: ``leak_check``,
-    ``enable_model_summary``). Each option is also readable by its flat name
+    ``put_lag``), ``diagnostics`` (:class:`Diagnostics`: ``leak_check``,
+    ``enable_model_summary``) and ``run`` (:class:`RunFolderSettings`: ``root_dir``,
+    ``name``, ``version``). Each option is also readable by its flat name
     (``options.max_epochs`` is ``options.lengths.max_epochs``), at no extra Python call.
     :meth:`declarations` lists the options with their types, defaults and docs.
 
@@ -109,6 +111,7 @@ class TrainerOptions:
     signals: PreemptionSignals
     responsiveness: Responsiveness
     diagnostics: Diagnostics
+    run: RunFolderSettings
     # Each option as given (its default where none was), checked: read as ``given``.
     _given: tuple[tuple[str, Any], ...] = dataclasses.field(compare=False, repr=False)
 
@@ -176,6 +179,12 @@ class TrainerOptions:
         def leak_check(self) -> LeakCheck: ...
         @property
         def enable_model_summary(self) -> bool: ...
+        @property
+        def root_dir(self) -> str | None: ...
+        @property
+        def name(self) -> str: ...
+        @property
+        def version(self) -> int | str | None: ...
 
     @property
     def given(self) -> Mapping[str, Any]:
@@ -383,6 +392,9 @@ class OptionAttributes:
         put_lag: Option[int] = Option()
         leak_check: Option[LeakCheck] = Option()
         enable_model_summary: Option[bool] = Option()
+        root_dir: Option[str | None] = Option()
+        name: Option[str] = Option()
+        version: Option[int | str | None] = Option()
         # The old names of renamed options (deprecated).
         yield_interval = RenamedOption("yield_interval_s")
         drain_timeout = RenamedOption("drain_timeout_s")
@@ -443,7 +455,10 @@ _LIGHTNING_NAMES = {
     "devices": "choose the device with `device`; several GPUs run under torchrun",
     "gpus": "choose the device with `device` ('cuda' or 'cuda:N')",
     "enable_progress_bar": "the progress bar is a plugin: pass plugins=[] to turn it off",
-    "default_root_dir": "give each plugin that writes files its directory",
+    "default_root_dir": (
+        "loopbus calls it `root_dir`: Trainer(root_dir='runs') writes each run into "
+        "runs/<name>/version_N (docs/plugins.md, 'Run folders')"
+    ),
     "profiler": (
         "the profiler is a plugin: Trainer(plugins=[Profiler(...)]) with "
         "`from loopbus.plugins import Profiler` (docs/tuning.md)"

@@ -6,6 +6,7 @@ directory (on the ranks that must write, with every rank returning once it is du
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -70,6 +71,10 @@ class CheckpointMethods:
     def loops(self) -> dict[str, Loop[Any]]:
         raise NotImplementedError  # the trainer's root loops
 
+    @property
+    def run_config(self) -> Mapping[str, Any] | None:
+        raise NotImplementedError  # the run's configuration (RunViews)
+
     def register_stateful(self, name: str, obj: Stateful) -> None:
         """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: a
         data module, an EMA copy of the weights, a metric) with every checkpoint of this
@@ -125,6 +130,7 @@ class CheckpointMethods:
             epoch=self.state.epoch,
             strategy=self.strategy,
             weights=self._weights_from,
+            config=self.run_config,
         )
 
     def _build_parts(self) -> dict[str, Any]:

@@ -134,6 +134,9 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         preemption_exit_code: int | None = None,
         preemption_grace_s: float | None = None,
         compile: bool | Mapping[str, Any] = False,
+        root_dir: str | os.PathLike[str] | None = None,
+        name: str = "loopbus_logs",
+        version: int | str | None = None,
         **unknown: Any,
     ) -> None:
         given = {k: v for k, v in locals().items() if k not in _NOT_OPTIONS}
@@ -148,14 +151,11 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             distribution.stop_check_interval_s,
         )
         self.strategy.setup_environment(distribution.device)
-        if self.strategy.is_global_zero:
-            _notices(options)
+        _notices(options, self.strategy.is_global_zero)
         self.plugins: list[Plugin] = _plugins(plugins)
-        #: The run's state (step, epoch, stage, stop request, resume plan): read it here
-        #: or through the properties below; the trainer and its loops advance it.
+        #: The run's state (step, epoch, stage, stop request, resume plan); loops advance it.
         self.state = RunState()
-        #: The run's records (pending puts and published events, their delivery, the
-        #: latest of each name); the bus is the one it delivers through.
+        #: The run's records (puts, events, the latest of each), delivered through its bus.
         self.recorder = Recorder(self.state, lag=options.put_lag)
         self.bus: EventBus = self.recorder.bus
         self._init_loops(options.leak_check)
@@ -172,7 +172,8 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
 
     def _init_run_parts(self) -> None:
         """What a stage sets up: the module and its optimizers, the registry of parts;
-        where it stops (the stop control, the preemption signals' handling)."""
+        where it stops (the stop control, the preemption signals' handling); the run folder."""
+        self._init_run_folder()
         self._stop = StopControl(self.state)
         self._preemption = Preemption(
             self.state, self._stop.request, self.strategy, self.recorder.publish, self.options
@@ -490,8 +491,10 @@ def _parse_options(named: dict[str, Any], unknown: dict[str, Any]) -> TrainerOpt
     return TrainerOptions.parse(**passed, **unknown)
 
 
-def _notices(options: TrainerOptions) -> None:
+def _notices(options: TrainerOptions, global_zero: bool) -> None:
     """What rank 0 says about the options when the trainer is built."""
+    if not global_zero:
+        return
     if options.defaulted_epochs:
         _log.warning(
             "Trainer: neither max_epochs nor max_steps was given, so training stops "

@@ -1,6 +1,7 @@
 """What one run holds and gets back exactly: the run's state (one object, one writer),
 the protocol every stateful part follows, per-run and per-iteration scopes that free
-memory by themselves, and seeding.
+memory by themselves, seeding, and the run's folder and configuration as written to
+disk (``_run_folder``, ``_run_config``).
 
 Imports the base layer only (``loopbus._exceptions``, ``loopbus._validate``) and torch.
 """

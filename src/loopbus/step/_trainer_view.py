@@ -85,6 +85,18 @@ class TrainerView(Protocol):
     @property
     def is_global_zero(self) -> bool: ...
 
+    # -- the run folder
+    @property
+    def run_dir(self) -> os.PathLike[str] | None:
+        """The run's folder (``root_dir/name/version_N``), or None: where plugins given
+        no folder of their own write."""
+        ...
+
+    @property
+    def run_config(self) -> Mapping[str, Any] | None:
+        """The run's configuration (plain data), or None."""
+        ...
+
     # -- the latest records
     @property
     def latest(self) -> Mapping[str, PutRecord]:

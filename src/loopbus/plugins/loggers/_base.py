@@ -69,8 +69,10 @@ class Logger(Plugin):
     :meth:`open` is called when the stage starts; for ``fit`` once it is known whether
     the run resumes from a checkpoint, which :attr:`resume_step` then tells (the
     checkpoint's step; None for a fresh start): a logger that continues a history drops
-    what it wrote after that step. :meth:`write_hparams` follows with the module's
-    hyperparameters (:attr:`loopbus.Module.hparams`) when it saved any.
+    what it wrote after that step. :meth:`write_hparams` follows with the run's
+    configuration (``trainer.run_config``: given with ``Trainer.set_run_config``, or the
+    default one of a trainer with a run folder) when there is one, else with the
+    module's hyperparameters (:attr:`loopbus.Module.hparams`) when it saved any.
     """
 
     #: Queued, for the loggers destination, on rank 0 only in a distributed run.
@@ -139,8 +141,9 @@ class Logger(Plugin):
         resume is known: see :attr:`resume_step`."""
 
     def write_hparams(self, hparams: Mapping[str, Any]) -> None:
-        """Record the module's hyperparameters (worker thread, after :meth:`open`; only
-        when the module saved some with ``save_hyperparameters``)."""
+        """Record the run's configuration, or else the module's hyperparameters (worker
+        thread, after :meth:`open`; only when there are some: see the class docstring).
+        They are plain: dicts with string keys, lists, None, bool, int, float, str."""
 
     def write(self, records: Sequence[PutRecord]) -> None:
         """Write a batch of records, in the order they were put (worker thread)."""
@@ -162,7 +165,8 @@ class Logger(Plugin):
     async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
         self._trainer = trainer
         self._stage = stage
-        self._hparams = getattr(trainer.module, "hparams", _NO_HPARAMS)
+        config = getattr(trainer, "run_config", None)  # the run's, else the module's
+        self._hparams = config if config is not None else getattr(trainer.module, "hparams", _NO_HPARAMS)
         self._batch = []
         self._resume_step = self._resume_time = None
         self._error = None

@@ -16,7 +16,6 @@ import anyio.to_thread
 from loopbus import (
     PutRecord,
     check_choice,
-    check_local_path,
     naming_errors,
     replace_atomically,
 )
@@ -29,6 +28,7 @@ from ._files import (
     _complete_text,
     _continue_after,
     _prepare_file,
+    save_dir_of,
     write_hparams_file,
 )
 
@@ -88,7 +88,7 @@ class CSVLogger(VersionedDir, Logger):
 
     def __init__(
         self,
-        save_dir: str | os.PathLike[str],
+        save_dir: str | os.PathLike[str] | None = None,
         *,
         filename: str = "metrics.csv",
         name: str = DEFAULT_NAME,
@@ -100,8 +100,7 @@ class CSVLogger(VersionedDir, Logger):
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="CSVLogger")
-        root = Path(check_local_path("save_dir", save_dir, owner="CSVLogger"))
-        self._init_dir("CSVLogger", root, name, version)
+        self._init_dir("CSVLogger", save_dir_of("CSVLogger", save_dir), name, version)
         self.filename = filename
         self.mode = mode
         self._opened = False
@@ -114,7 +113,7 @@ class CSVLogger(VersionedDir, Logger):
         self._row_time = 0.0
 
     def __repr__(self) -> str:
-        return f"CSVLogger({str(self.save_dir)!r}, name={self.name!r})"
+        return f"CSVLogger({str(self._root)!r}, name={self.name!r})"
 
     @property
     def path(self) -> Path:
@@ -122,6 +121,7 @@ class CSVLogger(VersionedDir, Logger):
         return self.log_dir / self.filename
 
     async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
+        self._bind_run_dir(trainer)
         if not self._opened and self.mode == "a":
             # Refuse another program's file before the stage runs (nothing written yet).
             await anyio.to_thread.run_sync(self._read_header)

@@ -18,13 +18,18 @@ import io
 import os
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from loopbus import replace_atomically
+from loopbus import MisconfigurationError, check_local_path, replace_atomically
 
-__all__ = ["read_run_info", "write_hparams_file"]
+if TYPE_CHECKING:
+    from anyio.abc import TaskGroup
+
+    from loopbus import TrainerView
+
+__all__ = ["read_run_info", "save_dir_of", "write_hparams_file"]
 
 _FILE_MODES = {"w": "start a new file", "a": "append to an existing one"}
 
@@ -151,6 +156,13 @@ def _check_level(owner: str, option: str, value: Any, *, allow_int: bool) -> Non
         raise ValueError(f"{owner}({option}=...) must be {what}, got {value!r}.")
 
 
+def save_dir_of(owner: str, save_dir: str | os.PathLike[str] | None) -> Path | None:
+    """A file logger's ``save_dir``, checked (a local path); None: the run folder."""
+    if save_dir is None:
+        return None
+    return Path(check_local_path("save_dir", save_dir, owner=owner))
+
+
 def _versions(parent: Path) -> list[int]:
     """The N of the ``version_N`` folders in ``parent``."""
     try:
@@ -169,21 +181,60 @@ class VersionedDir:
     resumed ``fit``); an int N is ``version_N``, a string is the folder's name; ``""``
     for ``name`` or ``version`` drops that level. A version is taken when it holds this
     kind of logger's output (:meth:`_holds_output`), so the CSV and JSONL loggers of one
-    run given the same folder write side by side into one ``version_N``."""
+    run given the same folder write side by side into one ``version_N``.
 
-    _root: Path
+    Given no ``save_dir``, the logger writes straight into the trainer's run folder
+    (``Trainer(root_dir=...)``: ``trainer.run_dir``, known when a stage starts), where
+    the trainer writes ``run.json``."""
+
+    _root: Path | None
     _name: str
     _version: int | str | None
+    _owner: str = ""
+    _follows_run: bool = False
     #: The file this logger writes in its folder (what marks a version as taken).
     filename: str = ""
 
     def _init_dir(
-        self, owner: str, save_dir: Path, name: str, version: int | str | None
+        self, owner: str, save_dir: Path | None, name: str, version: int | str | None
     ) -> None:
+        self._owner = owner
+        self._follows_run = save_dir is None
+        if save_dir is None:
+            if name != DEFAULT_NAME or version is not None:
+                raise ValueError(
+                    f"{owner}(name=..., version=...) need a save_dir: given none, the logger "
+                    "writes straight into the trainer's run folder (Trainer(root_dir=..., "
+                    "name=..., version=...) names it)."
+                )
+            self._root, self._name, self._version = None, "", ""
+            return
         _check_level(owner, "name", name, allow_int=False)
         if version is not None:
             _check_level(owner, "version", version, allow_int=True)
         self._root, self._name, self._version = save_dir, name, version
+
+    @property
+    def in_run_dir(self) -> bool:
+        """Whether the logger writes into the trainer's run folder (no ``save_dir``)."""
+        return self._follows_run
+
+    async def start(self, trainer: TrainerView, stage: str, task_group: TaskGroup) -> None:
+        self._bind_run_dir(trainer)
+        await super().start(trainer, stage, task_group)  # type: ignore[misc]
+
+    def _bind_run_dir(self, trainer: TrainerView) -> None:
+        """Given no ``save_dir``: write into ``trainer.run_dir`` (an error without one)."""
+        if not self._follows_run:
+            return
+        run_dir = getattr(trainer, "run_dir", None)
+        if run_dir is None:
+            raise MisconfigurationError(
+                f"{self._owner}() was given no save_dir and the trainer has no run folder to "
+                f"write into: pass {self._owner}('logs'), or give the trainer one with "
+                "Trainer(root_dir='runs')."
+            )
+        self._root = Path(run_dir)
 
     def _continues(self) -> bool:
         """Whether the logger continues an earlier history (its newest version)."""
@@ -195,7 +246,13 @@ class VersionedDir:
 
     @property
     def save_dir(self) -> Path:
-        """The folder the versions are written under (``name`` inside it)."""
+        """The folder the versions are written under (``name`` inside it); given none,
+        the trainer's run folder, once a stage has started."""
+        if self._root is None:
+            raise RuntimeError(
+                f"{self._owner} was given no save_dir: it writes into the trainer's run "
+                "folder (trainer.run_dir), known once a stage has started."
+            )
         return self._root
 
     @property
@@ -220,12 +277,15 @@ class VersionedDir:
         """The folder this logger writes into: ``save_dir/name/version_N``."""
         version = self.version
         level = f"version_{version}" if isinstance(version, int) else version
-        return self._root / self._name / level
+        return self.save_dir / self._name / level
 
     def write_run_info(self, stage: str, resume_step: int | None) -> None:
         """Write :data:`RUN_INFO` in :attr:`log_dir`: which experiment and version the
         records beside it belong to (worker thread, when the destination opens). The
-        loggers of one run that share a folder write the same facts."""
+        loggers of one run that share a folder write the same facts; in the trainer's run
+        folder the trainer writes it (with the same keys, and more)."""
+        if self.in_run_dir:
+            return
         info = {
             "name": self._name,
             "version": self.version,

@@ -16,7 +16,6 @@ from loopbus import (
     PutRecord,
     check_choice,
     check_json_nesting,
-    check_local_path,
     naming_errors,
 )
 
@@ -28,6 +27,7 @@ from ._files import (
     _complete_text,
     _continue_after,
     _prepare_file,
+    save_dir_of,
     write_hparams_file,
 )
 
@@ -61,7 +61,7 @@ class JSONLLogger(VersionedDir, Logger):
 
     def __init__(
         self,
-        save_dir: str | os.PathLike[str],
+        save_dir: str | os.PathLike[str] | None = None,
         *,
         filename: str = "records.jsonl",
         name: str = DEFAULT_NAME,
@@ -73,8 +73,7 @@ class JSONLLogger(VersionedDir, Logger):
     ) -> None:
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
         check_choice("mode", mode, _FILE_MODES, owner="JSONLLogger")
-        root = Path(check_local_path("save_dir", save_dir, owner="JSONLLogger"))
-        self._init_dir("JSONLLogger", root, name, version)
+        self._init_dir("JSONLLogger", save_dir_of("JSONLLogger", save_dir), name, version)
         self.filename = filename
         self.mode = mode
         self._opened = False
@@ -82,7 +81,7 @@ class JSONLLogger(VersionedDir, Logger):
         self._encoder = msgspec.json.Encoder()
 
     def __repr__(self) -> str:
-        return f"JSONLLogger({str(self.save_dir)!r}, name={self.name!r})"
+        return f"JSONLLogger({str(self._root)!r}, name={self.name!r})"
 
     @property
     def path(self) -> Path:

@@ -10,10 +10,10 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
-from loopbus import PutRecord, check_local_path
+from loopbus import PutRecord
 
 from ._base import Logger
-from ._files import DEFAULT_NAME, VersionedDir
+from ._files import DEFAULT_NAME, VersionedDir, save_dir_of
 
 __all__ = ["TensorBoardLogger"]
 
@@ -83,19 +83,16 @@ class TensorBoardLogger(VersionedDir, Logger):
                 stacklevel=2,
             )
             save_dir = log_dir
-        if save_dir is None:
-            raise TypeError("TensorBoardLogger needs save_dir: the folder to write the versions into.")
         super().__init__(flush_interval=flush_interval, buffer=buffer, overflow=overflow)
-        root = Path(check_local_path("save_dir", save_dir, owner="TensorBoardLogger"))
-        self._init_dir("TensorBoardLogger", root, name, version)
+        self._init_dir("TensorBoardLogger", save_dir_of("TensorBoardLogger", save_dir), name, version)
         self._writer: Any = None
-        self._events_file: Path = self.log_dir
+        self._events_file: Path | None = None  # the event file, once open
 
     def _holds_output(self, folder: Path) -> bool:
         return any(folder.glob("events.out.tfevents.*"))
 
     def __repr__(self) -> str:
-        return f"TensorBoardLogger({str(self.save_dir)!r}, name={self.name!r})"
+        return f"TensorBoardLogger({str(self._root)!r}, name={self.name!r})"
 
     def open(self, stage: str) -> None:
         from torch.utils.tensorboard import SummaryWriter
@@ -147,4 +144,4 @@ class TensorBoardLogger(VersionedDir, Logger):
         except OSError as exc:
             if exc.filename is not None:
                 raise
-            raise OSError(exc.errno, exc.strerror or str(exc), str(self._events_file)) from exc
+            raise OSError(exc.errno, exc.strerror or str(exc), str(self._events_file or self.log_dir)) from exc

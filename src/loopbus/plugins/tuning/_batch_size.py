@@ -230,6 +230,7 @@ def _trial_options(trainer: TrainerView, steps: int) -> dict[str, Any]:
         preemption=False,
         fast_dev_run=False,
         strategy=trainer.strategy,
+        root_dir=None,  # a trial writes no run folder
     )
     return {**options.given, "plugins": [], "precision": trainer.precision}
 

@@ -517,6 +517,7 @@ def _sweep_trainer(
         preemption=False,
         fast_dev_run=False,
         strategy=trainer.strategy,
+        root_dir=None,  # the sweep writes no run folder
     )
     # The class of the caller's trainer (a subclass stays one).
     return type(trainer)(**options.given, precision=precision, plugins=[finder, *plugins])

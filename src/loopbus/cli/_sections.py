@@ -1,0 +1,459 @@
+"""A configuration checked and completed, section by section, in two passes: first the
+shape of every section and each ``trainer`` option (against its declaration:
+``loopbus.TrainerOptions.declarations()``), then the class paths (``model``, ``data``,
+each plugin), imported, with their ``init_args`` held against the ``__init__``
+signature. Every default is filled in with ``default`` as its source. Nothing is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import sys
+import typing
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from ._errors import ConfigError, Problem, did_you_mean
+from ._sources import CLASS_SECTIONS, DEFAULT, Config
+from ._types import coerce, describe, fits
+
+__all__ = ["ClassSpec", "Resolved", "check_classes", "check_shape"]
+
+#: The top-level keys of a configuration, in the order they are printed.
+TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "ckpt_path")
+_CLASS_KEYS = ("class_path", "init_args")
+_PLUGIN_PACKAGES = ("loopbus.plugins", "loopbus.plugins.tuning")
+_PLUGINS_FORM = (
+    "loopbus calls callbacks and loggers plugins; list them under trainer.plugins:\n"
+    "      trainer:\n"
+    "        plugins:\n"
+    "          - class_path: Checkpoint\n"
+    "            init_args: {dirpath: checkpoints, monitor: val/acc, mode: max}\n"
+    "          - class_path: CSVLogger\n"
+    "            init_args: {save_dir: logs}"
+)
+_LIGHTNING_TOP = {
+    "optimizer": "loopbus builds optimizers in the module's configure_optimizers(): give "
+    "their settings (lr, ...) as model.init_args",
+    "lr_scheduler": "loopbus builds schedulers in the module's configure_optimizers(): give "
+    "their settings as model.init_args",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class ClassSpec:
+    """A class (or function) named by ``class_path``, and the keyword arguments to call
+    it with (those the configuration gave; the rest keep the signature's defaults)."""
+
+    path: str
+    target: Callable[..., Any]
+    kwargs: Mapping[str, Any]
+
+    def build(self) -> Any:
+        return self.target(**self.kwargs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    """A configuration checked in full: ``config`` (every key, defaults included, in the
+    printed order) with each value's source in ``origins``, and what to build."""
+
+    config: dict[str, Any]
+    origins: dict[str, str]
+    trainer: Mapping[str, Any]
+    plugins: tuple[ClassSpec, ...] | None
+    model: ClassSpec
+    data: ClassSpec
+
+
+def _source(config: Config, key: str) -> str | None:
+    """Where the value at ``key`` came from: its own source, that of the list or
+    section above it (a plugin inside ``trainer.plugins``), or of the first value under
+    it."""
+    parts = key.split(".")
+    for depth in range(len(parts), 0, -1):
+        found = config.origins.get(".".join(parts[:depth]))
+        if found is not None:
+            return found
+    under = [v for k, v in config.origins.items() if k.startswith(key + ".")]
+    return under[0] if under else None
+
+
+def check_shape(config: Config, command: str) -> None:
+    """The first pass: the top level, ``seed_everything``, ``ckpt_path``, the shape of
+    ``model`` and ``data`` and every ``trainer`` option, checked, defaults filled in.
+    Raises :class:`ConfigError` with every problem found."""
+    values = config.values
+    problems = [_unknown_top(config, key) for key in values if key not in TOP_LEVEL]
+    seed = values.get("seed_everything")
+    if seed is not None and not isinstance(seed, (bool, int)):
+        problems.append(
+            Problem(
+                "seed_everything",
+                f"must be an int (the seed), true (draw one) "
+                f"or null/false (do not seed), got {seed!r}.",
+                _source(config, "seed_everything"),
+            )
+        )
+    ckpt = values.get("ckpt_path")
+    if ckpt is not None and not isinstance(ckpt, str):
+        problems.append(
+            Problem(
+                "ckpt_path",
+                f"must be a checkpoint's path, 'last' or 'best', got {ckpt!r}.",
+                _source(config, "ckpt_path"),
+            )
+        )
+    for section in CLASS_SECTIONS:
+        problems += _class_shape(config, section, values.get(section))
+    problems += _check_trainer(config)
+    if problems:
+        raise ConfigError(problems)
+    for key in ("seed_everything", "ckpt_path"):
+        if key not in values:
+            config.set(key, None, DEFAULT)
+
+
+def _unknown_top(config: Config, key: str) -> Problem:
+    source = _source(config, key)
+    if key in _LIGHTNING_TOP:
+        return Problem(key, _LIGHTNING_TOP[key] + ".", source)
+    known = list(TOP_LEVEL)
+    if source is not None and source.startswith("command line"):
+        known += ["config", "print-config", "explain"]
+    return Problem(key, "is not a key of the configuration" + did_you_mean(key, known), source)
+
+
+def _class_shape(config: Config, section: str, value: Any) -> list[Problem]:
+    if value is None:
+        return [
+            Problem(
+                section,
+                f"is required: name its class with {section}.class_path "
+                f"(--{section}=package.module.Class, or a '{section}:' section in a file).",
+            )
+        ]
+    return _spec_shape(config, section, value)
+
+
+def _spec_shape(config: Config, path: str, value: Any) -> list[Problem]:
+    source = _source(config, path)
+    if not isinstance(value, dict):
+        return [
+            Problem(
+                path,
+                f"must be a class path or {{class_path: ..., init_args: {{...}}}}, got {value!r}.",
+                source,
+            )
+        ]
+    problems = [
+        Problem(
+            f"{path}.{key}",
+            "is not a key here (a class is given by class_path and "
+            f"init_args){did_you_mean(str(key), _CLASS_KEYS)}",
+            _source(config, f"{path}.{key}"),
+        )
+        for key in value
+        if key not in _CLASS_KEYS
+    ]
+    if not isinstance(value.get("class_path"), str) or not value["class_path"]:
+        problems.append(
+            Problem(
+                f"{path}.class_path",
+                "must name a class or function as "
+                f"package.module.Name, got {value.get('class_path')!r}.",
+                source,
+            )
+        )
+    if not isinstance(value.get("init_args", {}), dict):
+        problems.append(
+            Problem(
+                f"{path}.init_args",
+                f"must be a mapping of argument names to values, got {value['init_args']!r}.",
+                _source(config, f"{path}.init_args"),
+            )
+        )
+    return problems
+
+
+def _trainer_keywords() -> tuple[dict[str, Any], dict[str, inspect.Parameter]]:
+    """The trainer's declared options by name, and the ``Trainer`` keywords that are no
+    declared option (``plugins``, ``precision``) by name."""
+    import loopbus  # the engine: its public names, as a user's script reads them
+
+    declared = {d.name: d for d in loopbus.TrainerOptions.declarations()}
+    others = {
+        name: p
+        for name, p in inspect.signature(loopbus.Trainer).parameters.items()
+        if name not in declared and p.kind is inspect.Parameter.KEYWORD_ONLY
+    }
+    return declared, others
+
+
+def _check_trainer(config: Config) -> list[Problem]:
+    from loopbus import LoopbusError
+
+    section = config.values.get("trainer")
+    if section is None:
+        section = {}
+    elif not isinstance(section, dict):
+        return [
+            Problem(
+                "trainer",
+                f"must be a mapping of Trainer options, got {section!r}.",
+                _source(config, "trainer"),
+            )
+        ]
+    declared, others = _trainer_keywords()
+    renamed = {d.renamed_from: d.name for d in declared.values() if d.renamed_from}
+    problems = []
+    for key, value in section.items():
+        path, source = f"trainer.{key}", _source(config, f"trainer.{key}")
+        if key in ("callbacks", "logger"):
+            problems.append(Problem(path, _PLUGINS_FORM, source))
+        elif key in renamed:
+            problems.append(Problem(path, f"was renamed: write trainer.{renamed[key]}.", source))
+        elif key in declared:
+            value = coerce(value, declared[key].type)
+            try:
+                declared[key].check(value)
+            except (LoopbusError, TypeError, ValueError) as exc:
+                problems.append(Problem(path, str(exc), source))
+            else:
+                section[key] = value
+        elif key == "plugins":
+            problems += _plugins_shape(config, value)
+        elif key not in others:
+            problems.append(
+                Problem(
+                    path,
+                    "is not a Trainer option" + did_you_mean(key, [*declared, *others]),
+                    source,
+                )
+            )
+    ordered = {d: section.get(d, declared[d].default) for d in declared}
+    ordered.update((k, section.get(k, p.default)) for k, p in others.items())
+    for key in ordered:
+        if key not in section:
+            config.origins[f"trainer.{key}"] = DEFAULT
+    config.values["trainer"] = ordered
+    return problems
+
+
+def _plugins_shape(config: Config, value: Any) -> list[Problem]:
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        return [
+            Problem(
+                "trainer.plugins",
+                f"must be a list of plugins, each a class path or "
+                f"{{class_path: ..., init_args: {{...}}}}, got {value!r}.",
+                _source(config, "trainer.plugins"),
+            )
+        ]
+    for i, item in enumerate(value):
+        if isinstance(item, str):
+            value[i] = {"class_path": item}
+    return [
+        p for i, item in enumerate(value) for p in _spec_shape(config, f"trainer.plugins.{i}", item)
+    ]
+
+
+# ---------------------------------------------------------------- the second pass
+def check_classes(config: Config) -> Resolved:
+    """The second pass: each class path imported (the current directory first on the
+    import path, as ``python -m`` has it), its ``init_args`` held against its signature,
+    the signature's defaults filled in. Raises :class:`ConfigError` with every problem."""
+    problems: list[Problem] = []
+    specs: dict[str, ClassSpec | None] = {}
+    with _importable_from(Path.cwd()):
+        for section in CLASS_SECTIONS:
+            specs[section] = _check_spec(config, section, config.values[section], problems)
+        plugins = config.values["trainer"].get("plugins")
+        plugin_specs = None
+        if plugins is not None:
+            found = [
+                _check_spec(config, f"trainer.plugins.{i}", item, problems, plugin=True)
+                for i, item in enumerate(plugins)
+            ]
+            plugin_specs = tuple(s for s in found if s is not None)
+    model, data = specs["model"], specs["data"]
+    if problems or model is None or data is None:
+        raise ConfigError(problems)
+    trainer = {k: v for k, v in config.values["trainer"].items() if k != "plugins"}
+    ordered = {k: config.values[k] for k in TOP_LEVEL}
+    return Resolved(ordered, dict(config.origins), trainer, plugin_specs, model, data)
+
+
+@contextmanager
+def _importable_from(folder: Path) -> Iterator[None]:
+    entry = str(folder)
+    added = entry not in sys.path
+    if added:
+        sys.path.insert(0, entry)
+    try:
+        yield
+    finally:
+        if added and entry in sys.path:
+            sys.path.remove(entry)
+
+
+def _check_spec(
+    config: Config,
+    path: str,
+    spec: dict[str, Any],
+    problems: list[Problem],
+    *,
+    plugin: bool = False,
+) -> ClassSpec | None:
+    source = _source(config, f"{path}.class_path")
+    name = spec["class_path"]
+    try:
+        if plugin and "." not in name:
+            name = spec["class_path"] = _plugin_path(name)
+        target = import_object(name)
+    except ImportError as exc:
+        problems.append(Problem(f"{path}.class_path", str(exc), source))
+        return None
+    given = spec.setdefault("init_args", {})
+    found = _check_arguments(config, path, target, given)
+    problems += found
+    return (
+        None if found else ClassSpec(name, target, dict(_given(config, f"{path}.init_args", given)))
+    )
+
+
+def _given(config: Config, path: str, init_args: Mapping[str, Any]) -> Iterator[tuple[str, Any]]:
+    for key, value in init_args.items():
+        if config.origins.get(f"{path}.{key}") != DEFAULT:
+            yield key, value
+
+
+def _plugin_path(name: str) -> str:
+    """A plugin's short name (``Checkpoint``) as its class path in loopbus's plugins;
+    :class:`ImportError` naming the closest plugin when there is no such plugin."""
+    names: list[str] = []
+    for package in _PLUGIN_PACKAGES:
+        module = importlib.import_module(package)
+        if name in getattr(module, "__all__", ()):
+            return f"{package}.{name}"
+        names += getattr(module, "__all__", ())
+    raise ImportError(
+        f"there is no loopbus plugin {name!r}"
+        + did_you_mean(name, names).replace("the keys here are", "the plugins are")
+        + " (a plugin of your own: give its class path, package.module.Name)"
+    )
+
+
+def import_object(name: str) -> Any:
+    """The object a dotted path names (``package.module.Class``); :class:`ImportError`
+    with a sentence saying what failed."""
+    module_name, _, attribute = name.rpartition(".")
+    if not module_name:
+        raise ImportError(
+            f"{name!r} is no class path: write package.module.Name (loopbus's plugins may be "
+            "named alone: Checkpoint, CSVLogger)."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and (module_name == exc.name or module_name.startswith(exc.name + ".")):
+            raise ImportError(
+                f"cannot import {name!r}: there is no module {exc.name!r} (class paths are "
+                "imported from the current directory and the installed packages)."
+            ) from None
+        raise ImportError(f"importing {module_name!r} for {name!r} failed: {exc}") from None
+    except Exception as exc:  # the user's module failed as it was imported
+        raise ImportError(
+            f"importing {module_name!r} for {name!r} failed: {type(exc).__name__}: {exc}"
+        ) from None
+    if not hasattr(module, attribute):
+        public = [n for n in dir(module) if not n.startswith("_")]
+        raise ImportError(
+            f"cannot import {name!r}: module {module_name!r} has no {attribute!r}"
+            + did_you_mean(attribute, public, listing=False)
+        )
+    return getattr(module, attribute)
+
+
+def _check_arguments(
+    config: Config, path: str, target: Any, given: dict[str, Any]
+) -> list[Problem]:
+    """``given`` (the ``init_args``) held against ``target``'s signature: unknown names,
+    wrong simple types, missing required arguments; the defaults filled in."""
+    owner = f"{getattr(target, '__qualname__', target)}{'.__init__' if isinstance(target, type) else ''}"
+    try:
+        parameters = inspect.signature(target).parameters
+    except (TypeError, ValueError):
+        return []  # no signature to hold them against: the call will tell
+    hints = _hints(target)
+    open_ended = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values())
+    named = {
+        n: p
+        for n, p in parameters.items()
+        if p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    }
+    problems = []
+    for key, value in given.items():
+        key_path, source = f"{path}.init_args.{key}", _source(config, f"{path}.init_args.{key}")
+        if key not in named:
+            if not open_ended:
+                problems.append(
+                    Problem(
+                        key_path,
+                        f"{owner} takes no argument {key!r}"
+                        + did_you_mean(key, named).replace("the keys here are", "it takes"),
+                        source,
+                    )
+                )
+            continue
+        hint = hints.get(key)
+        given[key] = value = coerce(value, hint)
+        if fits(value, hint) is False:
+            problems.append(
+                Problem(
+                    key_path,
+                    f"{owner} takes {key} as {describe(hint)}, got "
+                    f"{value!r} ({type(value).__name__}).",
+                    source,
+                )
+            )
+    for key, parameter in named.items():
+        if key in given:
+            continue
+        if parameter.default is inspect.Parameter.empty:
+            problems.append(
+                Problem(
+                    f"{path}.init_args.{key}",
+                    f"{owner} requires it (it has no "
+                    f"default): give it in the file or as --{path}.init_args.{key}=VALUE.",
+                )
+            )
+        elif _plain(parameter.default):
+            given[key] = parameter.default
+            config.origins[f"{path}.init_args.{key}"] = DEFAULT
+    return problems
+
+
+def _hints(target: Any) -> dict[str, Any]:
+    function = target.__init__ if isinstance(target, type) else target
+    try:
+        return typing.get_type_hints(function)
+    except Exception:  # an annotation that does not evaluate here: no types to check
+        return {}
+
+
+def _plain(value: Any) -> bool:
+    """Whether a default is plain data a configuration file can hold."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return True
+    if isinstance(value, list):
+        return all(_plain(v) for v in value)
+    if isinstance(value, dict):
+        return all(isinstance(k, str) and _plain(v) for k, v in value.items())
+    return False

@@ -1,0 +1,44 @@
+"""Class paths the configuration tests name: a plugin that saves the trained weights, a
+module with a required argument, data in shapes a stage refuses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from loopbus import Plugin, Trainer, on
+from loopbus.events import FitCompleted
+from tests.helpers import TinyModule, make_loader
+
+
+class SaveWeights(Plugin):
+    """Saves the module's weights to ``path`` when ``fit`` ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(FitCompleted)
+    def save(self, event: FitCompleted) -> None:
+        module = self.trainer.module
+        assert module is not None
+        torch.save(module.state_dict(), self.path)
+
+
+class NeedsWidth(TinyModule):
+    """A module with a required argument."""
+
+    def __init__(self, width: int, lr: float = 0.1) -> None:
+        super().__init__(n_in=4, n_out=width, lr=lr)
+
+
+def three_loaders(n: int = 32) -> tuple[Any, Any, Any]:
+    return make_loader(n), make_loader(n), make_loader(n)
+
+
+def loaders(n: int = 64, batch_size: int = 16) -> tuple[Any, Any]:
+    """Training and validation loaders, as ``examples/digits.py``'s ``digits_loaders``."""
+    return make_loader(n, batch_size, seed=0), make_loader(n, batch_size, seed=1)

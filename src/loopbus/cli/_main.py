@@ -20,6 +20,7 @@ from ._errors import ConfigError, Problem
 from ._resume import changes, saved_config
 from ._sections import Resolved, check_classes, check_shape
 from ._sources import DEFAULT, CommandLine, Config, assemble, read_command_line
+from ._sweep import sweep_main
 
 __all__ = ["COMMANDS", "add_commands", "main", "resolve"]
 
@@ -29,6 +30,7 @@ COMMANDS = {
     "validate": "run the validation step over data once, from configuration files",
     "test": "run the test step over data once, from configuration files",
     "predict": "run the predict step over data, from configuration files",
+    "sweep": "run (or print) a grid of fit runs, each in its own version folder",
 }
 
 _EPILOG = """\
@@ -68,6 +70,14 @@ def _describe(parser: argparse.ArgumentParser, command: str) -> argparse.Argumen
         action="store_true",
         help="print the resolved configuration (every default included) as YAML and exit",
     )
+    if command == "sweep":
+        parser.add_argument(
+            "--grid", action="append", metavar="KEY=V1,V2", help="a key and its values"
+        )
+        parser.add_argument("--seeds", metavar="S1,S2", help="seed_everything's values")
+        parser.add_argument(
+            "--dry-run", action="store_true", help="print one loopbus fit line per point"
+        )
     if command == "fit":
         parser.add_argument(
             "--resume",
@@ -125,6 +135,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     command = args[0]
+    if command == "sweep":
+        return sweep_main(args[1:], resolve, run_stage)
     try:
         line = read_command_line(command, args[1:])
         if line.help:

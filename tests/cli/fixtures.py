@@ -3,12 +3,14 @@ module with a required argument, data in shapes a stage refuses."""
 
 from __future__ import annotations
 
+import os
+import signal
 from typing import Any
 
 import torch
 
 from loopbus import Plugin, Trainer, on
-from loopbus.events import FitCompleted
+from loopbus.events import FitCompleted, TrainBatchCompleted
 from tests.helpers import TinyModule, make_loader
 
 
@@ -42,3 +44,35 @@ def three_loaders(n: int = 32) -> tuple[Any, Any, Any]:
 def loaders(n: int = 64, batch_size: int = 16) -> tuple[Any, Any]:
     """Training and validation loaders, as ``examples/digits.py``'s ``digits_loaders``."""
     return make_loader(n, batch_size, seed=0), make_loader(n, batch_size, seed=1)
+
+
+class SaveRankWeights(Plugin):
+    """Saves each rank's module weights to ``<path>.rank<R>`` when ``fit`` ends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(FitCompleted)
+    def save(self, event: FitCompleted) -> None:
+        module = self.trainer.module
+        assert module is not None
+        torch.save(module.state_dict(), f"{self.path}.rank{self.trainer.global_rank}")
+
+
+class KillAt(Plugin):
+    """Kills its own process (SIGKILL: no handler, nothing flushed) after optimizer step
+    ``step``."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def setup(self, trainer: Trainer, stage: str) -> None:
+        self.trainer = trainer
+
+    @on(TrainBatchCompleted)
+    def kill(self, event: TrainBatchCompleted) -> None:
+        if self.trainer.global_step >= self.step:
+            os.kill(os.getpid(), signal.SIGKILL)

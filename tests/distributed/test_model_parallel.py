@@ -84,6 +84,7 @@ def other_layouts(
     return results
 
 
+@pytest.mark.external
 @pytest.mark.parametrize("sid", ["train", "hsdp"])
 def test_a_mesh_trains_like_one_process(tp_runs: Scenarios, sid: str) -> None:
     summaries = _summaries(tp_runs, sid)
@@ -100,6 +101,7 @@ def test_a_mesh_trains_like_one_process(tp_runs: Scenarios, sid: str) -> None:
     assert all(s["losses"] == s0["losses"] for s in summaries)
 
 
+@pytest.mark.external
 def test_tensor_parallel_peers_read_the_same_samples(tp_runs: Scenarios) -> None:
     summaries = _summaries(tp_runs, "train")
     # (dp=2, tp=2): ranks 0 and 1 are replica 0's tp peers, ranks 2 and 3 replica 1's.
@@ -113,6 +115,7 @@ def test_tensor_parallel_peers_read_the_same_samples(tp_runs: Scenarios) -> None
     assert hsdp == [[4, 0], [4, 1], [4, 2], [4, 3]]
 
 
+@pytest.mark.external
 def test_a_module_on_meta_is_initialised_whole_before_it_is_split(tp_runs: Scenarios) -> None:
     for summary in _summaries(tp_runs, "meta"):
         assert summary["keys_match"]
@@ -120,6 +123,7 @@ def test_a_module_on_meta_is_initialised_whole_before_it_is_split(tp_runs: Scena
         assert not summary["meta_left"]
 
 
+@pytest.mark.external
 def test_what_the_strategy_refuses(tp_runs: Scenarios) -> None:
     refusals = _summaries(tp_runs, "refusals")[0]
     assert "num_replicas=4 with rank=0" in refusals["whole_world_sampler"]
@@ -127,12 +131,14 @@ def test_what_the_strategy_refuses(tp_runs: Scenarios) -> None:
     assert "configure_model(mesh)" in refusals["split_on_meta"]
 
 
+@pytest.mark.external
 @pytest.mark.parametrize("sid", ["resume-2x2", "resume-tp4", "resume-hsdp"])
 def test_a_2x2_checkpoint_resumes_exactly_on_4_ranks(tp_runs: Scenarios, sid: str) -> None:
     for summary in _summaries(tp_runs, sid):
         _resumed(summary)
 
 
+@pytest.mark.external
 @pytest.mark.parametrize("sid", ["resume-fsdp2", "resume-single"])
 def test_a_2x2_checkpoint_resumes_exactly_on_other_world_sizes(
     other_layouts: dict[str, list[dict[str, Any]]], sid: str

@@ -15,6 +15,14 @@ rank to ``--out``.
 * ``meta``: the model built on the ``meta`` device against one built normally with the
   same seed.
 * ``refusals``: a loader sharded over the whole world, a module split on meta.
+* ``job``: ``--epochs`` epochs of shuffled data on a mesh with a ``Checkpoint`` plugin
+  (sharded, every ``--every`` steps, all kept), resumed from ``last`` in ``--ckpt-dir``
+  with ``--resume`` or from ``--ckpt``; every rank appends the samples of each batch it
+  trains to ``samples_rank<R>.jsonl`` as it goes. ``--kill-at`` SIGKILLs every rank after
+  that step; ``--wait-at`` holds rank 0 in that step's batch (writing ``ready``) until
+  the preemption signal the test sends has asked for a stop. A run that ends writes its
+  full weights and optimizer state (rank 0, ``final.pt``); a preempted one writes
+  ``preempted_rank<R>.json`` and exits with the signal's status.
 """
 
 from __future__ import annotations
@@ -22,6 +30,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
@@ -37,10 +47,12 @@ from loopbus import (
     MisconfigurationError,
     ModelParallelStrategy,
     Module,
+    Plugin,
     Trainer,
     on,
 )
-from loopbus.events import TrainEpochStarted
+from loopbus.events import TrainBatchCompleted, TrainEpochStarted
+from loopbus.plugins import Checkpoint
 
 VOCAB = 32
 SEQ = 16
@@ -167,6 +179,11 @@ class TinyLlama(Module):
         self.samples: list[list[int]] = []
         self.initial: dict[str, Any] | None = None
         self.mesh_seen: Any = None
+        #: ``job``: where each batch's samples are appended, and the step whose batch
+        #: waits (rank 0, after writing ``ready``) for a preemption signal.
+        self.record: Path | None = None
+        self.wait_at: int | None = None
+        self.ready = Path("ready")
 
     def configure_model(self, mesh: Any) -> None:
         self.mesh_seen = mesh
@@ -184,6 +201,18 @@ class TinyLlama(Module):
 
     def training_step(self, batch: Any, ctx: Any) -> torch.Tensor:
         self.samples.append([int(i) for i in batch[2]])
+        trainer = self.trainer
+        if self.record is not None:
+            entry = {"epoch": trainer.current_epoch, "step": trainer.global_step}
+            with self.record.open("a") as f:  # closed at once: a SIGKILL loses nothing
+                f.write(json.dumps({**entry, "idx": self.samples[-1]}) + "\n")
+        if self.wait_at == trainer.global_step and trainer.is_global_zero:
+            self.ready.write_text(str(trainer.global_step))
+            state, deadline = trainer.state, time.monotonic() + 120
+            while time.monotonic() < deadline and not (
+                state.stop_requested or state.pending_stop is not None
+            ):
+                time.sleep(0.005)
         loss = self.loss(batch)
         self.losses.append(loss.detach())
         return loss
@@ -359,6 +388,65 @@ def scenario_meta(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+class KillAt(Plugin):
+    """SIGKILLs this rank after optimizer step ``step`` (every rank does: torchrun starts
+    its workers in sessions of their own, so a signal to the launcher would not reach
+    them)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    @on(TrainBatchCompleted)
+    def _batch(self, event: TrainBatchCompleted) -> None:
+        if event.step == self.step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def scenario_job(args: argparse.Namespace) -> dict[str, Any]:
+    """A run with periodic sharded checkpoints, interrupted or resumed (module doc)."""
+    out = Path(args.out)
+    ckpt_dir = out.parent / args.ckpt_dir if args.ckpt_dir else out / "ckpt"
+    ckpt_path: Any = None
+    if args.resume:
+        ckpt_path = "last"
+    elif args.ckpt:
+        ckpt_path = out.parent / args.ckpt  # relative to the scenarios' root
+    loopbus.seed_everything(0)
+    module = TinyLlama()
+    module.record = out / f"samples_rank{rank()}.jsonl"
+    module.wait_at, module.ready = args.wait_at, out / "ready"
+    plugins: list[Plugin] = [
+        Checkpoint(ckpt_dir, every_n_steps=args.every, keep_last=None, background=False)
+    ]
+    if args.kill_at >= 0:
+        plugins.append(KillAt(args.kill_at))
+    options: dict[str, Any] = {"gradient_clip_val": args.clip}
+    if args.stop_check_interval is not None:
+        options["stop_check_interval_s"] = args.stop_check_interval
+    t = Trainer(
+        max_epochs=args.epochs,
+        strategy=strategy_of(args),
+        plugins=plugins,
+        num_sanity_val_steps=0,
+        **options,
+    )
+    batch = GLOBAL_BATCH // t.strategy.data_parallel_size
+    loader = DataLoader(data(), batch_size=batch, shuffle=True)
+    try:
+        loopbus.run(t.fit, module, loader, ckpt_path=ckpt_path)
+    except loopbus.Preempted as exc:
+        report = {"code": exc.code, "signal": exc.signal, "step": exc.step}
+        (out / f"preempted_rank{rank()}.json").write_text(json.dumps(report))
+        raise
+    state = full_state(module, t.optimizers[0])
+    if rank() == 0:
+        torch.save(state, out / "final.pt")
+    return {
+        "step": t.global_step,
+        "data_parallel": [t.strategy.data_parallel_size, t.strategy.data_parallel_rank],
+    }
+
+
 def _message(fn: Any, error: type[Exception]) -> str:
     try:
         fn()
@@ -399,6 +487,7 @@ SCENARIOS = {
     "resume": scenario_resume,
     "meta": scenario_meta,
     "refusals": scenario_refusals,
+    "job": scenario_job,
 }
 
 
@@ -413,8 +502,18 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--save", action="store_true")
     parser.add_argument("--clip", type=float, default=CLIP)
     parser.add_argument(
-        "--ckpt", default="", help="default: the checkpoint of the train scenario beside --out"
+        "--ckpt",
+        default="",
+        help="the checkpoint to resume (job: relative to --out's parent); resume's default: "
+        "the train scenario's beside --out",
     )
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--every", type=int, default=4, help="job: a checkpoint every N steps")
+    parser.add_argument("--ckpt-dir", default="", help="job: relative to --out's parent")
+    parser.add_argument("--resume", action="store_true", help="job: ckpt_path='last'")
+    parser.add_argument("--kill-at", type=int, default=-1, help="job: SIGKILL after that step")
+    parser.add_argument("--wait-at", type=int, default=None, help="job: hold that step's batch")
+    parser.add_argument("--stop-check-interval", type=float, default=None)
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -36,12 +36,24 @@ its longest step, the saves skipped and the uploads that failed.
 
     ./dev bench checkpoint
     ./dev bench checkpoint --saves 30 --width 2048
+And a store that is down (``--outage``): 20 epochs of a small model (an MLP of width
+``--outage-width``, ``--outage-steps`` batches an epoch) saving every epoch to the S3
+server through the proxy, which at the first step starts refusing connections (a store
+that is down) or stalling them (a store that stops reading), against the same fit with
+no checkpoint. Refusing runs with the default ``StoreDeadlines``; stalling with
+``save_wait_s=--save-wait-s``, ``call_s=--call-s`` and ``upload_retries=1`` (the first
+due save waits ``save_wait_s``, the later ones none; ``fit`` ends once the upload in
+flight has, within (1 + 1) x ``call_s`` plus backoff). The target: each within 1.2x the fit without a
+checkpoint.
+
     ./dev bench checkpoint --stall --saves 10 --call-s 2 --save-wait-s 0.5
+    ./dev bench checkpoint --outage
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import importlib.util
 import logging
@@ -247,6 +259,13 @@ class StallingProxy:
             source.close()
             target.close()
 
+    def refuse(self) -> None:
+        """From now on a store that is down: connections are refused (the port closed),
+        and those open are closed."""
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)  # wakes the accepting thread
+        self.close()
+
     def close(self) -> None:
         for sock in [self.server, *self.sockets]:
             sock.close()
@@ -256,8 +275,8 @@ class Stall(Plugin):
     """Stalls the proxy at the first step (once the folder is claimed); records the
     longest time between two steps."""
 
-    def __init__(self, proxy: StallingProxy, stall: bool) -> None:
-        self.proxy, self.stall = proxy, stall
+    def __init__(self, proxy: StallingProxy, stall: bool, refuse: bool = False) -> None:
+        self.proxy, self.stall, self.refuse = proxy, stall, refuse
         self.last: float | None = None
         self.longest = 0.0
 
@@ -269,6 +288,9 @@ class Stall(Plugin):
         self.last = now
         if self.stall:
             self.proxy.stalled.set()
+        if self.refuse and not self.proxy.stalled.is_set():
+            self.proxy.stalled.set()  # refused once: not again
+            self.proxy.refuse()
 
 
 def stalled_store(
@@ -300,13 +322,54 @@ def stalled_store(
         took = time.perf_counter() - start
         proxy.close()
         messages = [str(w.message) for w in caught]
-        skipped = sum("skipped the save" in m for m in messages)
-        failed = sum(m.startswith("a checkpoint upload to") for m in messages)
+        down = sum("cannot save to" in m for m in messages)
+        back = sum(" resumed: " in m for m in messages)
         print(
             f"{'stalled' if stalled else 'healthy':>12} store: fit of {saves} saves "
-            f"{took:6.1f} s, longest step {watch.longest:5.2f} s, saves skipped {skipped}, "
-            f"uploads failed {failed}"
+            f"{took:6.1f} s, longest step {watch.longest:5.2f} s, outage warnings {down}, "
+            f"resumed {back}"
         )
+
+
+def store_down(url: RemotePath, width: int, steps: int, deadlines: StoreDeadlines) -> None:
+    """20 epochs of ``steps`` batches, without a checkpoint, then saving every epoch to a
+    store that goes down at the first step (refusing, then stalling)."""
+    host, port = url.storage_options["client_kwargs"]["endpoint_url"][7:].split(":")
+    torch.manual_seed(0)
+    x = torch.randn(32 * steps, 32)
+    data = DataLoader(TensorDataset(x, torch.randint(0, 10, (len(x),))), batch_size=32)
+    took: dict[str, float] = {}
+    for mode in ("none", "none", "healthy", "refusing", "stalling"):  # the first warms up
+        proxy = StallingProxy((host, int(port)))
+        options = url.storage_options
+        options["client_kwargs"] = dict(options["client_kwargs"], endpoint_url=proxy.endpoint)
+        plugins: list[Plugin] = []
+        if mode in ("refusing", "stalling"):
+            plugins.append(Stall(proxy, stall=mode == "stalling", refuse=mode == "refusing"))
+        if mode != "none":
+            plugins.append(
+                Checkpoint(
+                    RemotePath(f"{url.url}/down-{mode}", options),
+                    every_n_epochs=1,
+                    upload_retries=1 if mode == "stalling" else 3,
+                    store_deadlines=deadlines if mode == "stalling" else None,
+                )
+            )
+        trainer = Trainer(max_epochs=20, plugins=plugins, device="cpu")
+        start = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loopbus.run(trainer.fit, Wide(width), data)
+        took[mode] = time.perf_counter() - start
+        proxy.close()
+        if mode != "none":
+            down = sum("cannot save to" in str(w.message) for w in caught)
+            healthy = took[mode] / took["healthy"]
+            print(
+                f"{mode:>12} store: 20 epochs {took[mode]:6.2f} s, no checkpoint "
+                f"{took['none']:6.2f} s, ratio {took[mode] / took['none']:5.2f} (target: "
+                f"within 1.2), against a healthy store {healthy:5.2f}, outage warnings {down}"
+            )
 
 
 def report(kind: str, blocked: list[float], host: list[float]) -> None:
@@ -326,12 +389,32 @@ def main() -> None:
     parser.add_argument("--stall", action="store_true", help="only the stalled-store figures")
     parser.add_argument("--call-s", type=float, default=2.0)
     parser.add_argument("--save-wait-s", type=float, default=0.5)
+    parser.add_argument("--outage", action="store_true", help="only the store-down figures")
+    parser.add_argument("--outage-width", type=int, default=256)
+    parser.add_argument("--outage-steps", type=int, default=80)
     args = parser.parse_args()
     params = sum(p.numel() for p in Wide(args.width).parameters())
     print(
         f"model: {params / 1e6:.1f} M parameters ({params * 4 / 2**20:.0f} MiB, and as much "
         f"momentum); {args.saves} saves, every {args.every} steps"
     )
+    if args.outage:
+        found = s3_server()
+        if found is None:
+            print("store down: skipped (needs moto, s3fs and boto3: pip install 'loopbus[test]')")
+            return
+        server, url = found
+        c = args.call_s
+        deadlines = StoreDeadlines(connect_s=c, read_s=c, call_s=c, save_wait_s=args.save_wait_s)
+        print(
+            f"store down: refusing with the default deadlines; stalling with call_s={c:g} s "
+            f"(connect, read too), save_wait_s={args.save_wait_s:g} s"
+        )
+        try:
+            store_down(url, args.outage_width, args.outage_steps, deadlines)
+        finally:
+            server.stop()
+        return
     if args.stall:
         found = s3_server()
         if found is None:

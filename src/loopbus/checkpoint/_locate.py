@@ -342,10 +342,10 @@ def _unmarked_files(directory: Path) -> str:
 
 
 def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemotePath | None:
-    """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report
-    through ``last_checkpoint_path`` (a property, as ``Checkpoint``'s; a plugin's method of
-    that name is called); None (with a warning unless ``warn`` is false) if none has
-    written one."""
+    """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report,
+    each looked up now through its method ``latest_checkpoint()`` (``Checkpoint``'s) or,
+    without one, its ``last_checkpoint_path`` (a property; a plugin's method of that name
+    is called); None (with a warning unless ``warn`` is false) if none has written one."""
     providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
     if not providers:
         raise MisconfigurationError(
@@ -355,7 +355,8 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemoteP
         )
     found: list[Path | RemotePath] = []
     for plugin in providers:
-        path = plugin.last_checkpoint_path
+        look_up = getattr(plugin, "latest_checkpoint", None)
+        path = look_up() if callable(look_up) else plugin.last_checkpoint_path
         if not isinstance(path, (str, os.PathLike)) and callable(path):
             path = path()
         if path is not None:

@@ -26,7 +26,6 @@ from loopbus import (
     check_int,
     check_local_path,
     is_url,
-    latest_checkpoint,
     on,
 )
 from loopbus.events import (
@@ -40,7 +39,14 @@ from loopbus.events import (
     ValidationCompleted,
 )
 
-from ._checkpoint_files import CheckpointFiles, in_run_folder, latest_in, remote_directory
+from ._checkpoint_files import (
+    CheckpointFiles,
+    callable_path,
+    check_filename,
+    in_run_folder,
+    latest_in,
+    remote_directory,
+)
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
@@ -130,23 +136,6 @@ def _check_monitor(monitor: str | None) -> None:
         raise MisconfigurationError(
             f"Checkpoint(monitor=...) must be the name of a put record such as 'val/acc', "
             f"got {monitor!r}."
-        )
-
-
-def _check_filename(filename: str) -> None:
-    """``filename`` must be a template of a plain file name, with the fields ``{epoch}``
-    and ``{step}`` at most."""
-    try:
-        example = filename.format(epoch=0, step=0)
-    except (KeyError, IndexError, ValueError, AttributeError) as exc:
-        raise MisconfigurationError(
-            f"Checkpoint(filename={filename!r}) is not a valid template: {exc!r}; use the "
-            "fields {epoch} and {step}, for example 'epoch={epoch}-step={step}'."
-        ) from None
-    if not example or "/" in example or os.sep in example or example.startswith("."):
-        raise MisconfigurationError(
-            f"Checkpoint(filename={filename!r}) must make a plain file name (no "
-            "directory separators, not starting with a dot)."
         )
 
 
@@ -259,7 +248,7 @@ class _DeprecatedNames:
     def last_model_path(self: Any) -> Path | None:
         """Deprecated: Lightning's name of :attr:`last_checkpoint_path` (as a plain path)."""
         _renamed("last_model_path", "last_checkpoint_path")
-        path = latest_checkpoint(self.dirpath)
+        path = self.last_checkpoint_path
         return None if path is None else Path(path)
 
     @property
@@ -380,7 +369,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         self.mode: Literal["min", "max"] = mode
         self.keep_last = _optional_count("keep_last", keep_last, _ALL)
         self.keep_best = _optional_count("keep_best", keep_best, _ALL)
-        _check_filename(filename)
+        check_filename(filename)
         self.filename = filename
         self.sharded = None if sharded is None else bool(sharded)
         self._background = background
@@ -416,9 +405,8 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     @property
     def dirpath(self) -> Path:
-        """The directory the checkpoints are written into: a URL (``storage_options``,
-        ``upload_*`` and ``store_deadlines`` apply) is a ``RemotePath``; see
-        docs/checkpointing.md, "Remote storage"."""
+        """The directory the checkpoints go into: a URL is a ``RemotePath`` (with the
+        ``storage_options`` and ``store_deadlines``; docs/checkpointing.md)."""
         return self._files.dirpath  # type: ignore[return-value]
 
     @dirpath.setter
@@ -427,29 +415,28 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     @property
     def background(self) -> bool:
-        """Whether saves are written in the background: as given, else for sharded
-        checkpoints only (``dcp.async_save``)."""
+        """Whether saves are written in the background: as given, else for sharded ones."""
         if self._background is not None:
             return bool(self._background)
         return self._sharded_now or self._files.remote
 
     @property
     def state_key(self) -> str:
-        """``"Checkpoint"``, or ``"Checkpoint[<monitor>]"`` with a monitor, so that a run can
-        keep one periodic and several monitored checkpoints apart."""
+        """``"Checkpoint"``, or ``"Checkpoint[<monitor>]"`` with a monitor (several apart)."""
         return "Checkpoint" if self.monitor is None else f"Checkpoint[{self.monitor}]"
 
     # ------------------------------------------------------------ public API
     @property
     def last_checkpoint_path(self) -> Path | None:
-        """The newest checkpoint in ``dirpath`` (what ``ckpt_path="last"`` loads), or None.
+        """The newest complete checkpoint the plugin knows in ``dirpath`` (the last it saved,
+        the one a fit resumed from, what :meth:`latest_checkpoint` found), or None; no I/O.
+        Called as the method it was (``last_checkpoint_path()``), it still gives the path
+        with a ``DeprecationWarning`` (None cannot be called: ``TypeError``)."""
+        return callable_path(self._files.last)  # type: ignore[return-value]
 
-        A property, like :attr:`best_checkpoint_path`. It used to be a method: calling
-        the path it returns (``checkpoint.last_checkpoint_path()``) still gives the same
-        path, with a ``DeprecationWarning``; with no checkpoint yet the property is None,
-        which cannot be called (``TypeError``), so such a call never passes silently."""
-        path = latest_in(self._files)
-        return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)
+    def latest_checkpoint(self) -> Path | RemotePath | None:
+        """The newest checkpoint in ``dirpath`` (``ckpt_path="last"``'s), looked up now."""
+        return latest_in(self._files)
 
     @property
     def best_checkpoint_path(self) -> Path | RemotePath | None:
@@ -511,6 +498,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
             "monitor_value": self._monitor_value,
             "monitor_fresh": self._monitor_fresh,
             "validated": self._validated,
+            "unremoved": self._files.unremoved,  # evicted, not removed yet (see _claim)
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -524,6 +512,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         last_saved = state_dict.get("last_saved")
         self._last_saved = None if last_saved is None else (int(last_saved[0]), str(last_saved[1]))
         self._validated = bool(state_dict.get("validated", False))
+        self._files.remove_later(state_dict.get("unremoved", []), keep=self._kept.names())
 
     # ------------------------------------------------------------ events
     @on(FitStarted, mode="inline", priority=2000)
@@ -541,6 +530,8 @@ class Checkpoint(_DeprecatedNames, Plugin):
         own = self.exist_ok or self._claimed == self.dirpath
         files.claim(trainer, resumes_here=here, exist_ok=own)
         self._claimed, self._ready = self.dirpath, True
+        if plan is not None and files.holds(plan.source):  # the newest known: resumed
+            files.last = self.dirpath / os.path.basename(os.fspath(plan.source).rstrip("/"))
 
     def _on_record(self, record: PutRecord) -> None:
         if record.name == self.monitor:
@@ -607,6 +598,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
 
     @on(FitCompleted)
     async def _on_end(self, event: FitCompleted) -> None:
+        self._files.ending()  # a store that is down is not waited for any more
         await self._save_on_end()
         # The last background save is announced while the bus still delivers.
         await self._files.wait_idle()
@@ -651,7 +643,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         assert trainer is not None
         self._claim()  # a save before FitStarted (a preemption)
         files = self._files
-        if not await files.ready(trainer):
+        if not await files.ready(trainer, final=kind == "end"):
             return  # the previous upload is still in flight: skipped, with a warning
         await files.wait_idle()
         await files.announce(trainer)
@@ -685,16 +677,3 @@ class Checkpoint(_DeprecatedNames, Plugin):
             sharded=self._sharded_now,
             task_group=self._task_group,
         )
-
-
-class _CallablePath(type(Path())):  # type: ignore[misc]
-    """A path that can still be called as ``last_checkpoint_path()`` was (deprecated)."""
-
-    def __call__(self) -> Path:
-        warnings.warn(
-            "Checkpoint.last_checkpoint_path is a property now, like best_checkpoint_path: "
-            "write checkpoint.last_checkpoint_path without the call.",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return Path(self)

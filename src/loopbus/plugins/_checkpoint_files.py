@@ -8,8 +8,8 @@ Written against the public API only, like a user's plugin.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import time
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.to_thread
+from torch.autograd.profiler import record_function
 
 from loopbus import (
     CheckpointError,
@@ -28,6 +29,7 @@ from loopbus import (
     is_sharded_checkpoint,
     is_url,
     latest_checkpoint,
+    profiling_ranges,
     remove_checkpoint,
     remove_incomplete_checkpoints,
     remove_stale_temporaries,
@@ -36,17 +38,28 @@ from loopbus import (
 from loopbus.storage import (
     FolderLease,
     StoreDeadlines,
+    StoreHealth,
     folder_lease,
     remote_path,
     require_backend,
 )
+
+from ._checkpoint_uploads import Uploads
 
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
     from loopbus import TrainerView
 
-__all__ = ["CheckpointFiles", "in_run_folder", "latest_in", "remote_directory"]
+__all__ = [
+    "CheckpointFiles",
+    "callable_path",
+    "check_filename",
+    "in_run_folder",
+    "latest_in",
+    "ranged",
+    "remote_directory",
+]
 
 #: The names of checkpoint files (others count when they have a completeness marker).
 _SUFFIXES = (".ckpt", ".pt", ".pth")
@@ -71,8 +84,33 @@ def in_run_folder(files: CheckpointFiles, trainer: TrainerView) -> CheckpointFil
 
 
 def latest_in(files: CheckpointFiles) -> Path | RemotePath | None:
-    """The newest checkpoint in ``files.dirpath`` (None before it is known)."""
-    return None if files.dirpath is None else latest_checkpoint(files.dirpath)
+    """The newest checkpoint in ``files.dirpath``, looked up now (None before the folder
+    is known); ``files.last`` says it from now on."""
+    files.last = None if files.dirpath is None else latest_checkpoint(files.dirpath)
+    return files.last
+
+
+def check_filename(filename: str) -> None:
+    """``filename`` must be a template of a plain file name, with the fields ``{epoch}``
+    and ``{step}`` at most."""
+    try:
+        example = filename.format(epoch=0, step=0)
+    except (KeyError, IndexError, ValueError, AttributeError) as exc:
+        raise MisconfigurationError(
+            f"Checkpoint(filename={filename!r}) is not a valid template: {exc!r}; use the "
+            "fields {epoch} and {step}, for example 'epoch={epoch}-step={step}'."
+        ) from None
+    if not example or "/" in example or os.sep in example or example.startswith("."):
+        raise MisconfigurationError(
+            f"Checkpoint(filename={filename!r}) must make a plain file name (no "
+            "directory separators, not starting with a dot)."
+        )
+
+
+def ranged(name: str) -> contextlib.AbstractContextManager[object]:
+    """The profiler range ``name`` while the engine's ranges are on
+    (``loopbus.profiling_ranges``), else nothing."""
+    return record_function(name) if profiling_ranges() else contextlib.nullcontext()
 
 
 class CheckpointFiles:
@@ -93,8 +131,13 @@ class CheckpointFiles:
         self.retries = retries
         self.on_error = on_error
         #: Checkpoints no longer kept whose removal has not happened yet (the save that
-        #: evicted them failed, or their removal did): removed after the next save.
+        #: evicted them is in flight or failed, or their removal did): removed after the
+        #: next save, or when a resumed run takes the folder. Part of the plugin's state.
         self._unremoved: list[str] = []
+        #: The newest checkpoint known complete: the last this plugin saved, or the one
+        #: a fit resumed from (None: none yet).
+        self.last: Path | RemotePath | None = None
+        self._uploads: Uploads | None = None  #: a URL's, in this fit
         #: A URL's names in use (objects and prefixes), listed once a fit, then kept up
         #: to date by this plugin's own saves (None: not listed yet).
         self._names: set[str] | None = None
@@ -111,6 +154,20 @@ class CheckpointFiles:
         self._idle = None
         self.unannounced = None
         self._names = None
+        remote = isinstance(self.dirpath, RemotePath)
+        self._uploads = Uploads(self.dirpath, self.retries) if remote else None  # type: ignore[arg-type]
+
+    @property
+    def unremoved(self) -> list[str]:
+        """The checkpoints no longer kept that are not removed yet (their names)."""
+        return list(self._unremoved)
+
+    def remove_later(self, names: list[str], *, keep: set[str] | None = None) -> None:
+        """Remove the checkpoints ``names`` but those to ``keep`` (no longer kept; recorded
+        in a checkpoint this run resumes from) when a resumed fit takes the folder, or
+        after the next save."""
+        later = [str(name) for name in names if name not in (keep or set())]
+        self._unremoved = list(dict.fromkeys([*self._unremoved, *later]))
 
     @property
     def remote(self) -> bool:
@@ -192,6 +249,10 @@ class CheckpointFiles:
                         stacklevel=2,
                     )
             self.prepare()
+            if resumes_here:  # what the run resumed evicted, its removal cut short by a kill
+                self._evict(None, [])
+        if not resumes_here:
+            self._unremoved = []  # recorded of another folder
 
     def release(self) -> None:
         """Give up the lease on ``dirpath``, if held (when the fit ends, however)."""
@@ -201,7 +262,7 @@ class CheckpointFiles:
     def holds(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` (a checkpoint file or sharded directory) is in ``dirpath``."""
         if isinstance(self.dirpath, RemotePath):
-            return isinstance(path, RemotePath) and path.parent == self.dirpath
+            return is_url(path) and remote_path(path).parent == self.dirpath
         try:
             return Path(os.fspath(path)).resolve().parent == self.dirpath.resolve()
         except (OSError, ValueError):
@@ -273,40 +334,20 @@ class CheckpointFiles:
         assert name is not None
         return name
 
-    async def ready(self, trainer: TrainerView) -> bool:
-        """Whether the save now due may start. A save in flight to a URL is waited for
-        at most the store's ``save_wait_s`` (a stalled store never holds the step longer);
-        still in flight then, the due save is skipped: False, with a warning naming the
-        store and the wait. Rank 0 decides, every rank takes its answer. A local save in
-        flight is waited for by :meth:`wait_idle`."""
-        if not isinstance(self.dirpath, RemotePath):
-            return True
-        deadlines = self.dirpath.deadlines
-        waited: float | None = None
-        idle = self._idle
-        if trainer.is_global_zero and idle is not None:
-            start = time.monotonic()
-            with anyio.move_on_after(deadlines.save_wait_s):
-                await idle.wait()
-            if not idle.is_set():
-                waited = time.monotonic() - start
-        if trainer.world_size > 1:
-            waited = trainer.strategy.broadcast_object(waited)
-        if waited is None:
-            return True
-        if trainer.is_global_zero:
-            warnings.warn(
-                f"Checkpoint skipped the save due at step {trainer.global_step}: the previous "
-                f"checkpoint upload to {self.dirpath.public_url} is still in flight after "
-                f"{waited:.1f} s (store_deadlines save_wait_s={deadlines.save_wait_s:g}); the "
-                f"store may be stalled. Training goes on; that upload ends within its "
-                f"deadlines (each store call abandoned after call_s={deadlines.call_s:g} s, "
-                f"tried {self.retries + 1} times), and the next save due is tried as usual. "
-                "For a store that is slow but healthy, raise save_wait_s.",
-                UserWarning,
-                stacklevel=3,
-            )
-        return False
+    async def ready(self, trainer: TrainerView, *, final: bool = False) -> bool:
+        """Whether the save now due may start: see ``Uploads.ready`` (a URL's save in
+        flight is waited for at most ``save_wait_s``, not at all while the store fails;
+        whole before the ``final`` save). A local save in flight is waited for by
+        :meth:`wait_idle`."""
+        uploads = self._uploads
+        return True if uploads is None else await uploads.ready(trainer, self._idle, final=final)
+
+    def ending(self) -> None:
+        """The fit ends: if the store is in an outage now, the upload in flight stops
+        retrying (``fit`` does not wait through the tries of a store that is down; the
+        outage's warning says the last save was lost)."""
+        if isinstance(self.dirpath, RemotePath) and self.dirpath.health is not None:
+            self.dirpath.health.give_up()
 
     async def wait_idle(self) -> None:
         """Wait for the save in flight; raise its failure, if it failed."""
@@ -315,15 +356,11 @@ class CheckpointFiles:
             await idle.wait()
             self._idle = None
         error, self._error = self._error, None
-        if error is not None and self.remote and self.on_error == "warn":
-            warnings.warn(
-                f"a checkpoint upload to {self.dirpath} failed, after {self.retries} "
-                f"retries: {type(error).__name__}: {error} The run goes on; last.json still "
-                "names the last complete checkpoint (Checkpoint(upload_errors='raise') stops "
-                "the run instead).",
-                UserWarning,
-                stacklevel=2,
-            )
+        uploads = self._uploads
+        if uploads is not None and idle is not None and error is None:
+            uploads.succeeded()
+        if error is not None and uploads is not None and self.on_error == "warn":
+            uploads.failed(error)  # said once an outage, with its cause and length
         elif error is not None:
             raise CheckpointError(
                 f"a background checkpoint save into {self.dirpath} failed: "
@@ -349,6 +386,7 @@ class CheckpointFiles:
     ) -> None:
         """Save the run as ``name``, then remove the ``evicted`` checkpoints and publish
         ``saved``. Called on every rank, at the same boundary."""
+        self.remove_later([old for old in evicted if old != name])  # in the state taken
         if sharded:
             await self._save_sharded(trainer, name, evicted, saved, background, task_group)
             return
@@ -357,8 +395,11 @@ class CheckpointFiles:
         if background and task_group is not None:
             state = trainer.state_dict(to_host=True)
             if not trainer.is_global_zero:
+                self.last = self.dirpath / name  # rank 0 writes it
                 return
             self._idle = anyio.Event()
+            if self._uploads is not None:
+                self._uploads.began()
             task_group.start_soon(
                 self._write_in_background, state, name, evicted, self._idle, saved
             )
@@ -366,8 +407,10 @@ class CheckpointFiles:
             # The step waits, but the event loop stays free for other tasks meanwhile.
             state = trainer.state_dict()
             if not trainer.is_global_zero:
+                self.last = self.dirpath / name  # rank 0 writes it
                 return
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
+            self.last = self.dirpath / name
             await trainer.publish(saved)
 
     async def _save_sharded(
@@ -407,57 +450,38 @@ class CheckpointFiles:
     ) -> None:
         try:
             await anyio.to_thread.run_sync(pending.wait)
+            self.last = pending.path
             if pending.writer_rank:
                 await anyio.to_thread.run_sync(self._evict, pending.path.name, evicted)
                 self.unannounced = saved  # published from the run's own path (announce)
         except Exception as exc:  # raised at the next save, or when fit ends
             self._error = exc
-            if pending.writer_rank and self.remote:  # removed after the next save
-                self._unremoved += [old for old in evicted if old != pending.path.name]
         finally:
             if done is not None:
                 done.set()
 
-    def _evict(self, name: str, evicted: list[str]) -> None:
-        """After the save of ``name``: remove the ``evicted`` checkpoints (and, for a
-        URL, those a failed save or removal left for later)."""
-        if not self.remote:
-            for old in evicted:
-                if old != name:
-                    remove_checkpoint(self.dirpath / old)
-            return
-        pending, self._unremoved = self._unremoved + [o for o in evicted if o != name], []
-        for old in dict.fromkeys(pending):
-            try:
-                remove_checkpoint(self.dirpath / old, retries=self.retries)
-            except Exception:
-                self._unremoved.append(old)
+    def _evict(self, name: str | None, evicted: list[str]) -> None:
+        """After the save of ``name`` (None: when a resumed run takes the folder): remove
+        the checkpoints no longer kept (``evicted`` and those a kill, a failed save or
+        removal left for later); what cannot be removed now is removed later."""
+        pending = [o for o in dict.fromkeys(self._unremoved + evicted) if o != name]
+        self._unremoved = []
+        with ranged("loopbus.checkpoint.evict"):
+            for old in pending:
+                try:
+                    remove_checkpoint(self.dirpath / old, retries=self.retries)
+                except Exception:
+                    if not self.remote:
+                        raise
+                    self._unremoved.append(old)
 
     def _write(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
-        if self.remote:
-            self._write_remote(state, name, evicted)
-            return
-        write_checkpoint(state, self.dirpath / name, update_last=True)
-        for old in evicted:
-            if old != name:
-                remove_checkpoint(self.dirpath / old)
-
-    def _write_remote(self, state: dict[str, Any], name: str, evicted: list[str]) -> None:
-        """Upload ``name`` (object, marker, ``last.json``), then remove the evicted
-        checkpoints, marker first; what cannot be removed now is removed after the next
-        save (as are the evicted ones of a save that failed)."""
-        pending = self._unremoved + [old for old in evicted if old != name]
-        self._unremoved = []
-        try:
+        """Write ``name`` (local: ``loopbus.checkpoint.write``; a URL's: serialised, then
+        uploaded: ``loopbus.checkpoint.upload``), then remove what is no longer kept.
+        A failed save removes nothing: that is left for the next one."""
+        with ranged("loopbus.checkpoint.write" if not self.remote else "loopbus.checkpoint.upload"):
             write_checkpoint(state, self.dirpath / name, update_last=True, retries=self.retries)
-        except BaseException:
-            self._unremoved = pending
-            raise
-        for old in dict.fromkeys(pending):
-            try:
-                remove_checkpoint(self.dirpath / old, retries=self.retries)
-            except Exception:
-                self._unremoved.append(old)
+        self._evict(name, evicted)
 
     async def _write_in_background(
         self,
@@ -469,6 +493,7 @@ class CheckpointFiles:
     ) -> None:
         try:
             await anyio.to_thread.run_sync(self._write, state, name, evicted)
+            self.last = self.dirpath / name
             self.unannounced = saved  # published from the run's own path (announce)
         except Exception as exc:  # raised at the next save, or when fit ends
             self._error = exc
@@ -519,8 +544,10 @@ def remote_directory(
         )
     remote = remote_path(dirpath, storage_options)
     deadlines = StoreDeadlines.of(store_deadlines, owner="Checkpoint(store_deadlines=...)")
-    if deadlines is not None:
-        remote = RemotePath(remote.url, remote.storage_options, deadlines)
+    # Its own health: every call to the store through it says how it went (an outage).
+    remote = RemotePath(
+        remote.url, remote.storage_options, deadlines or remote.deadlines, health=StoreHealth()
+    )
     require_backend(remote, owner=f"Checkpoint(dirpath={remote.url!r})")
     return remote
 
@@ -541,3 +568,21 @@ def _mtime(path: Path) -> float:
         return path.lstat().st_mtime
     except OSError:
         return 0.0
+
+
+class _CallablePath(type(Path())):  # type: ignore[misc]
+    """A path that can still be called as ``last_checkpoint_path()`` was (deprecated)."""
+
+    def __call__(self) -> Path:
+        warnings.warn(
+            "Checkpoint.last_checkpoint_path is a property now, like best_checkpoint_path: "
+            "write checkpoint.last_checkpoint_path without the call.",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return Path(self)
+
+
+def callable_path(path: Path | RemotePath | None) -> Path | RemotePath | None:
+    """``path``, a local one callable as ``last_checkpoint_path()`` was (deprecated)."""
+    return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)

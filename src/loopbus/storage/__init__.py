@@ -1,18 +1,22 @@
 """Object storage for checkpoints: URLs (``s3://``, ``gs://``, any fsspec URL), the
 optional package each scheme needs (``loopbus[s3]``, ``loopbus[gcs]``), a directory of
 objects whose every call is held to deadlines (:class:`StoreDeadlines`) and retried, and
-the lease that keeps one writer per checkpoint folder.
+the lease that keeps one writer per checkpoint folder, and what the calls to a store
+have met lately (:class:`StoreHealth`: an outage, since when and why).
 
 Imports the base layer, the standard library and, only when a URL is used, fsspec; a
 local path never imports fsspec. The checkpoint package builds its remote format
 (object, completeness marker, ``last.json``) on :class:`Store`.
 
 Modules: ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
-``_lease`` (:class:`FolderLease`, :func:`folder_lease`).
+``_lease`` (:class:`FolderLease`, :func:`folder_lease`), ``_health``
+(:class:`StoreHealth`, :class:`Outage`).
 """
 
 from __future__ import annotations
 
+from ._health import Outage as Outage
+from ._health import StoreHealth as StoreHealth
 from ._lease import LEASE_NAME as LEASE_NAME
 from ._lease import LEASE_TTL_S as LEASE_TTL_S
 from ._lease import FolderLease as FolderLease
@@ -28,9 +32,11 @@ __all__ = [
     "LEASE_NAME",
     "LEASE_TTL_S",
     "FolderLease",
+    "Outage",
     "RemotePath",
     "Store",
     "StoreDeadlines",
+    "StoreHealth",
     "folder_lease",
     "is_url",
     "remote_path",

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from .._exceptions import CheckpointError, MisconfigurationError
-from ._store import RemotePath, Store
+from ._store import RemotePath, Store, fix_for, missing_bucket, not_retried
 
 try:
     import fcntl
@@ -260,12 +260,17 @@ class RemoteLease(FolderLease):
                 taken = self._attempt(store, data)
             except MisconfigurationError:
                 raise
+            except FileNotFoundError as exc:  # its creation: the bucket is not there
+                raise CheckpointError(
+                    f"{self.owner} cannot write into {self.where}: {missing_bucket(self.where)}."
+                ) from exc
             except Exception as exc:
                 failures += 1
-                if failures > self.retries:
+                if failures > self.retries or not_retried(exc):
                     raise CheckpointError(
                         f"{self.owner} could not take the lease on {self.where}: "
-                        f"{type(exc).__name__}: {exc}"
+                        f"{type(exc).__name__}: {' '.join(str(exc).split())}; "
+                        f"{fix_for(exc, self.where)}."
                     ) from exc
                 continue
             if taken is not None:

@@ -35,8 +35,19 @@ from typing import Any, TypeVar
 from .._exceptions import CheckpointError, MisconfigurationError
 from .._untrusted import MAX_SMALL_FILE
 from .._validate import _URL, check_number
+from ._health import StoreHealth
 
-__all__ = ["RemotePath", "Store", "StoreDeadlines", "is_url", "remote_path", "require_backend"]
+__all__ = [
+    "RemotePath",
+    "Store",
+    "StoreDeadlines",
+    "fix_for",
+    "is_url",
+    "missing_bucket",
+    "not_retried",
+    "remote_path",
+    "require_backend",
+]
 
 _T = TypeVar("_T")
 
@@ -155,15 +166,19 @@ class RemotePath(os.PathLike[str]):
     to reach it (an endpoint, credentials; None: fsspec's and the backend's standard
     places, such as ``AWS_*`` variables and ``~/.aws``) and the :class:`StoreDeadlines`
     its calls are held to (None: the defaults). Its ``str`` and ``repr`` are the URL
-    alone: the options are never shown, logged or written anywhere."""
+    alone: the options are never shown, logged or written anywhere. ``health`` (a
+    :class:`~loopbus.storage.StoreHealth`), if given, is told the outcome of every call
+    made through this path or one derived from it (``/``, ``parent``)."""
 
-    __slots__ = ("_deadlines", "_options", "url")
+    __slots__ = ("_deadlines", "_health", "_options", "url")
 
     def __init__(
         self,
         url: str | os.PathLike[str],
         storage_options: Mapping[str, Any] | None = None,
         deadlines: StoreDeadlines | Mapping[str, float] | None = None,
+        *,
+        health: StoreHealth | None = None,
     ) -> None:
         text = os.fspath(url)
         if _scheme(text) is None:
@@ -173,6 +188,7 @@ class RemotePath(os.PathLike[str]):
         self.url = text.rstrip("/") if text.count("/") > 2 else text
         self._options = dict(storage_options or {})
         self._deadlines = StoreDeadlines.of(deadlines, owner="RemotePath(deadlines=...)")
+        self._health = health
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -183,6 +199,11 @@ class RemotePath(os.PathLike[str]):
     def deadlines(self) -> StoreDeadlines:
         """The deadlines of calls to the store (:class:`StoreDeadlines`)."""
         return self._deadlines or StoreDeadlines()
+
+    @property
+    def health(self) -> StoreHealth | None:
+        """What the calls made through this path have met (None: not watched)."""
+        return self._health
 
     @property
     def public_url(self) -> str:
@@ -196,14 +217,16 @@ class RemotePath(os.PathLike[str]):
 
     @property
     def parent(self) -> RemotePath:
-        return RemotePath(posixpath.dirname(self.url), self._options, self._deadlines)
+        return RemotePath(
+            posixpath.dirname(self.url), self._options, self._deadlines, health=self._health
+        )
 
     @property
     def suffix(self) -> str:
         return posixpath.splitext(self.name)[1]
 
     def __truediv__(self, name: str) -> RemotePath:
-        return RemotePath(f"{self.url}/{name}", self._options, self._deadlines)
+        return RemotePath(f"{self.url}/{name}", self._options, self._deadlines, health=self._health)
 
     def __fspath__(self) -> str:
         return self.url
@@ -233,8 +256,9 @@ def remote_path(
     options = (
         storage_options if storage_options is not None else getattr(path, "storage_options", None)
     )
-    deadlines = path.deadlines if isinstance(path, RemotePath) else None
-    return RemotePath(os.fspath(path), options, deadlines)
+    if isinstance(path, RemotePath):
+        return RemotePath(path.url, options, path.deadlines, health=path.health)
+    return RemotePath(os.fspath(path), options)
 
 
 def _backend_options(directory: RemotePath, scheme: str) -> dict[str, Any]:
@@ -267,6 +291,73 @@ def _cause(exc: BaseException) -> str:
     """What a failed call's error says, on one line."""
     text = " ".join(str(exc).split())
     return text if isinstance(exc, _Overdue) else f"{type(exc).__name__}: {text}"
+
+
+#: The backends' errors that another try cannot mend: no credentials at all (botocore's
+#: ``NoCredentialsError``, ``PartialCredentialsError``), credentials in a bad shape.
+_FINAL = ("NoCredentialsError", "PartialCredentialsError", "NoRegionError", "InvalidConfigError")
+
+
+def not_retried(exc: BaseException) -> bool:
+    """Whether ``exc`` (or what it was raised from) is an error that another try cannot
+    mend: a missing object, a refused permission, missing credentials."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, (FileNotFoundError, PermissionError)) or any(
+            kind.__name__ in _FINAL for kind in type(seen).__mro__
+        ):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
+
+
+def bucket_of(url: str) -> str:
+    """The bucket (the first part after the scheme) of ``url``: ``s3://b/run`` -> ``b``."""
+    return url.split("://", 1)[-1].split("/", 1)[0]
+
+
+def missing_bucket(url: str) -> str:
+    """What to say when the bucket of ``url`` is not there."""
+    return (
+        f"the bucket {bucket_of(url)} does not exist (or is not reachable with these "
+        "credentials): create it or fix dirpath"
+    )
+
+
+def fix_for(exc: BaseException, url: str) -> str:
+    """What to do about the failed call to ``url`` that raised ``exc``: provide
+    credentials, fix the endpoint, create the bucket, raise a deadline."""
+    if isinstance(exc, _Overdue):
+        return "raise StoreDeadlines.call_s if the store is slow rather than stalled"
+    seen: BaseException | None = exc
+    names: set[str] = set()
+    while seen is not None:
+        names |= {kind.__name__ for kind in type(seen).__mro__}
+        seen = seen.__cause__ or seen.__context__
+    text = str(exc)
+    if names & {"NoCredentialsError", "PartialCredentialsError"}:
+        return (
+            "no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
+            "~/.aws/credentials, an instance role), or pass them as storage options "
+            "({'key': ..., 'secret': ...})"
+        )
+    if "NoSuchBucket" in names or "specified bucket does not exist" in text:
+        return missing_bucket(url)
+    if isinstance(exc, PermissionError) or ("ClientError" in names and "Denied" in text):
+        return (
+            "the credentials were refused: check the key and secret (storage options or "
+            "AWS_* variables) and that they may read and write this bucket"
+        )
+    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionError"}:
+        return (
+            "the store could not be reached: check the endpoint (storage options' "
+            "client_kwargs endpoint_url, or AWS_ENDPOINT_URL_S3) and the network"
+        )
+    return (
+        "check that the store is reachable and that the endpoint and credentials in the "
+        "storage options (or the backend's standard places, such as the AWS_* variables) "
+        "are right"
+    )
 
 
 class Store:
@@ -322,29 +413,47 @@ class Store:
             )
         else:
             future = _in_thread(lambda: getattr(fs, method)(*args, **kwargs))
-        done, _ = concurrent.futures.wait([future], timeout=seconds)
-        if not done:
-            future.cancel()
-            raise _Overdue(seconds)
-        return future.result()
+        health = self.directory.health
+        deadline = time.monotonic() + seconds
+        while True:  # a call given up on (the run ends in an outage) ends at once
+            left = deadline - time.monotonic()
+            done, _ = concurrent.futures.wait([future], timeout=max(0.0, min(left, 0.1)))
+            if done:
+                return future.result()
+            if left <= 0 or (health is not None and health.given_up):
+                future.cancel()
+                raise _Overdue(seconds)
 
     def _attempts(self, action: Callable[[], _T], tries: list[int]) -> _T:
         """``action()``, tried again up to ``retries`` times after a failure (waiting
         :data:`BACKOFF` seconds, then twice as long each time); the last failure is
-        raised, and ``tries`` holds how many were made. A missing object or a refused
-        permission is not retried."""
+        raised, and ``tries`` holds how many were made. A missing object, a refused
+        permission and missing credentials are not retried. Each try's outcome is told
+        to the directory's :class:`StoreHealth`, if it has one."""
         attempt = 0
+        health = self.directory.health
         while True:
             tries[:] = [attempt + 1]
             try:
-                return action()
-            except (FileNotFoundError, PermissionError):
+                result = action()
+            except FileNotFoundError:
+                if health is not None:
+                    health.answered()
                 raise
-            except Exception:
-                if attempt >= self.retries:
+            except Exception as exc:
+                if health is not None:
+                    health.failed(_cause(exc))
+                if attempt >= self.retries or not_retried(exc):
                     raise
-                time.sleep(BACKOFF * 2**attempt)
+                if health is None:
+                    time.sleep(BACKOFF * 2**attempt)
+                elif health.given_up or health.pause(BACKOFF * 2**attempt):
+                    raise  # the run ends in an outage: no more tries
                 attempt += 1
+            else:
+                if health is not None:
+                    health.answered()
+                return result
 
     def _tried(self, doing: str, name: str | None, action: Callable[[], _T]) -> _T:
         """``action()`` retried (see :meth:`_attempts`); a failure but a missing object
@@ -357,14 +466,7 @@ class Store:
         except Exception as exc:
             where = (self.url(name) if name else self.directory).public_url
             times = f" ({tries[0]} tries)" if tries[0] > 1 else ""
-            if isinstance(exc, _Overdue):
-                hint = "raise StoreDeadlines.call_s if the store is slow rather than stalled"
-            else:
-                hint = (
-                    "check that the store is reachable and that the endpoint and credentials "
-                    "in the storage options (or the backend's standard places, such as the "
-                    "AWS_* variables) are right"
-                )
+            hint = fix_for(exc, where)
             raise CheckpointError(f"cannot {doing} {where}{times}: {_cause(exc)}; {hint}.") from exc
 
     # ------------------------------------------------------------ reads

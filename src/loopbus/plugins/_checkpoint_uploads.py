@@ -1,0 +1,142 @@
+"""The ``Checkpoint`` plugin's uploads to an object store while the store is down:
+whether a save that falls due while the previous upload is in flight waits for it or is
+skipped, and what the run is told: once when saves start failing (the cause, and how
+long the store has failed), once when they succeed again. The store's health
+(:class:`~loopbus.storage.StoreHealth`, which every call to it reports into) is read
+without a call to the store.
+
+Written against the public API only, like a user's plugin.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from typing import TYPE_CHECKING
+
+import anyio
+
+from loopbus import RemotePath
+
+if TYPE_CHECKING:
+    from loopbus import TrainerView
+
+__all__ = ["Uploads"]
+
+
+class Uploads:
+    """The uploads of one ``Checkpoint`` plugin to the store of ``where`` in one fit, and
+    the outage they meet: since when saves fail, how many were skipped or failed, and
+    whether that was said. Rank 0's (it alone uploads); :meth:`ready` is called on every
+    rank."""
+
+    def __init__(self, where: RemotePath, retries: int) -> None:
+        self.where = where
+        self.retries = retries
+        self._started: float | None = None  # the upload in flight began
+        self._down_since: float | None = None  # saves fail since (None: they do not)
+        self._skipped = 0
+        self._failed = 0
+
+    @property
+    def down(self) -> bool:
+        """Whether saves to the store are failing now (as this plugin has found)."""
+        return self._down_since is not None
+
+    def began(self) -> None:
+        """An upload starts in the background."""
+        self._started = time.monotonic()
+
+    async def ready(
+        self, trainer: TrainerView, idle: anyio.Event | None, *, final: bool = False
+    ) -> bool:
+        """Whether the save now due may start: the upload in flight (``idle`` not set)
+        is waited for at most ``save_wait_s``, and not at all while the store fails (it
+        failed a try and has answered none since); still in flight, the due save is
+        skipped: False. The ``final`` save (``fit`` ends: it waits for that upload
+        anyway) waits for it whole, and is skipped only if the store still fails. Rank
+        0 decides, every rank takes its answer."""
+        why: str | None = None
+        if trainer.is_global_zero and idle is not None and not idle.is_set():
+            why = await self._wait(idle, final)
+        if trainer.world_size > 1:
+            why = trainer.strategy.broadcast_object(why)
+        if why is None:
+            return True
+        if trainer.is_global_zero:
+            self._skipped += 1
+            self._fail(f"the save due at step {trainer.global_step} was skipped: {why}")
+        return False
+
+    def _failing(self) -> bool:
+        """Whether the store fails now: a try failed and none was answered since (or,
+        without its health, saves failed and none succeeded since)."""
+        health, since = self.where.health, self._down_since
+        if health is None:
+            return since is not None
+        return health.outage is not None or (since is not None and not health.answered_since(since))
+
+    async def _wait(self, idle: anyio.Event, final: bool) -> str | None:
+        """Wait for the upload in flight: None once it is over, else why not (the store
+        failing: no wait at all)."""
+        if final:
+            await idle.wait()
+            return "the store still fails as fit ends" if self._failing() else None
+        if self._failing():
+            return "the previous upload is still in flight, retrying a store that fails"
+        wait_s = self.where.deadlines.save_wait_s
+        started = time.monotonic() if self._started is None else self._started
+        with anyio.move_on_after(wait_s):
+            await idle.wait()
+        if idle.is_set():
+            return None
+        return (
+            f"the previous upload is still in flight after {time.monotonic() - started:.1f} s "
+            f"(store_deadlines save_wait_s={wait_s:g}): the store may be stalled"
+        )
+
+    def failed(self, error: BaseException) -> None:
+        """The upload in flight failed (``upload_errors="warn"``): said if it is the
+        outage's first failure."""
+        self._failed += 1
+        cause = " ".join(str(error).split())
+        self._fail(f"an upload failed after {self.retries + 1} tries", cause)
+
+    def succeeded(self) -> None:
+        """The upload in flight succeeded: saves resume (said once, after an outage)."""
+        since, self._down_since = self._down_since, None
+        if since is None:
+            return
+        skipped, failed, self._skipped, self._failed = self._skipped, self._failed, 0, 0
+        warnings.warn(
+            f"Checkpoint saves to {self.where.public_url} resumed: the store answers again "
+            f"after {time.monotonic() - since:.1f} s of failures ({skipped} due save(s) "
+            f"skipped, {failed} upload(s) failed meanwhile); last.json names the newest "
+            "checkpoint again.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _fail(self, what: str, cause: str | None = None) -> None:
+        """A save failed or was skipped: the outage starts (said once, with ``cause``,
+        else the store's last error) or goes on."""
+        if self._down_since is not None:
+            return
+        health = self.where.health
+        outage = None if health is None else health.outage
+        began = [self._started, None if outage is None else outage.since]
+        self._down_since = min((t for t in began if t is not None), default=time.monotonic())
+        cause = cause or (None if outage is None else outage.cause)
+        said = f": {cause}" if cause else ""
+        deadlines = self.where.deadlines
+        warnings.warn(
+            f"Checkpoint cannot save to {self.where.public_url} now: {what}{said} (failing "
+            f"for {time.monotonic() - self._down_since:.1f} s). Training goes on: while the "
+            "store fails, a save due during an upload is skipped at once and each later one "
+            f"tries the store again (calls abandoned after call_s={deadlines.call_s:g} s, "
+            f"tried {self.retries + 1} times); a warning says when saves resume, and "
+            "last.json names the last complete checkpoint meanwhile "
+            "(Checkpoint(upload_errors='raise') stops the run instead).",
+            UserWarning,
+            stacklevel=4,
+        )

@@ -27,7 +27,10 @@ class SaveWeights(Plugin):
     def save(self, event: FitCompleted) -> None:
         module = self.trainer.module
         assert module is not None
-        torch.save(module.state_dict(), self.path)
+        torch.save(module.state_dict(), self.target())
+
+    def target(self) -> str:
+        return self.path
 
 
 class NeedsWidth(TinyModule):
@@ -46,20 +49,11 @@ def loaders(n: int = 64, batch_size: int = 16) -> tuple[Any, Any]:
     return make_loader(n, batch_size, seed=0), make_loader(n, batch_size, seed=1)
 
 
-class SaveRankWeights(Plugin):
+class SaveRankWeights(SaveWeights):
     """Saves each rank's module weights to ``<path>.rank<R>`` when ``fit`` ends."""
 
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def setup(self, trainer: Trainer, stage: str) -> None:
-        self.trainer = trainer
-
-    @on(FitCompleted)
-    def save(self, event: FitCompleted) -> None:
-        module = self.trainer.module
-        assert module is not None
-        torch.save(module.state_dict(), f"{self.path}.rank{self.trainer.global_rank}")
+    def target(self) -> str:
+        return f"{self.path}.rank{self.trainer.global_rank}"
 
 
 class KillAt(Plugin):

@@ -20,8 +20,7 @@ import pytest
 import torch
 
 import loopbus
-from loopbus import CheckpointError, HandlerError, Plugin, RemotePath, Trainer, on
-from loopbus.events import TrainBatchCompleted
+from loopbus import CheckpointError, HandlerError, RemotePath, Trainer
 from loopbus.plugins import Checkpoint
 from loopbus.storage import _store
 from tests.helpers import ROOT, TinyModule, make_loader
@@ -29,24 +28,9 @@ from tests.helpers import ROOT, TinyModule, make_loader
 from ._remote_kill_script import EVERY_N_STEPS, build
 from .conftest import S3, free_port, make_bucket, options_for
 from .test_remote_kill import Gate, Kill
+from .test_store_deadlines import Count, _fit
 
 PER_EPOCH = 4  # make_loader(64, 16)
-
-
-class Count(Plugin):
-    def __init__(self) -> None:
-        self.batches = 0
-
-    @on(TrainBatchCompleted)
-    def _count(self, event: TrainBatchCompleted) -> None:
-        self.batches += 1
-
-
-async def _fit(epochs: int, plugins: list[Plugin], ckpt_path: Any = None) -> Trainer:
-    loopbus.seed_everything(3)
-    trainer = Trainer(max_epochs=epochs, plugins=plugins, device="cpu")
-    await trainer.fit(TinyModule(), make_loader(64, 16), ckpt_path=ckpt_path)
-    return trainer
 
 
 @pytest.fixture

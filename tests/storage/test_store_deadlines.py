@@ -8,9 +8,6 @@ deadlines are refused with a ``MisconfigurationError``."""
 
 from __future__ import annotations
 
-import contextlib
-import select
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -34,65 +31,16 @@ from loopbus import (
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint
 from loopbus.storage import Store, _store
-from tests.helpers import TinyModule, make_loader
+from tests.helpers import TinyModule, load_benchmark, make_loader
 
 from .conftest import free_port, make_bucket, options_for
 
 PER_EPOCH = 4  # make_loader(64, 16)
 
 
-class StallProxy:
-    """A TCP proxy on 127.0.0.1 in front of ``upstream`` (host, port). While
-    :attr:`stalled` is set it acts as a store that stops reading: it accepts connections
-    and never reads from them nor answers, and stops forwarding on those it has."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        self.stalled = threading.Event()
-        self.closed = threading.Event()
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.endpoint = f"http://127.0.0.1:{self.server.getsockname()[1]}"
-        self.sockets: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while not self.closed.is_set():
-            try:
-                client, _ = self.server.accept()
-            except OSError:
-                return
-            self.sockets.append(client)
-            if self.stalled.is_set():
-                continue  # parked: never read, never answered
-            upstream = socket.create_connection(self.upstream)
-            self.sockets.append(upstream)
-            for source, target in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(source, target), daemon=True).start()
-
-    def _pipe(self, source: socket.socket, target: socket.socket) -> None:
-        while not self.closed.is_set():
-            if self.stalled.is_set():
-                time.sleep(0.01)
-                continue
-            try:
-                readable, _, _ = select.select([source], [], [], 0.05)
-                if not readable:
-                    continue
-                data = source.recv(1 << 16)
-                if not data:
-                    break
-                target.sendall(data)
-            except (OSError, ValueError):  # closed by the other side or the other pipe
-                break
-        for sock in (source, target):
-            with contextlib.suppress(OSError):
-                sock.close()
-
-    def close(self) -> None:
-        self.closed.set()
-        for sock in [self.server, *self.sockets]:
-            with contextlib.suppress(OSError):
-                sock.close()
+#: A TCP proxy on 127.0.0.1 in front of the S3 server; while its ``stalled`` is set it
+#: acts as a store that stops reading (the checkpoint benchmark's, shared).
+StallProxy = load_benchmark("checkpoint").StallingProxy
 
 
 @pytest.fixture

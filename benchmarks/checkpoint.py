@@ -37,14 +37,16 @@ its longest step, the saves skipped and the uploads that failed.
     ./dev bench checkpoint
     ./dev bench checkpoint --saves 30 --width 2048
 And a store that is down (``--outage``): 20 epochs of a small model (an MLP of width
-``--outage-width``, ``--outage-steps`` batches an epoch) saving every epoch to the S3
-server through the proxy, which at the first step starts refusing connections (a store
-that is down) or stalling them (a store that stops reading), against the same fit with
-no checkpoint. Refusing runs with the default ``StoreDeadlines``; stalling with
-``save_wait_s=--save-wait-s``, ``call_s=--call-s`` and ``upload_retries=1`` (the first
-due save waits ``save_wait_s``, the later ones none; ``fit`` ends once the upload in
-flight has, within (1 + 1) x ``call_s`` plus backoff). The target: each within 1.2x the fit without a
-checkpoint.
+``--outage-width``, ``--outage-steps`` batches an epoch: about 10 s without a checkpoint,
+the run of the outage this measures) saving every epoch to the S3 server through the
+proxy: healthy; refusing connections from the first step on (a store that is down);
+stalling them from the first step on (a store that stops reading); against the same fit
+with no checkpoint, in ``--repeats`` rounds of the four (after one that warms up), the
+median ratio of each round's. Refusing runs with the default ``StoreDeadlines``;
+stalling with ``save_wait_s=--save-wait-s``, ``call_s=--call-s`` and
+``upload_retries=1`` (the first due save waits ``save_wait_s``, the later ones none;
+``fit`` ends once the upload in flight has, within (1 + 1) x ``call_s`` plus backoff).
+The target: a store that is down within 1.2x the fit without a checkpoint.
 
     ./dev bench checkpoint --stall --saves 10 --call-s 2 --save-wait-s 0.5
     ./dev bench checkpoint --outage
@@ -331,45 +333,74 @@ def stalled_store(
         )
 
 
-def store_down(url: RemotePath, width: int, steps: int, deadlines: StoreDeadlines) -> None:
+def store_down(
+    url: RemotePath, width: int, steps: int, deadlines: StoreDeadlines, repeats: int
+) -> None:
     """20 epochs of ``steps`` batches, without a checkpoint, then saving every epoch to a
-    store that goes down at the first step (refusing, then stalling)."""
+    healthy store, to one that goes down at the first step (refusing), and to one that
+    stalls at the first step; ``repeats`` rounds of the four, the median ratio of each
+    to the fit without a checkpoint of the same round."""
     host, port = url.storage_options["client_kwargs"]["endpoint_url"][7:].split(":")
     torch.manual_seed(0)
     x = torch.randn(32 * steps, 32)
     data = DataLoader(TensorDataset(x, torch.randint(0, 10, (len(x),))), batch_size=32)
-    took: dict[str, float] = {}
-    for mode in ("none", "none", "healthy", "refusing", "stalling"):  # the first warms up
-        proxy = StallingProxy((host, int(port)))
-        options = url.storage_options
-        options["client_kwargs"] = dict(options["client_kwargs"], endpoint_url=proxy.endpoint)
-        plugins: list[Plugin] = []
-        if mode in ("refusing", "stalling"):
-            plugins.append(Stall(proxy, stall=mode == "stalling", refuse=mode == "refusing"))
-        if mode != "none":
-            plugins.append(
-                Checkpoint(
-                    RemotePath(f"{url.url}/down-{mode}", options),
-                    every_n_epochs=1,
-                    upload_retries=1 if mode == "stalling" else 3,
-                    store_deadlines=deadlines if mode == "stalling" else None,
-                )
+    modes = ("none", "healthy", "refusing", "stalling")
+    took: dict[str, list[float]] = {mode: [] for mode in modes}
+    warned: dict[str, list[int]] = {mode: [] for mode in modes}
+    for round_ in range(repeats + 1):  # the first round warms up
+        for mode in modes:
+            seconds, down = _fit_20_epochs(
+                url, host, int(port), mode, data, width, deadlines, round_
             )
-        trainer = Trainer(max_epochs=20, plugins=plugins, device="cpu")
-        start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loopbus.run(trainer.fit, Wide(width), data)
-        took[mode] = time.perf_counter() - start
-        proxy.close()
-        if mode != "none":
-            down = sum("cannot save to" in str(w.message) for w in caught)
-            healthy = took[mode] / took["healthy"]
-            print(
-                f"{mode:>12} store: 20 epochs {took[mode]:6.2f} s, no checkpoint "
-                f"{took['none']:6.2f} s, ratio {took[mode] / took['none']:5.2f} (target: "
-                f"within 1.2), against a healthy store {healthy:5.2f}, outage warnings {down}"
+            if round_:
+                took[mode].append(seconds)
+                warned[mode].append(down)
+    none = took["none"]
+    print(f"  no checkpoint: 20 epochs {statistics.median(none):6.2f} s (median of {repeats})")
+    for mode in modes[1:]:
+        ratios = [t / n for t, n in zip(took[mode], none, strict=True)]
+        print(
+            f"{mode:>8} store: 20 epochs {statistics.median(took[mode]):6.2f} s, ratio to no "
+            f"checkpoint {statistics.median(ratios):5.2f} (median; "
+            f"{min(ratios):.2f}-{max(ratios):.2f}; target for a store that is down: within "
+            f"1.2), outage warnings {max(warned[mode])}"
+        )
+
+
+def _fit_20_epochs(
+    url: RemotePath,
+    host: str,
+    port: int,
+    mode: str,
+    data: DataLoader[Any],
+    width: int,
+    deadlines: StoreDeadlines,
+    round_: int,
+) -> tuple[float, int]:
+    """One fit of 20 epochs with the store in ``mode``: its seconds and outage warnings."""
+    proxy = StallingProxy((host, port))
+    options = url.storage_options
+    options["client_kwargs"] = dict(options["client_kwargs"], endpoint_url=proxy.endpoint)
+    plugins: list[Plugin] = []
+    if mode in ("refusing", "stalling"):
+        plugins.append(Stall(proxy, stall=mode == "stalling", refuse=mode == "refusing"))
+    if mode != "none":
+        plugins.append(
+            Checkpoint(
+                RemotePath(f"{url.url}/down-{mode}-{round_}", options),
+                every_n_epochs=1,
+                upload_retries=1 if mode == "stalling" else 3,
+                store_deadlines=deadlines if mode == "stalling" else None,
             )
+        )
+    trainer = Trainer(max_epochs=20, plugins=plugins, device="cpu")
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loopbus.run(trainer.fit, Wide(width), data)
+    seconds = time.perf_counter() - start
+    proxy.close()
+    return seconds, sum("cannot save to" in str(w.message) for w in caught)
 
 
 def report(kind: str, blocked: list[float], host: list[float]) -> None:
@@ -391,7 +422,8 @@ def main() -> None:
     parser.add_argument("--save-wait-s", type=float, default=0.5)
     parser.add_argument("--outage", action="store_true", help="only the store-down figures")
     parser.add_argument("--outage-width", type=int, default=256)
-    parser.add_argument("--outage-steps", type=int, default=80)
+    parser.add_argument("--outage-steps", type=int, default=320)
+    parser.add_argument("--repeats", type=int, default=3, help="rounds of the --outage fits")
     args = parser.parse_args()
     params = sum(p.numel() for p in Wide(args.width).parameters())
     print(
@@ -411,7 +443,7 @@ def main() -> None:
             f"(connect, read too), save_wait_s={args.save_wait_s:g} s"
         )
         try:
-            store_down(url, args.outage_width, args.outage_steps, deadlines)
+            store_down(url, args.outage_width, args.outage_steps, deadlines, args.repeats)
         finally:
             server.stop()
         return

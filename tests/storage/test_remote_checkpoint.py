@@ -262,6 +262,53 @@ async def test_a_failed_upload_is_reported_and_never_named_last(
     assert keys[0] in ("epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt", "epoch=2-step=10.ckpt", "epoch=2-step=12.ckpt")
 
 
+async def test_saves_due_while_the_store_is_down_write_nothing_and_resume_after(
+    own_server: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(_store, "BACKOFF", 0.05)
+    holder, port, endpoint = own_server
+    url = f"s3://{make_bucket(endpoint)}/run"
+    options = options_for(endpoint)
+    taken: list[int] = []
+    state_dict = Trainer.state_dict
+
+    def counted(self: Trainer, *args: Any, **kwargs: Any) -> Any:
+        taken.append(self.global_step)
+        return state_dict(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "state_dict", counted)
+
+    class Slow(Plugin):
+        """From the outage on, steps long enough for a failing upload to end, and for
+        the background look-up to answer, before the next save falls due."""
+
+        def setup(self, trainer: Any, stage: str) -> None:
+            self.trainer = trainer
+
+        @on(TrainBatchCompleted)
+        async def _slow(self, event: Any) -> None:
+            if self.trainer.global_step >= 4:
+                await anyio.sleep(0.1)
+
+    outage = Outage(holder, port, stop_at=4, restart_at=12)
+    checkpoint = Checkpoint(
+        url, storage_options=options, every_n_steps=2, upload_retries=0, save_on_end=False
+    )
+    with pytest.warns(UserWarning, match=r"cannot save to s3://.* now|saves to s3://.* resumed") as caught:
+        await _fit(6, [outage, Slow(), checkpoint])
+    messages = [str(w.message) for w in caught]
+    assert len(messages) == 2, messages
+    assert "nothing written" in messages[0] or "an upload failed" in messages[0]
+    assert "resumed" in messages[1]
+    # 12 saves fell due (every 2 steps of 24). After step 4's (whose upload failed),
+    # while the store was down (to step 12), the state was taken for at most one (due
+    # before that failure was known); once the store answered again, saves resumed.
+    during = [step for step in taken if 4 < step <= 12]
+    assert len(during) <= 1, taken
+    assert any(step > 12 for step in taken), taken
+    assert loopbus.latest_checkpoint(RemotePath(url, options)) == f"{url}/epoch=5-step=24.ckpt"
+
+
 def holder_size(endpoint: str, options: dict[str, Any], url: str) -> int:
     import s3fs
 

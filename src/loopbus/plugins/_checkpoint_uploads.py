@@ -3,13 +3,17 @@ whether a save that falls due while the previous upload is in flight waits for i
 skipped, and what the run is told: once when saves start failing (the cause, and how
 long the store has failed), once when they succeed again. The store's health
 (:class:`~loopbus.storage.StoreHealth`, which every call to it reports into) is read
-without a call to the store.
+without a call to the store. While the store fails, a due save is skipped before
+anything is written, and one cheap call asks the store in the background whether it is
+back: the first save due after it answers is written.
 
 Written against the public API only, like a user's plugin.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import time
 import warnings
 from typing import TYPE_CHECKING
@@ -17,6 +21,7 @@ from typing import TYPE_CHECKING
 import anyio
 
 from loopbus import RemotePath
+from loopbus.storage import Store
 
 if TYPE_CHECKING:
     from loopbus import TrainerView
@@ -37,6 +42,7 @@ class Uploads:
         self._down_since: float | None = None  # saves fail since (None: they do not)
         self._skipped = 0
         self._failed = 0
+        self._asking: threading.Thread | None = None  # the call asking whether it is back
 
     @property
     def down(self) -> bool:
@@ -59,6 +65,8 @@ class Uploads:
         why: str | None = None
         if trainer.is_global_zero and idle is not None and not idle.is_set():
             why = await self._wait(idle, final)
+        elif trainer.is_global_zero and self.down and self.where.health is not None:
+            why = self._ask() if self._failing() else None
         if trainer.world_size > 1:
             why = trainer.strategy.broadcast_object(why)
         if why is None:
@@ -75,6 +83,26 @@ class Uploads:
         if health is None:
             return since is not None
         return health.outage is not None or (since is not None and not health.answered_since(since))
+
+    def _ask(self) -> str:
+        """The store fails and no upload is in flight: the due save is skipped, nothing
+        written, and one call (a look-up of ``last.json``, not retried, held to the
+        store's deadlines) asks the store in a thread of its own whether it answers again
+        (unless such a call is in flight); its answer ends the outage in the store's
+        health, and the next due save is written."""
+        if self._asking is None or not self._asking.is_alive():
+            store = Store(self.where, retries=0)
+
+            def ask() -> None:
+                with contextlib.suppress(Exception):  # its outcome goes to the health
+                    store.size("last.json")
+
+            self._asking = threading.Thread(target=ask, name="loopbus-store-ask", daemon=True)
+            self._asking.start()
+        return (
+            "the store fails: nothing written; it is asked in the background whether it "
+            "answers again"
+        )
 
     async def _wait(self, idle: anyio.Event, final: bool) -> str | None:
         """Wait for the upload in flight: None once it is over, else why not (the store
@@ -132,8 +160,9 @@ class Uploads:
         warnings.warn(
             f"Checkpoint cannot save to {self.where.public_url} now: {what}{said} (failing "
             f"for {time.monotonic() - self._down_since:.1f} s). Training goes on: while the "
-            "store fails, a save due during an upload is skipped at once and each later one "
-            f"tries the store again (calls abandoned after call_s={deadlines.call_s:g} s, "
+            "store fails, due saves are skipped at once, nothing written, and one call at a "
+            "time asks the store whether it answers again; the first save due after it "
+            f"does is written (calls abandoned after call_s={deadlines.call_s:g} s, uploads "
             f"tried {self.retries + 1} times); a warning says when saves resume, and "
             "last.json names the last complete checkpoint meanwhile "
             "(Checkpoint(upload_errors='raise') stops the run instead).",

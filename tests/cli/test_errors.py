@@ -120,13 +120,27 @@ def test_a_bad_input_is_named_with_its_key(
 
 
 def test_every_problem_is_listed_at_once(cli: Run, tiny: Path) -> None:
+    # Keys and types first (before torch), every one of them; the class paths are not
+    # imported yet.
     status, _, err = cli(
-        "fit", "--config", str(tiny), "--trainer.max_epoch=1", "--trainer.put_lag=-1", "--model=x.Y"
-    )
+        "fit", "--config", str(tiny), "--trainer.max_epoch=1", "--trainer.put_lag=x",
+        "--trainer.device=[1]", "--model=x.Y",
+    )  # fmt: skip
     assert status == 2
-    assert "has 2 errors" in err  # the trainer's first: the class paths are not imported yet
+    assert "has 3 errors" in err
     assert "trainer.max_epoch " in err
+    assert "put_lag must be int, got 'x'." in err
+    assert "device must be str | None, got [1]." in err
+    assert "x.Y" not in err
+    # Then the values, every one of them, before any class path is imported.
+    status, _, err = cli(
+        "fit", "--config", str(tiny), "--trainer.put_lag=-1", "--trainer.max_epochs=-5",
+        "--model=x.Y",
+    )  # fmt: skip
+    assert status == 2
+    assert "has 2 errors" in err
     assert "trainer.put_lag " in err
+    assert "trainer.max_epochs " in err
     assert "x.Y" not in err
 
 

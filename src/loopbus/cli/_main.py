@@ -3,9 +3,9 @@ together and checked (:mod:`._sources`, :mod:`._sections`), then printed
 (``--print-config``, ``--explain``) or run: the module, the data, the plugins and the
 ``Trainer`` built from it, and the stage.
 
-Help, reading and the first checks import neither torch nor the engine; the engine is
-imported when the trainer's options are checked, the user's code when its class paths
-are.
+Help, reading and the first checks (every key, the type of each value) import neither
+torch nor the engine; the engine is imported when the trainer's values are checked, the
+user's code when its class paths are.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import IO, Any
 
 from ._errors import ConfigError, Problem
 from ._resume import changes, saved_config
-from ._sections import Resolved, check_classes, check_shape
+from ._sections import Resolved, check_classes, check_shape, check_values
 from ._sources import DEFAULT, CommandLine, Config, assemble, read_command_line
 from ._sweep import sweep_main
 
@@ -175,7 +175,8 @@ def resolve(line: CommandLine) -> tuple[Resolved, dict[str, Any] | None]:
         config.merge(saved, path)
         config.merge(pointed, f"--resume {line.resume}")
     assemble(line, config)
-    check_shape(config, line.command)
+    check_shape(config, line.command)  # no torch yet
+    check_values(config)
     return check_classes(config), saved
 
 

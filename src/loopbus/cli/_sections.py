@@ -1,5 +1,7 @@
-"""A configuration checked and completed, section by section, in two passes: first the
-shape of every section and each ``trainer`` option (against its declaration:
+"""A configuration checked and completed, section by section, in three passes: first
+the shape of every section and each ``trainer`` key and the type of its value (against
+:mod:`._trainer_keys`, generated from the declarations: no torch yet), then the
+``trainer`` values (against each option's declaration,
 ``loopbus.TrainerOptions.declarations()``), then the class paths (``model``, ``data``,
 each plugin), imported, with their ``init_args`` held against the ``__init__``
 signature. Every default is filled in with ``default`` as its source. Nothing is built.
@@ -19,9 +21,10 @@ from typing import Any
 
 from ._errors import ConfigError, Problem, did_you_mean
 from ._sources import CLASS_SECTIONS, DEFAULT, Config
+from ._trainer_keys import KEYS, RENAMED
 from ._types import coerce, describe, fits
 
-__all__ = ["ClassSpec", "Resolved", "check_classes", "check_shape"]
+__all__ = ["ClassSpec", "Resolved", "check_classes", "check_shape", "check_values"]
 
 #: The top-level keys of a configuration, in the order they are printed.
 TOP_LEVEL = ("seed_everything", "trainer", "model", "data", "ckpt_path")
@@ -180,23 +183,9 @@ def _spec_shape(config: Config, path: str, value: Any) -> list[Problem]:
     return problems
 
 
-def _trainer_keywords() -> tuple[dict[str, Any], dict[str, inspect.Parameter]]:
-    """The trainer's declared options by name, and the ``Trainer`` keywords that are no
-    declared option (``plugins``, ``precision``) by name."""
-    import loopbus  # the engine: its public names, as a user's script reads them
-
-    declared = {d.name: d for d in loopbus.TrainerOptions.declarations()}
-    others = {
-        name: p
-        for name, p in inspect.signature(loopbus.Trainer).parameters.items()
-        if name not in declared and p.kind is inspect.Parameter.KEYWORD_ONLY
-    }
-    return declared, others
-
-
 def _check_trainer(config: Config) -> list[Problem]:
-    from loopbus import LoopbusError
-
+    """Each ``trainer`` key known, not renamed, and of a type its option takes (from
+    :mod:`._trainer_keys`: no torch); the values are checked by :func:`check_values`."""
     section = config.values.get("trainer")
     if section is None:
         section = {}
@@ -208,40 +197,54 @@ def _check_trainer(config: Config) -> list[Problem]:
                 _source(config, "trainer"),
             )
         ]
-    declared, others = _trainer_keywords()
-    renamed = {d.renamed_from: d.name for d in declared.values() if d.renamed_from}
     problems = []
     for key, value in section.items():
         path, source = f"trainer.{key}", _source(config, f"trainer.{key}")
         if key in ("callbacks", "logger"):
             problems.append(Problem(path, _PLUGINS_FORM, source))
-        elif key in renamed:
-            problems.append(Problem(path, f"was renamed: write trainer.{renamed[key]}.", source))
-        elif key in declared:
-            value = coerce(value, declared[key].type)
-            try:
-                declared[key].check(value)
-            except (LoopbusError, TypeError, ValueError) as exc:
-                problems.append(Problem(path, str(exc), source))
-            else:
-                section[key] = value
+        elif key in RENAMED:
+            problems.append(Problem(path, f"was renamed: write trainer.{RENAMED[key]}.", source))
+        elif key in KEYS:
+            kind = KEYS[key].type
+            section[key] = value = coerce(value, kind)
+            if fits(value, kind) is False:
+                problems.append(
+                    Problem(path, f"{key} must be {describe(kind)}, got {value!r}.", source)
+                )
         elif key == "plugins":
             problems += _plugins_shape(config, value)
-        elif key not in others:
+        else:
+            known = [*KEYS, "plugins"]
             problems.append(
-                Problem(
-                    path,
-                    "is not a Trainer option" + did_you_mean(key, [*declared, *others]),
-                    source,
-                )
+                Problem(path, "is not a Trainer option" + did_you_mean(key, known), source)
             )
-    ordered = {d: section.get(d, declared[d].default) for d in declared}
-    ordered.update((k, section.get(k, p.default)) for k, p in others.items())
+    ordered = {k: section.get(k, spec.default) for k, spec in KEYS.items()}
+    ordered["plugins"] = section.get("plugins")
     for key in ordered:
         if key not in section:
             config.origins[f"trainer.{key}"] = DEFAULT
     config.values["trainer"] = ordered
     return problems
+
+
+def check_values(config: Config) -> None:
+    """The values of the ``trainer`` keys the configuration gave, each checked by its
+    option's declaration (imports the engine, and torch). Raises :class:`ConfigError`
+    with every problem."""
+    import loopbus  # the engine: its public names, as a user's script reads them
+
+    declared = {d.name: d for d in loopbus.TrainerOptions.declarations()}
+    section = config.values["trainer"]
+    problems = []
+    for key, value in section.items():
+        if key not in declared or config.origins.get(f"trainer.{key}") == DEFAULT:
+            continue
+        try:
+            declared[key].check(value)
+        except (loopbus.LoopbusError, TypeError, ValueError) as exc:
+            problems.append(Problem(f"trainer.{key}", str(exc), _source(config, f"trainer.{key}")))
+    if problems:
+        raise ConfigError(problems)
 
 
 def _plugins_shape(config: Config, value: Any) -> list[Problem]:

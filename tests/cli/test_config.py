@@ -130,3 +130,16 @@ def test_override_values_are_read_as_yaml(cli: Run, tiny: Path) -> None:
     assert plugin["class_path"] == "loopbus.plugins.Checkpoint"  # a plugin by its name
     assert plugin["init_args"]["keep_last"] == 2
     assert config["ckpt_path"] == "last"
+
+
+def test_a_strategy_object_is_given_by_its_class_path(cli: Run, tiny: Path) -> None:
+    # LightningCLI's form: {class_path, init_args}; loopbus's strategies by short name.
+    given = "--trainer.strategy={class_path: SingleProcess}"
+    status, out, err = cli("fit", "--config", str(tiny), given, "--print-config")
+    assert status == 0, err
+    assert yaml.safe_load(out)["trainer"]["strategy"] == {
+        "class_path": "loopbus.SingleProcess",
+        "init_args": {},
+    }
+    status, out, err = cli("fit", "--config", str(tiny), given)
+    assert status == 0, err

@@ -96,6 +96,18 @@ BAD = [
         ["--trainer.max_epochs.x=1"],
         "trainer.max_epochs (command line: --trainer.max_epochs.x=1): is 1 (",
     ),
+    (
+        ["--trainer.strategy={class_path: FSDPStrategi}"],
+        "trainer.strategy.class_path (command line: --trainer.strategy={class_path: FSDPStrategi}): there is no loopbus strategy 'FSDPStrategi'; did you mean 'FSDPStrategy'?",
+    ),
+    (
+        ["--trainer.strategy={class_path: ModelParallelStrategy, init_args: {tp: 2, dp: 2}}"],
+        "ModelParallelStrategy.__init__ takes no argument 'dp'; did you mean 'dp_replicate'?",
+    ),
+    (
+        ["--trainer.strategy=ddpp"],
+        "trainer.strategy (command line: --trainer.strategy=ddpp): strategy must be Literal['auto', 'ddp', 'fsdp', 'single'], got 'ddpp'.",
+    ),
     (["stray"], "unexpected argument 'stray': loopbus fit takes --config FILE and --KEY=VALUE"),
     (["--print-config=yes"], "--print-config takes no value"),
     (["--resume", "/nonexistent/run"], "--resume /nonexistent/run: there is no such folder"),

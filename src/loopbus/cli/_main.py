@@ -263,6 +263,9 @@ def _trainer(options: Mapping[str, Any], plugins: list[Any] | None) -> Any:
     know, say) as a :class:`ConfigError` of the ``trainer`` section."""
     import loopbus
 
+    strategy = options.get("strategy")
+    if hasattr(strategy, "build"):  # {class_path, init_args}: a strategy object
+        options = {**options, "strategy": strategy.build()}
     try:
         return loopbus.Trainer(**options, plugins=plugins)
     except (loopbus.MisconfigurationError, TypeError, ValueError) as exc:

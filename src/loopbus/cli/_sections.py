@@ -204,6 +204,8 @@ def _check_trainer(config: Config) -> list[Problem]:
             problems.append(Problem(path, _PLUGINS_FORM, source))
         elif key in RENAMED:
             problems.append(Problem(path, f"was renamed: write trainer.{RENAMED[key]}.", source))
+        elif key == "strategy" and isinstance(value, dict):  # a strategy object
+            problems += _spec_shape(config, path, value)
         elif key in KEYS:
             kind = KEYS[key].type
             section[key] = value = coerce(value, kind)
@@ -238,6 +240,8 @@ def check_values(config: Config) -> None:
     problems = []
     for key, value in section.items():
         if key not in declared or config.origins.get(f"trainer.{key}") == DEFAULT:
+            continue
+        if isinstance(value, dict) and key == "strategy":  # a class: the next pass
             continue
         try:
             declared[key].check(value)
@@ -281,14 +285,22 @@ def check_classes(config: Config) -> Resolved:
         plugin_specs = None
         if plugins is not None:
             found = [
-                _check_spec(config, f"trainer.plugins.{i}", item, problems, plugin=True)
+                _check_spec(config, f"trainer.plugins.{i}", item, problems, short="plugin")
                 for i, item in enumerate(plugins)
             ]
             plugin_specs = tuple(s for s in found if s is not None)
+        strategy = config.values["trainer"].get("strategy")
+        strategy_spec = None
+        if isinstance(strategy, dict):
+            strategy_spec = _check_spec(
+                config, "trainer.strategy", strategy, problems, short="strategy"
+            )
     model, data = specs["model"], specs["data"]
     if problems or model is None or data is None:
         raise ConfigError(problems)
     trainer = {k: v for k, v in config.values["trainer"].items() if k != "plugins"}
+    if strategy_spec is not None:
+        trainer["strategy"] = strategy_spec
     ordered = {k: config.values[k] for k in TOP_LEVEL}
     return Resolved(ordered, dict(config.origins), trainer, plugin_specs, model, data)
 
@@ -312,13 +324,15 @@ def _check_spec(
     spec: dict[str, Any],
     problems: list[Problem],
     *,
-    plugin: bool = False,
+    short: str | None = None,
 ) -> ClassSpec | None:
+    """``spec`` checked: its class imported (a loopbus plugin or strategy also by its
+    short name, where ``short`` says which), its ``init_args`` held against it."""
     source = _source(config, f"{path}.class_path")
     name = spec["class_path"]
     try:
-        if plugin and "." not in name:
-            name = spec["class_path"] = _plugin_path(name)
+        if short is not None and "." not in name:
+            name = spec["class_path"] = _short_path(name, plugin=short == "plugin")
         target = import_object(name)
     except ImportError as exc:
         problems.append(Problem(f"{path}.class_path", str(exc), source))
@@ -337,20 +351,29 @@ def _given(config: Config, path: str, init_args: Mapping[str, Any]) -> Iterator[
             yield key, value
 
 
-def _plugin_path(name: str) -> str:
-    """A plugin's short name (``Checkpoint``) as its class path in loopbus's plugins;
-    :class:`ImportError` naming the closest plugin when there is no such plugin."""
+def _short_path(name: str, *, plugin: bool) -> str:
+    """A plugin's short name (``Checkpoint``) as its class path in loopbus's plugins, or
+    a strategy's (``ModelParallelStrategy``) in loopbus; :class:`ImportError` naming the
+    closest one when there is none."""
     names: list[str] = []
-    for package in _PLUGIN_PACKAGES:
+    for package in _PLUGIN_PACKAGES if plugin else ("loopbus",):
         module = importlib.import_module(package)
-        if name in getattr(module, "__all__", ()):
+        known = [n for n in getattr(module, "__all__", ()) if plugin or _is_strategy(module, n)]
+        if name in known:
             return f"{package}.{name}"
-        names += getattr(module, "__all__", ())
+        names += known
+    kind = "plugin" if plugin else "strategy"
     raise ImportError(
-        f"there is no loopbus plugin {name!r}"
-        + did_you_mean(name, names).replace("the keys here are", "the plugins are")
-        + " (a plugin of your own: give its class path, package.module.Name)"
+        f"there is no loopbus {kind} {name!r}"
+        + did_you_mean(name, names).replace("the keys here are", f"the {kind}s are")
+        + f" (a {kind} of your own: give its class path, package.module.Name)"
     )
+
+
+def _is_strategy(module: Any, name: str) -> bool:
+    found = getattr(module, name)
+    base = module.Strategy
+    return isinstance(found, type) and issubclass(found, base) and found is not base
 
 
 def import_object(name: str) -> Any:

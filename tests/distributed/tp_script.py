@@ -289,7 +289,13 @@ def strategy_of(args: argparse.Namespace) -> Any:
         return FSDPStrategy()
     if args.strategy == "single":
         return "single"
-    return ModelParallelStrategy(tp=args.tp, dp_shard=args.dp_shard, dp_replicate=args.dp_replicate)
+    return ModelParallelStrategy(
+        tp=args.tp,
+        dp_shard=args.dp_shard,
+        dp_replicate=args.dp_replicate,
+        units=[Block] if args.ac else None,
+        activation_checkpointing=args.ac,
+    )
 
 
 def trainer(strategy: Any, **options: Any) -> Trainer:
@@ -309,7 +315,7 @@ def mean_over_data_parallel(values: list[torch.Tensor], t: Trainer) -> list[floa
 def scenario_train(args: argparse.Namespace) -> dict[str, Any]:
     loopbus.seed_everything(0)
     module = TinyLlama()
-    t = trainer(strategy_of(args), gradient_clip_val=args.clip)
+    t = trainer(strategy_of(args), gradient_clip_val=args.clip, precision=args.precision)
     batch = GLOBAL_BATCH // t.strategy.data_parallel_size
     loopbus.run(t.fit, module, DataLoader(data(), batch_size=batch, shuffle=False))
     state = full_state(module, t.optimizers[0])
@@ -336,7 +342,16 @@ def scenario_train(args: argparse.Namespace) -> dict[str, Any]:
         "unclipped_loss_diff": max(abs(a - b) for a, b in zip(losses, unclipped, strict=True)),
         "samples": module.samples,
         "param_types": sorted({type(p).__name__ for p in module.parameters()}),
+        "param_dtypes": sorted({str(p.dtype) for p in module.parameters()}),
+        "checkpointed": sum(_checkpointed(m) for m in module.modules()),
     }
+
+
+def _checkpointed(module: torch.nn.Module) -> bool:
+    """Whether activation checkpointing (torch's composable ``checkpoint``) is on."""
+    from torch.distributed._composable.checkpoint_activation import checkpoint
+
+    return checkpoint.state(module) is not None
 
 
 def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -514,6 +529,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--kill-at", type=int, default=-1, help="job: SIGKILL after that step")
     parser.add_argument("--wait-at", type=int, default=None, help="job: hold that step's batch")
     parser.add_argument("--stop-check-interval", type=float, default=None)
+    parser.add_argument("--ac", action="store_true", help="activation checkpointing of Block")
+    parser.add_argument("--precision", default="32")
     args = parser.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

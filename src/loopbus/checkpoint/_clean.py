@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import contextlib
 import os
-import posixpath
 import shutil
 from pathlib import Path
 from typing import Any
 
-from ..storage import RemotePath, Store, is_url, remote_path
+from ..storage import Storage, is_url, located, store_for
 from ._format import (
     _TMP_TAG,
     MARKER_SUFFIX,
@@ -25,7 +24,6 @@ from ._format import (
     PathLike,
     _host_tag,
     _temp_writer,
-    marker_path,
 )
 
 __all__ = [
@@ -47,31 +45,18 @@ def remove_checkpoint(path: PathLike, *, retries: int = 0) -> None:
 
     A URL's objects are deleted in the same order (each deletion tried again up to
     ``retries`` times), so that a checkpoint half deleted is never taken as complete."""
-    if is_url(path):
-        remote = remote_path(path)
-        store = Store(remote.parent, retries=retries)
-        store.remove(remote.name + MARKER_SUFFIX)
-        if store.size(remote.name) is not None:
-            store.remove(remote.name)
-        else:  # a sharded checkpoint: a prefix, its marker inside
-            remove_remote_tree(store, remote.name)
-        return
-    target = Path(os.fspath(path))
-    if target.is_symlink() and target.is_dir():
-        target.unlink(missing_ok=True)
-        return
-    marker_path(target).unlink(missing_ok=True)
-    if target.is_dir() and not target.is_symlink():
-        shutil.rmtree(target, ignore_errors=True)
-    else:
-        target.unlink(missing_ok=True)
+    store, name = located(path, retries=retries)
+    store.remove(name + MARKER_SUFFIX)
+    if store.size(name) is not None:
+        store.remove(name)
+    else:  # a sharded checkpoint: a directory (a prefix), its marker inside
+        remove_remote_tree(store, name)
 
 
-def remove_remote_tree(store: Store, name: str) -> None:
-    """Delete the sharded checkpoint ``name`` of the remote directory ``store``: its
-    completeness marker first, then every object under its prefix."""
-    store.below(name).remove(SHARDED_MARKER)
-    store.remove_tree(name)
+def remove_remote_tree(store: Storage, name: str) -> None:
+    """Delete the sharded checkpoint ``name`` of ``store``: its completeness marker
+    first, then everything in it (a link to one is removed as a link)."""
+    store.remove_tree(name, first=SHARDED_MARKER)
 
 
 def remove_stale_temporaries(directory: PathLike) -> list[Path]:
@@ -127,29 +112,27 @@ def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> l
     times."""
     if not is_url(directory):
         return remove_stale_temporaries(directory)
-    from ._locate import _CHECKPOINT_SUFFIXES, _remote_incomplete
+    from ._locate import candidates, incomplete
 
-    where = remote_path(directory)
-    store = Store(where, retries=retries)
-    objects, found = store.contents()
-    prefixes = frozenset(p for p in found if posixpath.splitext(p)[1] in _CHECKPOINT_SUFFIXES)
-    removed: list[RemotePath] = []
-    for name in sorted(set(objects) | prefixes):
-        if name.endswith(MARKER_SUFFIX) and name not in prefixes:
-            if name[: -len(MARKER_SUFFIX)] not in objects:  # a marker left alone
+    store = store_for(directory, retries=retries)
+    objects, prefixes = store.contents()
+    checkpoints = set(candidates(store, objects, prefixes))
+    removed: list[Any] = []
+    for name in sorted(set(objects) | checkpoints):
+        base = name[: -len(MARKER_SUFFIX)]
+        if name.endswith(MARKER_SUFFIX) and name not in checkpoints:
+            if base not in objects and base not in prefixes:  # a marker left alone
                 store.remove(name)
-                removed.append(where / name)
+                removed.append(store.path(name))
             continue
-        if name not in prefixes and posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES:
+        if name not in checkpoints or incomplete(store, objects, prefixes, name) is None:
             continue
-        if _remote_incomplete(store, objects, name, prefixes) is None:
-            continue
-        if name in prefixes:
+        if name in prefixes and name not in objects:
             remove_remote_tree(store, name)
         else:
             store.remove(name + MARKER_SUFFIX)
             store.remove(name)
-        removed.append(where / name)
+        removed.append(store.path(name))
     return removed
 
 

@@ -6,7 +6,10 @@ A directory means the checkpoint its ``last.json`` names or, without one or when
 (:func:`latest_checkpoint`: the marker there, every file of the size it records, and
 the CRC-32 of the file taken as its marker records it); the
 checkpoints passed over are named, with what is wrong with each, in a ``UserWarning``.
-Checkpoint files and sharded checkpoints' directories are treated alike.
+Checkpoint files and sharded checkpoints' directories are treated alike, and so are a
+local directory and an object store: the search (:func:`latest`) reads a
+:class:`~loopbus.storage.Storage` and goes by what the store guarantees (whether it
+publishes by renaming), never by whether it is remote.
 """
 
 from __future__ import annotations
@@ -20,27 +23,39 @@ from typing import Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
 from .._validate import check_local_path
-from ..storage import RemotePath, Store, is_url, remote_path, require_backend
+from ..storage import (
+    LocalStore,
+    RemotePath,
+    Storage,
+    Store,
+    is_url,
+    located,
+    location,
+    remote_path,
+    require_backend,
+    store_for,
+)
 from ._format import (
     LAST_POINTER,
     MARKER_SUFFIX,
     SHARDED_MARKER,
+    SHARDED_STATE,
     Marker,
     PathLike,
     Pointer,
     _why,
-    checkpoint_info,
-    describe_os_error,
-    file_crc32,
+    decode_json,
     is_sharded_checkpoint,
     marker_path,
-    read_json,
-    read_remote_json,
 )
 
 _P = TypeVar("_P", Path, RemotePath, Path | RemotePath)
 
 __all__ = [
+    "candidates",
+    "follow_pointer",
+    "incomplete",
+    "latest",
     "latest_checkpoint",
     "newest",
     "resolve_best",
@@ -48,6 +63,7 @@ __all__ = [
     "resolve_last",
     "resolve_resume_path",
     "resolve_weights_path",
+    "sharded_incomplete",
 ]
 
 
@@ -56,26 +72,39 @@ __all__ = [
 
 def newest(candidates: Iterable[_P]) -> _P | None:
     """The newest of ``candidates``: the highest step its completeness marker records,
-    then the latest time of creation (without a marker, the time it was last modified).
-    None if there are none."""
+    then the latest time of creation (without a marker, the time it was last modified,
+    where its store says so). None if there are none."""
     best: tuple[Any, ...] | None = None
     chosen: _P | None = None
     for path in candidates:
-        try:
-            info = checkpoint_info(path) or {}
-        except CheckpointError:
-            info = {}
-        step = info.get("global_step")
-        created = info.get("created")
-        if not isinstance(created, (int, float)):
-            try:  # a RemotePath's time is its marker's
-                created = 0.0 if isinstance(path, RemotePath) else path.stat().st_mtime
-            except OSError:
-                created = 0.0
-        key = (step if isinstance(step, int) else -1, created)
+        store, name = located(path)
+        key = _stamp(store, name, sharded=store.size(name) is None)
         if best is None or key > best:
             best, chosen = key, path
     return chosen
+
+
+def _stamp(store: Storage, name: str, *, sharded: bool) -> tuple[int, float]:
+    """How new the checkpoint ``name`` of ``store`` is: the step and the time of creation
+    its completeness marker records (-1 without a step; without a time, when it was last
+    modified, where the store says so, else 0)."""
+    try:
+        data = (
+            store.below(name).read_small(SHARDED_MARKER)
+            if sharded
+            else store.read_small(name + MARKER_SUFFIX)
+        )
+        info = decode_json(data, Marker)
+    except (OSError, ValueError, CheckpointError):
+        info = Marker()
+    step = info.global_step
+    created: Any = info.created
+    if not isinstance(created, (int, float)):
+        try:
+            created = store.modified(name) or 0.0
+        except OSError:
+            created = 0.0
+    return (step if isinstance(step, int) else -1, created)
 
 
 def latest_checkpoint(directory: PathLike) -> Path | None:  # a RemotePath for a URL
@@ -90,195 +119,251 @@ def latest_checkpoint(directory: PathLike) -> Path | None:  # a RemotePath for a
     A URL (a :class:`~loopbus.RemotePath` carries storage options) is searched alike,
     except that a checkpoint there is taken only with its marker, even when ``last.json``
     names it, and the result is a ``RemotePath``."""
-    if is_url(directory):
-        remote = remote_path(directory)
-        found_remote, skipped_remote = _latest_remote(remote)
-        if skipped_remote:
-            message = _skipped_message(remote, found_remote, skipped_remote)
-            warnings.warn(message, UserWarning, stacklevel=2)
-        return found_remote  # type: ignore[return-value]
-    d = Path(os.fspath(directory))
-    found, skipped = _latest(d)
+    store = store_for(directory)
+    found, skipped = latest(store)
     if skipped:
-        warnings.warn(_skipped_message(d, found, skipped), UserWarning, stacklevel=2)
-    return found
+        warnings.warn(_skipped_message(store, found, skipped), UserWarning, stacklevel=2)
+    return None if found is None else store.path(found)  # type: ignore[return-value]
 
 
 #: The names a checkpoint file is taken to have, marker or not.
 _CHECKPOINT_SUFFIXES = (".ckpt", ".pt", ".pth")
 
+#: A checkpoint the search passed over, by name, and what is wrong with it.
+Skipped = list[tuple[str, str]]
 
-def _latest(d: Path) -> tuple[Path | None, list[tuple[Path, str]]]:
-    """The last checkpoint in ``d`` and the checkpoints passed over for it, each with
-    what is wrong with it (see :func:`latest_checkpoint`)."""
-    pointer = d / LAST_POINTER
-    named: Path | None = None
-    skipped: list[tuple[Path, str]] = []
-    if pointer.exists():
+
+def latest(store: Storage) -> tuple[str | None, Skipped]:
+    """The name of the last checkpoint in ``store`` and the checkpoints passed over for
+    it, each with what is wrong with it (see :func:`latest_checkpoint`). A store that
+    publishes by renaming takes a checkpoint ``last.json`` names without its marker, and
+    when nothing else is complete, the one it names (loading it says what is wrong); in
+    an object store only a marked, complete checkpoint is taken. The listing is read
+    twice when the first finds no complete checkpoint: a save that replaced ``last.json``
+    and evicted the checkpoint it named meanwhile is then seen whole."""
+    found, skipped = _latest_once(store)
+    if found is None and skipped:
+        found, skipped = _latest_once(store)
+    return found, skipped
+
+
+def _latest_once(store: Storage) -> tuple[str | None, Skipped]:
+    objects, prefixes = store.contents()
+    named: str | None = None
+    skipped: Skipped = []
+    if LAST_POINTER in objects:
         try:
-            named = _follow_pointer(pointer)
+            named = follow_pointer(store)
         except (OSError, ValueError) as exc:  # damaged: the newest complete one is taken
-            skipped.append((pointer, f"this pointer is ignored: {_why(exc)}"))
+            skipped.append((LAST_POINTER, f"this pointer is ignored: {_why(exc)}"))
         else:
-            # A file without a marker that the pointer names is taken (checked
-            # structurally when it loads); a sharded checkpoint that replaces one of the
-            # same name moves it aside for a moment (a directory cannot be replaced
-            # atomically).
-            why = _incomplete(named, unmarked_file=True) or _corrupted(named)
+            # A file without a marker that the pointer names is taken where files are
+            # renamed into place (checked structurally when it loads); a sharded
+            # checkpoint that replaces one of the same name moves it aside for a moment
+            # (a directory cannot be replaced atomically).
+            why = incomplete(
+                store, objects, prefixes, named, unmarked_file=store.renames
+            ) or _corrupted(store, named, prefixes)
             if why is None:
                 return named, []
             skipped.append((named, f"{LAST_POINTER} names it, but {why}"))
-    elif not d.is_dir():
-        return None, []
-    complete, others = _complete(d)
-    skipped += [(p, why) for p, why in others if p != named]
-    candidates = [p for p in complete if p != named]
-    while (found := newest(candidates)) is not None:
-        why = _corrupted(found)
+    complete, others = _complete(store, objects, prefixes, exclude=named)
+    skipped += others
+    while (found := _newest(store, complete, prefixes)) is not None:
+        why = _corrupted(store, found, prefixes)
         if why is None:
             return found, skipped
         skipped.append((found, why))
-        candidates.remove(found)
-    if named is not None:
+        complete.remove(found)
+    if named is not None and store.renames:
         return named, []  # nothing to fall back to: loading it says what is wrong
     return None, skipped
 
 
-def _complete(d: Path) -> tuple[list[Path], list[tuple[Path, str]]]:
-    """The complete checkpoints in ``d`` (files and sharded directories, each of the
-    sizes its marker records), and the incomplete ones, each with what is wrong with
-    it."""
-    complete: list[Path] = []
-    skipped: list[tuple[Path, str]] = []
-    for entry in sorted(d.iterdir()):
-        name = entry.name
-        if name.startswith(".") or name == LAST_POINTER:
+def _newest(store: Storage, names: list[str], prefixes: set[str]) -> str | None:
+    """The newest of the checkpoints ``names`` of ``store`` (see :func:`newest`)."""
+    stamps = {name: _stamp(store, name, sharded=name in prefixes) for name in names}
+    return max(names, key=stamps.__getitem__, default=None)
+
+
+def candidates(store: Storage, objects: dict[str, int], prefixes: set[str]) -> list[str]:
+    """The names in ``store`` that are checkpoints, complete or not: the files with a
+    checkpoint's suffix or a completeness marker, and the directories of sharded
+    checkpoints (where entries are renamed into place, one holding a sharded
+    checkpoint's files; in an object store, where a checkpoint's prefix fills up under
+    its final name, one with a checkpoint's suffix). Markers and hidden names are left
+    out."""
+    found: list[str] = []
+    for name in sorted(set(objects) | prefixes):
+        if name.startswith(".") or name == LAST_POINTER or name.endswith(MARKER_SUFFIX):
             continue
-        if name.endswith(MARKER_SUFFIX):
-            file = entry.with_name(name[: -len(MARKER_SUFFIX)])
-            if not file.exists() and not file.is_symlink():
-                skipped.append((file, f"only its completeness marker {name} is left"))
-            continue
-        if entry.is_dir():
-            if not is_sharded_checkpoint(entry):
+        if name in prefixes and name not in objects:
+            if store.renames:
+                held = store.below(name).listing()
+                if not any(n in held for n in (SHARDED_MARKER, ".metadata", SHARDED_STATE)):
+                    continue
+            elif posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES:
                 continue
-        elif entry.suffix not in _CHECKPOINT_SUFFIXES and not marker_path(entry).exists():
+        elif (
+            posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES
+            and name + MARKER_SUFFIX not in objects
+        ):
             continue
-        why = _incomplete(entry)
+        found.append(name)
+    return found
+
+
+def _complete(
+    store: Storage, objects: dict[str, int], prefixes: set[str], *, exclude: str | None
+) -> tuple[list[str], Skipped]:
+    """The complete checkpoints in ``store`` (files and sharded directories, each of the
+    sizes its marker records), and, in the order of their names, the incomplete ones and
+    the markers left alone, each with what is wrong with it; ``exclude`` is left out of
+    both."""
+    complete: list[str] = []
+    skipped: list[tuple[str, str, str]] = []  # (listed as, checkpoint, why)
+    for name in sorted(objects):
+        base = name[: -len(MARKER_SUFFIX)]
+        if name.endswith(MARKER_SUFFIX) and not name.startswith("."):
+            if base not in objects and base not in prefixes and base != exclude:
+                skipped.append((name, base, f"only its completeness marker {name} is left"))
+    for name in candidates(store, objects, prefixes):
+        if name == exclude:
+            continue
+        why = incomplete(store, objects, prefixes, name)
         if why is None:
-            complete.append(entry)
+            complete.append(name)
         else:
-            skipped.append((entry, why))
-    return complete, skipped
+            skipped.append((name, name, why))
+    skipped.sort(key=lambda entry: entry[0])
+    return complete, [(name, why) for _, name, why in skipped]
 
 
-def _corrupted(path: Path) -> str | None:
-    """What is wrong with the contents of the checkpoint file at ``path`` (of the size
-    its marker records), or None: its CRC-32 against the one its marker records. Only
-    the checkpoint about to be taken is read this way; a file without a marker, and a
-    sharded checkpoint, pass (their structure is checked when they load)."""
-    if path.is_dir():
+def _corrupted(store: Storage, name: str, prefixes: set[str]) -> str | None:
+    """What is wrong with the contents of the checkpoint file ``name`` (of the size its
+    marker records), or None: its CRC-32 against the one its marker records, where the
+    store reads it in place. Only the checkpoint about to be taken is read this way; a
+    file without a marker, and a sharded checkpoint, pass (their structure is checked
+    when they load)."""
+    if name in prefixes:
         return None
+    marker = name + MARKER_SUFFIX
     try:
-        info = read_json(marker_path(path), Marker)
-        if info.crc32 is None or file_crc32(path) == info.crc32:
+        actual = store.crc32(name)
+        if actual is None:
+            return None
+        info = decode_json(store.read_small(marker), Marker)
+        if info.crc32 is None or actual == info.crc32:
             return None
     except (OSError, ValueError):
         return None  # reported as what it is when the file loads
     return (
-        f"its CRC-32 does not match the one its completeness marker {marker_path(path).name} "
-        "records (it is corrupted)"
+        f"its CRC-32 does not match the one its completeness marker {marker} records (it is "
+        "corrupted)"
     )
 
 
-def _incomplete(path: Path, *, unmarked_file: bool = False) -> str | None:
-    """What keeps the checkpoint at ``path`` from being complete, or None: it is missing,
-    it has no completeness marker (a file without one passes with ``unmarked_file``), or
-    a file of it has another size than its marker records. Sizes only: a file's CRC-32
-    is checked when it loads."""
-    try:
-        if path.is_dir():
-            return _sharded_incomplete(path)
-        if not path.is_file():
-            return "it does not exist"
-        try:
-            info = read_json(marker_path(path), Marker)
-        except FileNotFoundError:
-            if unmarked_file:
-                return None
-            return (
-                f"it has no completeness marker {marker_path(path).name} (its save did not "
-                "finish, or the marker was deleted)"
-            )
-        except (OSError, ValueError) as exc:
-            return f"its completeness marker {marker_path(path).name} is damaged: {_why(exc)}"
-        size, expected = path.stat().st_size, info.size
-    except OSError as exc:
-        return f"it cannot be read ({describe_os_error(exc)})"
-    if size != expected:
+def incomplete(
+    store: Storage,
+    objects: dict[str, int],
+    prefixes: set[str],
+    name: str,
+    *,
+    unmarked_file: bool = False,
+) -> str | None:
+    """What keeps the checkpoint ``name`` of ``store`` (whose listing is ``objects`` and
+    ``prefixes``) from being complete, or None: it is missing, it has no completeness
+    marker (a file without one passes with ``unmarked_file``), or it has another size
+    than its marker records. Sizes only: a file's CRC-32 is checked when it loads. A
+    sharded checkpoint: see :func:`sharded_incomplete`."""
+    if name in prefixes and name not in objects:
+        return sharded_incomplete(store.below(name))
+    marker = name + MARKER_SUFFIX
+    if name not in objects:
+        return "it does not exist"
+    if marker not in objects:
+        if unmarked_file:
+            return None
         return (
-            f"it has {size} bytes where its completeness marker records {expected} (it is "
-            "truncated or was modified)"
+            f"it has no completeness marker {marker} (its save did not finish, or the "
+            "marker was deleted)"
+        )
+    info = _marker(store, marker)
+    if isinstance(info, str):
+        return info
+    if objects[name] != info.size:
+        return (
+            f"it has {objects[name]} bytes where its completeness marker records {info.size} "
+            "(it is truncated or was modified)"
         )
     return None
 
 
-def _sharded_incomplete(path: Path) -> str | None:
-    """:func:`_incomplete` for a sharded checkpoint's directory: the marker is there and
-    every file it lists has the size it records."""
-    marker = path / SHARDED_MARKER
+def _marker(store: Storage, marker: str) -> Marker | str:
+    """The completeness marker ``marker`` of ``store``, or why it cannot be had."""
     try:
-        files = read_json(marker, Marker).files
+        return decode_json(store.read_small(marker), Marker)
     except FileNotFoundError:
+        return f"it has no completeness marker {marker} (it was deleted meanwhile)"
+    except (OSError, ValueError) as exc:
+        return f"its completeness marker {marker} is damaged: {_why(exc)}"
+    except Exception as exc:
+        return f"its completeness marker {marker} cannot be read ({type(exc).__name__}: {exc})"
+
+
+def sharded_incomplete(inside: Storage) -> str | None:
+    """What keeps the sharded checkpoint whose directory is ``inside`` from being
+    complete, or None: its marker (written last, once every rank's shards are) is
+    missing or damaged, or a file it lists is missing or has another size."""
+    objects = inside.listing()
+    if SHARDED_MARKER not in objects:
         return (
             f"it has no completeness marker {SHARDED_MARKER} (its save did not finish, or "
             "the marker was deleted)"
         )
-    except (OSError, ValueError) as exc:
-        return f"its completeness marker {SHARDED_MARKER} is damaged: {_why(exc)}"
+    info = _marker(inside, SHARDED_MARKER)
+    if isinstance(info, str):
+        return info
+    files = info.files
     if not files:
         return f"its completeness marker {SHARDED_MARKER} lists no files"
-    for name, size in files.items():
-        file = path / str(name)
-        try:
-            actual = file.stat().st_size
-        except FileNotFoundError:
-            return f"its file {name} is missing"
-        except OSError as exc:
-            return f"its file {name} cannot be read ({describe_os_error(exc)})"
-        if actual != size:
+    for file, size in files.items():
+        if file not in objects:
+            return f"its {inside.noun} {file} is missing"
+        if objects[file] != size:
             return (
-                f"its file {name} has {actual} bytes where its completeness marker records "
-                f"{size} (it is truncated or was modified)"
+                f"its {inside.noun} {file} has {objects[file]} bytes where its completeness "
+                f"marker records {size} (it is truncated or was modified)"
             )
     return None
 
 
-def _skipped_message(d: Any, found: Any, skipped: list[tuple[Any, str]]) -> str:
-    shown = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+def _skipped_message(store: Storage, found: str | None, skipped: Skipped) -> str:
+    shown = "; ".join(f"{name}: {why}" for name, why in skipped[:5])
     if len(skipped) > 5:
         shown += f"; and {len(skipped) - 5} more"
     if found is None:
         then = "no complete checkpoint is left there"
     else:
-        then = f"the newest complete checkpoint there, {found.name}, is taken instead"
-    return f"skipped checkpoints in {d} that are not complete ({shown}); {then}."
+        then = f"the newest complete checkpoint there, {found}, is taken instead"
+    return f"skipped checkpoints in {store.directory} that are not complete ({shown}); {then}."
 
 
-def _follow_pointer(pointer: Path) -> Path:
-    """The checkpoint the ``last.json`` at ``pointer`` names. Raises what
-    :func:`read_json` raises, and ``ValueError`` for a name that is not a file name in
-    the pointer's directory."""
+def follow_pointer(store: Storage) -> str:
+    """The name of the checkpoint the ``last.json`` of ``store`` names. Raises
+    ``OSError`` (``FileNotFoundError`` without one) or ``ValueError`` (a clause saying
+    what is wrong): a pointer that is damaged, or names something that is not a file
+    name in its directory."""
     try:
-        name = read_json(pointer, Pointer).checkpoint
+        name = decode_json(store.read_small(LAST_POINTER), Pointer).checkpoint
     except ValueError as exc:
         raise ValueError(
             f'{exc}; it should be JSON like {{"checkpoint": "epoch=0-step=100.ckpt"}}'
         ) from None
-    separators = [s for s in (os.sep, os.altsep) if s]
+    separators = [s for s in ("/", os.sep, os.altsep) if s]
     if not name or name in (".", "..") or any(s in name for s in separators):
         raise ValueError(f"it names {name!r}, which is not a file name in its directory")
-    return pointer.parent / name
+    return name
 
 
 def resolve_checkpoint(path: PathLike) -> Path:
@@ -291,16 +376,17 @@ def resolve_checkpoint(path: PathLike) -> Path:
         return p
     if p.is_dir() or (p.name == LAST_POINTER and p.is_file()):
         directory = p if p.is_dir() else p.parent
-        found, skipped = _latest(directory)
+        store = LocalStore(directory)
+        found, skipped = latest(store)
         if found is None:
             # Files without a marker are named by the advice; the rest is listed here.
             damaged = [
-                f"{q.name}: {why}"
-                for q, why in skipped
-                if q.is_dir()
+                f"{name}: {why}"
+                for name, why in skipped
+                if (q := directory / name).is_dir()
                 or not q.exists()
                 or marker_path(q).exists()
-                or q == directory / LAST_POINTER
+                or name == LAST_POINTER
             ]
             listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
             raise CheckpointError(
@@ -309,8 +395,8 @@ def resolve_checkpoint(path: PathLike) -> Path:
                 f"file, one with its {MARKER_SUFFIX} marker).{listed} {_unmarked_files(directory)}"
             )
         if skipped:
-            warnings.warn(_skipped_message(directory, found, skipped), UserWarning, stacklevel=3)
-        p = found
+            warnings.warn(_skipped_message(store, found, skipped), UserWarning, stacklevel=3)
+        p = store.path(found)
     if not p.exists():
         nearby = ""
         if p.parent.is_dir():
@@ -360,7 +446,7 @@ def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemoteP
         if not isinstance(path, (str, os.PathLike)) and callable(path):
             path = path()
         if path is not None:
-            found.append(path if isinstance(path, RemotePath) else Path(os.fspath(path)))
+            found.append(location(path))
     if not found:
         if not warn:
             return None
@@ -414,7 +500,7 @@ def resolve_best(plugins: Iterable[Any]) -> Path | RemotePath:
             "ckpt_path=plugin.best_checkpoint_path."
         )
     best_path = found[0][1]
-    return best_path if isinstance(best_path, RemotePath) else Path(os.fspath(best_path))
+    return location(best_path)
 
 
 def _best_attribute(plugin: Any) -> str | None:
@@ -486,122 +572,6 @@ def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
 # ---------------------------------------------------------------- remote
 
 
-def _remote_incomplete(
-    store: Store, objects: dict[str, int], name: str, prefixes: frozenset[str] = frozenset()
-) -> str | None:
-    """What keeps the remote checkpoint ``name`` from being complete, or None: its object
-    or its marker is missing, or the object has another size than the marker records. A
-    sharded checkpoint (the prefix ``name``): see :func:`_remote_sharded_incomplete`."""
-    if name in prefixes and name not in objects:
-        return _remote_sharded_incomplete(store.below(name))
-    marker = name + MARKER_SUFFIX
-    if name not in objects:
-        return "it does not exist"
-    if marker not in objects:
-        return f"it has no completeness marker {marker} (its upload did not finish, or the marker was deleted)"
-    info = _remote_marker(store, marker)
-    if isinstance(info, str):
-        return info
-    expected = info.size
-    if objects[name] != expected:
-        return (
-            f"it has {objects[name]} bytes where its completeness marker records {expected} "
-            "(it is truncated or was modified)"
-        )
-    return None
-
-
-def _remote_marker(store: Store, marker: str) -> Marker | str:
-    """The remote completeness marker ``marker``, or why it cannot be had."""
-    try:
-        return read_remote_json(store, marker, Marker)
-    except FileNotFoundError:
-        return f"it has no completeness marker {marker} (it was deleted meanwhile)"
-    except ValueError as exc:
-        return f"its completeness marker {marker} is damaged: {exc}"
-    except Exception as exc:
-        return f"its completeness marker {marker} cannot be read ({type(exc).__name__}: {exc})"
-
-
-def _remote_sharded_incomplete(inside: Store) -> str | None:
-    """What keeps the sharded checkpoint whose prefix is ``inside`` from being complete,
-    or None: its marker (written last, once every rank's shards are) is missing or
-    damaged, or an object it lists is missing or has another size."""
-    objects = inside.listing()
-    if SHARDED_MARKER not in objects:
-        return (
-            f"it has no completeness marker {SHARDED_MARKER} (its writers did not finish, "
-            "or the marker was deleted)"
-        )
-    info = _remote_marker(inside, SHARDED_MARKER)
-    if isinstance(info, str):
-        return info
-    files = info.files
-    if not files:
-        return f"its completeness marker {SHARDED_MARKER} lists no files"
-    for file, size in files.items():
-        if file not in objects:
-            return f"it is missing its object {file}, which its marker lists"
-        if objects[file] != size:
-            return (
-                f"its object {file} has {objects[file]} bytes where its marker records {size} "
-                "(it is truncated or was modified)"
-            )
-    return None
-
-
-def _remote_pointer(store: Store) -> str:
-    """The name the remote ``last.json`` holds; raises ``OSError`` or ``ValueError``."""
-    name = read_remote_json(store, LAST_POINTER, Pointer).checkpoint
-    if not name or name in (".", "..") or "/" in name:
-        raise ValueError(f"it names {name!r}, which is not a name in its directory")
-    return name
-
-
-def _latest_remote(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemotePath, str]]]:
-    """:func:`_latest` for a remote directory: the checkpoint ``last.json`` names, or the
-    newest complete one; a checkpoint without its marker is never taken. Its listing is
-    read twice when the first finds no complete checkpoint: a save that replaced
-    ``last.json`` and evicted the checkpoint it named meanwhile is then seen whole."""
-    found, skipped = _latest_remote_once(d)
-    if found is None and skipped:
-        found, skipped = _latest_remote_once(d)
-    return found, skipped
-
-
-def _latest_remote_once(d: RemotePath) -> tuple[RemotePath | None, list[tuple[RemotePath, str]]]:
-    store = Store(d)
-    objects, found_prefixes = store.contents()
-    prefixes = frozenset(p for p in found_prefixes if posixpath.splitext(p)[1] in _CHECKPOINT_SUFFIXES)
-    skipped: list[tuple[RemotePath, str]] = []
-    if LAST_POINTER in objects:
-        try:
-            name = _remote_pointer(store)
-        except (OSError, ValueError) as exc:
-            skipped.append((d / LAST_POINTER, f"this pointer is ignored: {_why(exc)}"))
-        else:
-            why = _remote_incomplete(store, objects, name, prefixes)
-            if why is None:
-                return d / name, []
-            skipped.append((d / name, f"{LAST_POINTER} names it, but {why}"))
-    complete: list[RemotePath] = []
-    for name in sorted(set(objects) | prefixes):
-        if name.startswith(".") or name == LAST_POINTER:
-            continue
-        if name.endswith(MARKER_SUFFIX) and name not in prefixes:
-            if name[: -len(MARKER_SUFFIX)] not in objects:
-                skipped.append((d / name[: -len(MARKER_SUFFIX)], f"only its completeness marker {name} is left"))
-            continue
-        if name not in prefixes and posixpath.splitext(name)[1] not in _CHECKPOINT_SUFFIXES and name + MARKER_SUFFIX not in objects:
-            continue
-        why = _remote_incomplete(store, objects, name, prefixes)
-        if why is None:
-            complete.append(d / name)
-        elif all(p.name != name for p, _ in skipped):
-            skipped.append((d / name, why))
-    return newest(complete), skipped
-
-
 def resolve_remote(target: RemotePath) -> RemotePath:
     """:func:`resolve_checkpoint` for a URL: an object is the checkpoint; ``last.json`` or
     a directory (a prefix) means its last complete checkpoint."""
@@ -609,7 +579,7 @@ def resolve_remote(target: RemotePath) -> RemotePath:
     if target.name != LAST_POINTER and store.size(target.name) is not None:
         return target
     if target.name != LAST_POINTER and is_sharded_checkpoint(target):
-        why = _remote_sharded_incomplete(store.below(target.name))
+        why = sharded_incomplete(store.below(target.name))
         if why is not None:
             raise CheckpointError(
                 f"the sharded checkpoint {target} is not complete: {why}. Load another "
@@ -617,14 +587,15 @@ def resolve_remote(target: RemotePath) -> RemotePath:
             )
         return target
     directory = target.parent if target.name == LAST_POINTER else target
-    found, skipped = _latest_remote(directory)
+    inside = Store(directory)
+    found, skipped = latest(inside)
     if found is None:
-        listed = "; ".join(f"{p.name}: {why}" for p, why in skipped[:5])
+        listed = "; ".join(f"{name}: {why}" for name, why in skipped[:5])
         raise CheckpointError(
             f"no checkpoint at {target}: there is no such object, and {directory} holds no "
             f"complete checkpoint (one with its {MARKER_SUFFIX} marker)"
             + (f". Skipped as not complete: {listed}." if listed else ".")
         )
     if skipped:
-        warnings.warn(_skipped_message(directory, found, skipped), UserWarning, stacklevel=4)
-    return found
+        warnings.warn(_skipped_message(inside, found, skipped), UserWarning, stacklevel=4)
+    return inside.url(found)

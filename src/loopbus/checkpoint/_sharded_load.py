@@ -50,7 +50,7 @@ from loopbus.step._params import own_class
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
 from .._validate import check_local_path
-from ..storage import RemotePath, Store, is_url, remote_path
+from ..storage import RemotePath, Store, is_url, location, remote_path
 from ._diagnose import _refusal, check_loaded
 from ._format import (
     SHARDED_MARKER,
@@ -61,7 +61,7 @@ from ._format import (
     read_json,
     read_remote_json,
 )
-from ._locate import _remote_sharded_incomplete
+from ._locate import sharded_incomplete
 from ._parts import CheckpointMismatch, _check, load_state, qualname
 from ._sharded_save import LAYOUT, _distributed, _tensor_state, is_tensor_part
 from ._write import write_checkpoint
@@ -217,11 +217,6 @@ def _reader(path: Path | RemotePath) -> Any:
     return _SafeReader(path)
 
 
-def _location(path: str | os.PathLike[str]) -> Path | RemotePath:
-    """``path`` as a local path, or a URL as a :class:`RemotePath` (keeping its options)."""
-    return remote_path(path) if is_url(path) else Path(os.fspath(path))
-
-
 def _shard_error(path: Path | RemotePath, exc: BaseException) -> CheckpointError:
     """A DCP failure as a :class:`CheckpointError`: one of ours that DCP wrapped (it
     gathers every rank's exception) as it is, anything else naming the checkpoint."""
@@ -307,7 +302,7 @@ def _verify_remote(target: RemotePath) -> dict[str, Any]:
     """:func:`verify_sharded` of a sharded checkpoint in an object store."""
     inside = Store(target)
     try:
-        why = _remote_sharded_incomplete(inside)
+        why = sharded_incomplete(inside)
         info = read_remote_json(inside, SHARDED_MARKER, Marker) if why is None else None
     except Exception as exc:
         raise CheckpointError(
@@ -449,7 +444,7 @@ def load_sharded(
     resharding as needed; the plain parts load as from a file checkpoint. Every part is
     checked before any loads. ``path`` may be a URL: every rank reads its part from the
     store."""
-    p = _location(path)
+    p = location(path)
     verify_sharded(p)
     state = _read_state(p)
     sharded = state["loopbus"]["sharded"]
@@ -560,7 +555,7 @@ def consolidate(path: str | os.PathLike[str]) -> dict[str, Any]:
     host's memory). The same dict a file checkpoint holds: ``module`` is the full state
     dict, each ``optimizers/<i>`` its optimizer's own ``state_dict()``. ``path`` may be a
     URL (a :class:`~loopbus.RemotePath` carries storage options)."""
-    p = _location(path)
+    p = location(path)
     verify_sharded(p)
     state = _read_state(p)
     tensors: dict[str, Any] = {}
@@ -601,7 +596,7 @@ def consolidate_checkpoint(
     store, and a URL ``out`` is uploaded with its marker (returned as a ``RemotePath``)."""
     if not is_url(path):
         check_local_path("path", path, owner="consolidate_checkpoint")
-    target = _location(out)
+    target = location(out)
     if isinstance(target, RemotePath):
         store = Store(target.parent)
         taken = store.size(target.name) is not None or target.name in store.contents()[1]

@@ -1,14 +1,18 @@
-"""Object storage for checkpoints: URLs (``s3://``, ``gs://``, any fsspec URL), the
-optional package each scheme needs (``loopbus[s3]``, ``loopbus[gcs]``), a directory of
-objects whose every call is held to deadlines (:class:`StoreDeadlines`) and retried, and
-the lease that keeps one writer per checkpoint folder, and what the calls to a store
-have met lately (:class:`StoreHealth`: an outage, since when and why).
+"""Where bytes that outlive the process live: one interface (:class:`Storage`, the
+entries of a directory by name) with a local backend (:class:`LocalStore`) and an
+fsspec one (:class:`Store`), chosen once by :func:`store_for`, the one place that tells
+a URL from a local path. For URLs (``s3://``, ``gs://``, any fsspec URL): the optional
+package each scheme needs (``loopbus[s3]``, ``loopbus[gcs]``), a directory of objects
+whose every call is held to deadlines (:class:`StoreDeadlines`) and retried, the lease
+that keeps one writer per checkpoint folder, and what the calls to a store have met
+lately (:class:`StoreHealth`: an outage, since when and why).
 
 Imports the base layer, the standard library and, only when a URL is used, fsspec; a
-local path never imports fsspec. The checkpoint package builds its remote format
-(object, completeness marker, ``last.json``) on :class:`Store`.
+local path never imports fsspec. The checkpoint package builds its format (entry,
+completeness marker, ``last.json``) on a :class:`Storage`.
 
 Modules: ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
+``_local`` (:class:`Storage`, :class:`LocalStore`, :func:`store_for`, :func:`located`),
 ``_lease`` (:class:`FolderLease`, :func:`folder_lease`), ``_health``
 (:class:`StoreHealth`, :class:`Outage`).
 """
@@ -21,6 +25,12 @@ from ._lease import LEASE_NAME as LEASE_NAME
 from ._lease import LEASE_TTL_S as LEASE_TTL_S
 from ._lease import FolderLease as FolderLease
 from ._lease import folder_lease as folder_lease
+from ._local import LocalStore as LocalStore
+from ._local import Storage as Storage
+from ._local import crc32_of as crc32_of
+from ._local import located as located
+from ._local import location as location
+from ._local import store_for as store_for
 from ._store import RemotePath as RemotePath
 from ._store import Store as Store
 from ._store import StoreDeadlines as StoreDeadlines
@@ -32,13 +42,19 @@ __all__ = [
     "LEASE_NAME",
     "LEASE_TTL_S",
     "FolderLease",
+    "LocalStore",
     "Outage",
     "RemotePath",
     "Store",
     "StoreDeadlines",
+    "Storage",
     "StoreHealth",
+    "crc32_of",
     "folder_lease",
     "is_url",
+    "located",
+    "location",
     "remote_path",
     "require_backend",
+    "store_for",
 ]

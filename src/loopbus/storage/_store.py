@@ -368,7 +368,13 @@ class Store:
     ``retries`` more times, waiting :data:`BACKOFF` seconds, then twice as long each time;
     a missing object or a refused permission is not tried again. A call that still fails
     raises :class:`CheckpointError` naming the URL and the cause on one line (a missing
-    object raises ``FileNotFoundError``), the backend's error chained to it."""
+    object raises ``FileNotFoundError``), the backend's error chained to it.
+
+    A :class:`~loopbus.storage.Storage`: an object is written in place (no rename), so
+    only a completeness marker says that it is whole."""
+
+    noun = "object"
+    renames = False
 
     def __init__(self, directory: RemotePath, *, retries: int = RETRIES) -> None:
         require_backend(directory.url)
@@ -397,6 +403,16 @@ class Store:
 
     def url(self, name: str) -> RemotePath:
         return self.directory / name
+
+    path = url
+
+    def crc32(self, name: str) -> None:
+        """None: an object's CRC-32 would need a download."""
+        return None
+
+    def modified(self, name: str) -> None:
+        """None: only a marker's time of creation is trusted."""
+        return None
 
     # ------------------------------------------------------------ deadlines, retries
     def _call(self, method: str, *args: Any, **kwargs: Any) -> Any:
@@ -545,8 +561,11 @@ class Store:
         """Write the object ``name``."""
         self._tried("write", name, lambda: self._call("pipe_file", self._key(name), data))
 
-    def remove_tree(self, name: str) -> None:
-        """Delete every object under the prefix ``name`` (a missing one is ignored)."""
+    def remove_tree(self, name: str, *, first: str | None = None) -> None:
+        """Delete every object under the prefix ``name`` (a missing one is ignored), the
+        object ``first`` in it (a completeness marker) before the rest."""
+        if first is not None:
+            self.below(name).remove(first)
 
         def delete() -> None:
             key = self._key(name)

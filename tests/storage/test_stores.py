@@ -1,0 +1,59 @@
+"""The one storage interface: a local directory and an fsspec store (``memory://``, in
+this process) are both a :class:`~loopbus.storage.Storage`, chosen by ``store_for``, and
+the search for the last checkpoint reads either alike."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from pathlib import Path
+
+import pytest
+
+from loopbus.checkpoint._locate import follow_pointer, latest
+from loopbus.storage import LocalStore, RemotePath, Storage, Store, located, store_for
+
+
+def _memory() -> RemotePath:
+    pytest.importorskip("fsspec")
+    return RemotePath(f"memory://loopbus-{uuid.uuid4().hex[:8]}/run")
+
+
+def _fill(store: Storage) -> None:
+    """Two checkpoints, the newer one torn (its marker records another size)."""
+    for step, size in ((1, 4), (2, 9)):
+        name = f"step={step}.ckpt"
+        store.write(name, b"x" * 4)
+        marker = {"size": size, "global_step": step, "created": float(step)}
+        store.write(name + ".complete", json.dumps(marker).encode())
+
+
+def test_store_for_tells_a_url_from_a_path(tmp_path: Path) -> None:
+    local = store_for(tmp_path)
+    assert isinstance(local, LocalStore) and isinstance(local, Storage)
+    assert local.renames and local.noun == "file"
+    remote = store_for(_memory())
+    assert isinstance(remote, Store) and isinstance(remote, Storage)
+    assert not remote.renames and remote.noun == "object"
+    store, name = located(tmp_path / "a.ckpt")
+    assert (store.directory, name) == (tmp_path, "a.ckpt")
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_latest_reads_either_store_alike(tmp_path: Path, where: str) -> None:
+    store = store_for(tmp_path / "run" if where == "local" else _memory())
+    if where == "local":
+        (tmp_path / "run").mkdir()
+    _fill(store)
+    found, skipped = latest(store)
+    assert found == "step=1.ckpt"
+    assert skipped == [
+        (
+            "step=2.ckpt",
+            "it has 4 bytes where its completeness marker records 9 (it is truncated or was "
+            "modified)",
+        )
+    ]
+    store.write("last.json", b'{"checkpoint": "../x.ckpt"}')
+    with pytest.raises(ValueError, match="which is not a file name in its directory"):
+        follow_pointer(store)

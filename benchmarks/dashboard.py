@@ -22,7 +22,24 @@ process's resident memory (RSS, from ``/proc``) before, with the pages open, and
 they left; the target is flat-ish (the history is sent in bounded chunks at each page's
 pace, not copied per page).
 
-    python benchmarks/dashboard.py                  # both, about two minutes
+``--only scale`` measures the runs page over logged runs: ``--runs`` CSV run folders
+(what ``CSVLogger`` writes) of ``--names`` record names x ``--steps`` steps each; the
+dashboard (a separate process) starts on the folder, and the figures are the seconds
+until ``GET /api/runs`` lists every run, until the first chart's ``POST /api/lines``
+(one record name, every run, 800 pixel columns: what the page asks to draw it) answers
+with every run in it (``first_chart_s``), and until every point of every run is read;
+the dashboard's peak resident memory (``VmHWM``); and, with a run still being written,
+the seconds from a line appended to its file to the point in ``/api/lines``.
+
+``--only tensorboard`` writes ``--tb-runs`` x ``--names`` x ``--tb-steps`` scalars as
+TensorBoard event files, then times, on the same files, ``loopbus dashboard`` (until
+``/api/scalars`` answers every series of every run, every point) and ``tensorboard
+--logdir`` (until its scalars API, ``/data/plugin/scalars/scalars``, answers every
+series of every run, with its own sampling).
+
+    python benchmarks/dashboard.py                  # cost and pages, about two minutes
+    python benchmarks/dashboard.py --only scale --runs 200 --names 20 --steps 10000
+    python benchmarks/dashboard.py --only tensorboard --tb-runs 10 --tb-steps 1000
     python benchmarks/dashboard.py --only cost --steps 4000 --repeats 9 --no-pin
     python benchmarks/dashboard.py --only pages --history 1000000 --pages 30
 """
@@ -350,9 +367,260 @@ def bench_pages(history: int, pages: int) -> dict[str, Any]:
     }
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_csv_runs(root: Path, runs: int, names: int, steps: int) -> None:
+    """``runs`` run folders of ``metrics.csv`` (the CSV logger's layout), every name at
+    every step."""
+    header = "step,epoch,time," + ",".join(f"train/m{j:02d}" for j in range(names)) + "\n"
+    for i in range(runs):
+        folder = root / f"exp{i // 10}" / f"version_{i % 10}"
+        folder.mkdir(parents=True)
+        (folder / "run.json").write_text(json.dumps({"name": f"exp{i // 10}", "version": i % 10}))
+        (folder / "config.yaml").write_text(f"model:\n  lr: {0.001 * (1 + i % 7)}\n  seed: {i}\n")
+        rows = [
+            f"{s},{s // 1000},{1.7e9 + s * 0.01 + i},"
+            + ",".join(repr(1.0 / (s + j + 1) + 0.001 * i) for j in range(names))
+            for s in range(1, steps + 1)
+        ]
+        (folder / "metrics.csv").write_text(header + "\n".join(rows) + "\n")
+
+
+def _serve_folder(folder: Path) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "loopbus", "dashboard", str(folder)],
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=ROOT,
+    )
+    assert proc.stderr is not None
+    line = proc.stderr.readline()
+    if not line.startswith("loopbus dashboard: http"):
+        raise RuntimeError(f"the dashboard did not start: {line}")
+    return proc, line.split()[2]
+
+
+def _until(what: Any, timeout: float = 3600.0) -> float:
+    import httpx
+
+    start = time.perf_counter()
+    while time.perf_counter() - start < timeout:
+        try:
+            if what(httpx):
+                return time.perf_counter() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.02)
+    raise TimeoutError("gave up waiting")
+
+
+def peak_rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "runs"
+        started = time.perf_counter()
+        write_csv_runs(root, runs, names, steps)
+        written = time.perf_counter() - started
+        size = sum(p.stat().st_size for p in root.rglob("metrics.csv"))
+        started = time.perf_counter()
+        proc, url = _serve_folder(root)
+        try:
+            t0 = time.perf_counter() - started
+            ids: list[str] = []
+
+            def listed(httpx: Any) -> bool:
+                got = httpx.get(url + "api/runs", timeout=30).json()
+                ids[:] = [r["id"] for r in got]
+                return len(got) == runs
+
+            listed_s = t0 + _until(listed)
+            body = {"runs": ids, "names": ["train/m00"], "width": 800}
+
+            def first_chart(httpx: Any) -> bool:
+                got = httpx.post(url + "api/lines", json=body, timeout=60).json()
+                return len(got["runs"]) == runs
+
+            chart_s = listed_s + _until(first_chart)
+
+            def everything(httpx: Any) -> bool:
+                got = httpx.get(url + "api/runs", timeout=60).json()
+                return sum(r["points"] for r in got) == runs * names * steps
+
+            all_s = chart_s + _until(everything)
+            answer = _until(lambda httpx: httpx.post(url + "api/lines", json=body, timeout=60))
+            live_s = _live_latency(root, url)
+            rss = peak_rss_mib(proc.pid)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+    return {
+        "runs": runs,
+        "names": names,
+        "steps": steps,
+        "points": runs * names * steps,
+        "csv_mib": round(size / 2**20, 1),
+        "write_s": round(written, 1),
+        "started_s": round(t0, 2),
+        "listed_s": round(listed_s, 2),
+        "first_chart_s": round(chart_s, 2),
+        "all_points_s": round(all_s, 2),
+        "first_chart_again_s": round(answer, 3),
+        "live_point_s": live_s,
+        "peak_rss_mib": round(rss, 1),
+    }
+
+
+def _live_latency(root: Path, url: str) -> float:
+    """Seconds from a line appended to a run's file to its point in ``/api/lines``."""
+    folder = root / "live" / "version_0"
+    folder.mkdir(parents=True)
+    path = folder / "records.jsonl"
+    path.write_text("")
+    run_id = "runs/live/version_0"
+    _until(lambda httpx: any(r["id"] == run_id for r in httpx.get(url + "api/runs").json()))
+    delays = []
+    for step in range(1, 11):
+        with path.open("a") as f:
+            f.write(
+                json.dumps({"name": "x", "value": float(step), "step": step, "time": time.time()})
+                + "\n"
+            )
+        body = {"runs": [run_id], "names": ["x"], "width": 100}
+        delays.append(
+            _until(
+                lambda httpx, s=step, b=body: (
+                    httpx.post(url + "api/lines", json=b).json()["points"] == s
+                )
+            )
+        )
+    return round(statistics.median(delays), 3)
+
+
+def write_event_runs(root: Path, runs: int, names: int, steps: int) -> None:
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.summary.writer.event_file_writer import EventFileWriter
+
+    for i in range(runs):
+        writer = EventFileWriter(str(root / f"run{i:03d}"))
+        for s in range(1, steps + 1):
+            values = [
+                summary_pb2.Summary.Value(tag=f"train/m{j:02d}", simple_value=1.0 / (s + j + i))
+                for j in range(names)
+            ]
+            writer.add_event(
+                event_pb2.Event(
+                    wall_time=1.7e9 + s, step=s, summary=summary_pb2.Summary(value=values)
+                )
+            )
+        writer.close()
+
+
+def bench_tensorboard(runs: int, names: int, steps: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "tb"
+        write_event_runs(root, runs, names, steps)
+        tags = [f"train/m{j:02d}" for j in range(names)]
+        started = time.perf_counter()
+        proc, url = _serve_folder(root)
+        try:
+
+            def ours(httpx: Any) -> bool:
+                listed = httpx.get(url + "api/runs", timeout=60).json()
+                if len(listed) < runs or not all(r["loaded"] for r in listed):
+                    return False
+                for r in listed:
+                    for tag in tags:
+                        got = httpx.get(
+                            url + "api/scalars", params={"run": r["id"], "name": tag}, timeout=60
+                        )
+                        if got.status_code != 200 or len(got.json()["step"]) != steps:
+                            return False
+                return True
+
+            loopbus_s = (time.perf_counter() - started) + _until(ours)
+        finally:
+            proc.terminate()
+            proc.wait(timeout=30)
+        port = _free_port()
+        started = time.perf_counter()
+        board = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "tensorboard.main",
+                "--logdir",
+                str(root),
+                "--port",
+                str(port),
+                "--host",
+                "127.0.0.1",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        base = f"http://127.0.0.1:{port}/data"
+        try:
+
+            def theirs(httpx: Any) -> bool:
+                listed = httpx.get(base + "/runs", timeout=60).json()
+                if len(listed) < runs:
+                    return False
+                for run in listed:
+                    for tag in tags:
+                        got = httpx.get(
+                            base + "/plugin/scalars/scalars",
+                            params={"run": run, "tag": tag},
+                            timeout=60,
+                        )
+                        if (
+                            got.status_code != 200
+                            or len(got.json()) == 0
+                            or got.json()[-1][1] != steps
+                        ):
+                            return False
+                return True
+
+            tensorboard_s = _until(theirs)
+            sample = len(
+                __import__("httpx")
+                .get(base + "/plugin/scalars/scalars", params={"run": "run000", "tag": tags[0]})
+                .json()
+            )
+        finally:
+            board.terminate()
+            board.wait(timeout=30)
+    return {
+        "runs": runs,
+        "names": names,
+        "steps": steps,
+        "loopbus_s": round(loopbus_s, 2),
+        "loopbus_points_per_series": steps,
+        "tensorboard_s": round(tensorboard_s, 2),
+        "tensorboard_points_per_series": sample,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--only", choices=("cost", "pages"), help="one section (default both)")
+    parser.add_argument(
+        "--only",
+        choices=("cost", "pages", "scale", "tensorboard"),
+        help="one section (default: cost and pages)",
+    )
+    parser.add_argument("--runs", type=int, default=200, help="runs (scale)")
+    parser.add_argument("--names", type=int, default=20, help="record names (scale, tensorboard)")
+    parser.add_argument("--tb-runs", type=int, default=10, help="runs (tensorboard)")
+    parser.add_argument("--tb-steps", type=int, default=1000, help="steps (tensorboard)")
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--records", type=int, default=2, help="records put per step")
     parser.add_argument("--repeats", type=int, default=5)
@@ -364,6 +632,13 @@ def main() -> None:
     args = parser.parse_args()
     if args.read:
         read_events(args.read, args.clients)
+        return
+    if args.only == "scale":
+        steps = args.steps if args.steps != 3000 else 10_000
+        print(json.dumps(bench_scale(args.runs, args.names, steps), indent=1), flush=True)
+        return
+    if args.only == "tensorboard":
+        print(json.dumps(bench_tensorboard(args.tb_runs, args.names, args.tb_steps), indent=1))
         return
     if args.only in (None, "pages"):
         pages = bench_pages(args.history, args.pages)

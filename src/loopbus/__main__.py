@@ -107,15 +107,20 @@ def _add_watch(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def _add_dashboard(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     dashboard = commands.add_parser(
         "dashboard",
-        help="chart the records of running jobs live in a web page",
+        help="chart runs, finished or live, in a web page",
         description=(
-            "Connect to the stream server of one or more running jobs and serve a local web "
-            "page that charts every record name live (x = step), one series per job. Keeps "
-            "watching across stages and until stopped (Ctrl-C)."
+            "Serve a local web page that charts every run found under the given paths (run "
+            "folders, folders searched for runs, log files, globs; files still being "
+            "written are followed) and every running job at the given stream addresses, "
+            "one series per run. Keeps watching until stopped (Ctrl-C)."
         ),
     )
     dashboard.add_argument(
-        "addresses", nargs="+", metavar="ADDRESS", help="tcp://HOST:PORT or unix:///path, per job"
+        "sources",
+        nargs="+",
+        metavar="PATH|GLOB|ADDRESS",
+        help="a run folder, a folder of runs, a log file, a glob, or a job's stream "
+        "(tcp://HOST:PORT or unix:///path)",
     )
     dashboard.add_argument(
         "--token",
@@ -131,6 +136,11 @@ def _add_dashboard(commands: argparse._SubParsersAction[argparse.ArgumentParser]
     )
     dashboard.add_argument("--label", action="append", help="a job's name on the page (repeat)")
     dashboard.add_argument("--open", action="store_true", help="open the page in a browser")
+    dashboard.add_argument(
+        "--export",
+        metavar="FILE",
+        help="write one self-contained HTML report of the runs (opens offline) and exit",
+    )
     dashboard.set_defaults(run=_dashboard)
 
 
@@ -316,13 +326,14 @@ def _dashboard(args: argparse.Namespace) -> int:
         from .dashboard import serve  # the web libraries load only for this command
 
         serve(
-            args.addresses,
+            args.sources,
             host=args.host,
             port=args.port,
             token=args.token,
             web_token=args.web_token,
             labels=args.label,
             open_browser=args.open,
+            export_to=args.export,
         )
     except KeyboardInterrupt:
         return 128 + signal.SIGINT

@@ -1,7 +1,10 @@
 """A small training job serving its stream, for the dashboard's tests: ``fit`` (records
 under ``train/``, ``val/`` and a name without a prefix), then ``test``, on one address.
 
-    python -m tests.dashboard.job ADDRESS [--epochs N] [--delay SECONDS] [--wait]
+    python -m tests.dashboard.job ADDRESS [--epochs N] [--delay SECONDS] [--wait] [--root DIR]
+
+With ``--root`` the job has a run folder there (``DIR/job/version_0``) with a JSONL log,
+and its stream names it.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import torch
 import loopbus
 from loopbus.events import FitStarted, TestStarted
 from loopbus.plugins import StreamServer
+from loopbus.plugins.loggers import JSONLLogger
 from tests.helpers import TinyModule, make_loader
 
 
@@ -57,10 +61,14 @@ class WaitForClient(loopbus.Plugin):
                 await anyio.sleep(0.02)
 
 
-async def main(address: str, epochs: int, delay: float, wait: bool) -> None:
+async def main(address: str, epochs: int, delay: float, wait: bool, root: str | None) -> None:
     server = StreamServer.from_address(address, announce=False)
     plugins: list[loopbus.Plugin] = [server, WaitForClient(server)] if wait else [server]
-    trainer = loopbus.Trainer(max_epochs=epochs, plugins=plugins, device="cpu")
+    if root is not None:
+        plugins.append(JSONLLogger(flush_interval=0.1))
+    trainer = loopbus.Trainer(
+        max_epochs=epochs, plugins=plugins, device="cpu", root_dir=root, name="job"
+    )
     module = Job(delay)
     try:
         await trainer.fit(module, make_loader(256, 16), make_loader(64, 16, seed=1))
@@ -75,6 +83,7 @@ if __name__ == "__main__":
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--delay", type=float, default=0.0)
     parser.add_argument("--wait", action="store_true", help="hold each stage for a client")
+    parser.add_argument("--root", help="the run folders' root (a JSONL log in the run's)")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    loopbus.run(main, args.address, args.epochs, args.delay, args.wait)
+    loopbus.run(main, args.address, args.epochs, args.delay, args.wait, args.root)

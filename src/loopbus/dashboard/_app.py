@@ -1,5 +1,6 @@
-"""The dashboard's web side: the page, its static files and the Server-Sent Events stream
-of the hub's messages, as Starlette routes (``routes``) or a whole app (``Dashboard``)."""
+"""The dashboard's web side: the page, its static files, the JSON API over the runs and
+the Server-Sent Events stream of the hub's messages, as Starlette routes (``routes``) or a
+whole app (``Dashboard``)."""
 
 from __future__ import annotations
 
@@ -23,6 +24,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from .._exceptions import MisconfigurationError
 from .._validate import check_number
 from ..stream import parse_address
+from ._api import api_routes
+from ._catalog import Catalog
 from ._hub import Hub, RunFeed
 from ._source import follow
 
@@ -83,12 +86,20 @@ def _resume_at(last: str | None) -> int | None:
         return None
 
 
-def routes(hub: Hub, *, title: str = "loopbus dashboard", controls: str = "") -> list[BaseRoute]:
+def routes(
+    hub: Hub,
+    *,
+    title: str = "loopbus dashboard",
+    controls: str = "",
+    catalog: Catalog | None = None,
+) -> list[BaseRoute]:
     """The dashboard's routes for ``hub``, for an application of one's own: ``/`` (the
-    page), ``/events`` (Server-Sent Events), ``/status`` (the runs, JSON) and
-    ``/static/...``. Mount them anywhere (``Mount("/dashboard", routes=...)``): the page
-    uses relative URLs."""
+    page), ``/api/...`` (the JSON API over ``catalog``'s runs, by default those of
+    ``hub``), ``/events`` (the hub's messages, Server-Sent Events), ``/status`` (the
+    hub's runs, JSON) and ``/static/...``. Mount them anywhere
+    (``Mount("/dashboard", routes=...)``): the page uses relative URLs."""
     body = page(title, controls)
+    catalog = catalog if catalog is not None else Catalog(hub=hub)
 
     async def index(request: Request) -> Response:
         return HTMLResponse(body, headers={"Cache-Control": "no-cache"})
@@ -106,6 +117,7 @@ def routes(hub: Hub, *, title: str = "loopbus dashboard", controls: str = "") ->
 
     return [
         Route("/", index),
+        *api_routes(catalog),
         Route("/events", events),
         Route("/status", status),
         Mount("/static", StaticFiles(directory=STATIC), name="static"),
@@ -154,37 +166,45 @@ class _TokenGate:
 
 
 class Dashboard:
-    """Charts the runs serving their stream at ``addresses`` (see ``loopbus dashboard``).
+    """Charts runs: those logged under ``paths`` (finished, or still being written) and
+    the live jobs serving their stream at ``addresses`` (see ``loopbus dashboard``).
 
-    * ``addresses``: one per run, ``tcp://HOST:PORT`` or ``unix:///path``; each run is a
-      series on every chart. ``labels``: their names on the page (default the addresses).
-    * ``token``: the runs' stream token, if they have one.
+    * ``addresses``: one per job, ``tcp://HOST:PORT`` or ``unix:///path``; each is a run
+      of its own. ``labels``: their names on the page (default the addresses).
+    * ``paths``: run folders, folders searched for runs, log files, or globs of these
+      (:class:`Catalog`); nothing outside them is read, but for the run folder a job's
+      stream names (its history).
+    * ``token``: the jobs' stream token, if they have one.
     * ``web_token``: a token the page asks for (``?token=...``, then a cookie); ``None``:
       anyone who can reach the page sees it.
     * ``interval``: seconds between messages to the browsers; ``history``: records kept
       for browsers that open the page later; ``retry``: seconds between connection
-      attempts while a run is not serving.
+      attempts while a job is not serving; ``poll``: seconds between looks at the runs'
+      files.
 
     ``app`` is the Starlette application; run it with any ASGI server, or use
-    :func:`loopbus.dashboard.serve`.
+    :func:`loopbus.dashboard.serve`. ``catalog`` holds the runs.
     """
 
     def __init__(
         self,
-        addresses: Sequence[str],
+        addresses: Sequence[str] = (),
         *,
+        paths: Sequence[str] = (),
         labels: Sequence[str] | None = None,
         token: str | None = None,
         web_token: str | None = None,
         interval: float = 0.1,
         history: int = 2_000_000,
         retry: float = 0.2,
+        poll: float = 0.2,
         title: str = "loopbus dashboard",
     ) -> None:
-        if isinstance(addresses, str) or not addresses:
+        if isinstance(addresses, str) or isinstance(paths, str) or not (addresses or paths):
             raise MisconfigurationError(
-                f"Dashboard(addresses=...) must be a non-empty list of stream addresses "
-                f"(['tcp://127.0.0.1:8765']), got {addresses!r}."
+                "Dashboard(addresses=..., paths=...) needs a list of stream addresses "
+                "(['tcp://127.0.0.1:8765']) or of run folders, log files or globs "
+                f"(['runs']), got addresses={addresses!r}, paths={paths!r}."
             )
         self.addresses = [str(parse_address(a)) for a in addresses]
         if labels is None:
@@ -209,8 +229,9 @@ class Dashboard:
             self.hub.add_run(str(label), address)
             for label, address in zip(labels, self.addresses, strict=True)
         ]
+        self.catalog = Catalog(paths, hub=self.hub, poll=poll)
         self.app = Starlette(
-            routes=routes(self.hub, title=title),
+            routes=routes(self.hub, title=title, catalog=self.catalog),
             lifespan=self._lifespan,
             middleware=[Middleware(_TokenGate, token=web_token)] if web_token else [],
         )
@@ -219,6 +240,7 @@ class Dashboard:
         """Follow every run and feed the browsers, until cancelled."""
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.hub.run, name="dashboard flush")
+            tg.start_soon(self.catalog.run, name="dashboard files")
             for feed, address in zip(self.feeds, self.addresses, strict=True):
                 tg.start_soon(self._follow, feed, address, name=f"dashboard: {address}")
 

@@ -17,12 +17,14 @@ import itertools
 import math
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
 import msgspec
 
 from .._validate import check_int, check_number
+from ._runs import Run
 
 __all__ = ["CHUNK_BYTES", "MESSAGE_POINTS", "Hub", "Page", "RunFeed"]
 
@@ -59,6 +61,11 @@ class RunFeed:
         # Pending, not yet flushed: name -> ([steps], [values]); markers in order.
         self._columns: dict[str, tuple[list[int], list[Any]]] = {}
         self._markers: list[dict[str, Any]] = []
+        #: The run's points, boundaries and facts, as the JSON API serves them.
+        self.run = Run(hub._unique_id(label), label, address, kind="stream")
+        self.run.state = "live"
+        self.run.loaded = True
+        self.run.live = self.info
 
     def __repr__(self) -> str:
         return f"<RunFeed {self.index} {self.label!r} {self.state} step={self.step}>"
@@ -78,8 +85,16 @@ class RunFeed:
         }
 
     # ------------------------------------------------------------ what readers call
-    def record(self, name: str, value: float | int | bool, step: int, epoch: int) -> None:
-        """A record of the run (one ``put``)."""
+    def record(
+        self,
+        name: str,
+        value: float | int | bool,
+        step: int,
+        epoch: int,
+        time: float | None = None,
+    ) -> None:
+        """A record of the run (one ``put``), put at wall ``time`` (default: now)."""
+        self.run.point(name, step, _now() if time is None else time, value)
         columns = self._columns.get(name)
         if columns is None:
             columns = self._columns[name] = ([], [])
@@ -91,17 +106,21 @@ class RunFeed:
 
     def epoch_ended(self, epoch: int, step: int) -> None:
         """An epoch of ``fit`` ended at ``step``: a boundary on every chart."""
+        self.run.epochs[epoch] = (step, _now())
+        self.run.version += 1
         self._markers.append({"kind": "epoch", "step": step, "label": f"epoch {epoch}"})
         self._hub._changed_status()
 
     def stage_ended(self, stage: str, reason: str, step: int) -> None:
         """A stage ended: a boundary on every chart, and the run waits for the next."""
+        self.run.mark("stage", step, _now(), f"{stage} {reason}")
         self._markers.append({"kind": "stage", "step": step, "label": f"{stage} {reason}"})
         self.set_state("between stages", f"{stage} {reason}")
 
     def gap(self, count: int) -> None:
         """``count`` items of the run were dropped before they reached the dashboard."""
         self.gaps += count
+        self.run.mark("gap", self.step, _now(), f"{count} dropped")
         self._markers.append({"kind": "gap", "step": self.step, "label": f"{count} dropped"})
         self._hub._changed_status()
 
@@ -111,6 +130,12 @@ class RunFeed:
         self.step = max(self.step, step)
         self.epoch = epoch
         self.set_state("connected", stage or "")
+
+    def attach(self, run_dir: str | None, since: float) -> None:
+        """The run's stream names its run folder and delivers what was put from wall
+        time ``since`` on: the history before it is read in the folder's log."""
+        if run_dir:
+            self.run.streaming_since(Path(run_dir), since)
 
     def successor(self) -> RunFeed:
         """A new run on the same address (its steps started again: a new job, or one
@@ -127,6 +152,10 @@ class RunFeed:
         if (state, detail) != (self.state, self.detail):
             self.state = state
             self.detail = detail
+            self.run.state = "finished" if state in ("ended", "failed") else "live"
+            if self.run.state == "finished":
+                self.run.release()
+            self.run.version += 1
             self._hub._changed_status()
 
     # ------------------------------------------------------------ what the hub calls
@@ -166,6 +195,10 @@ def _split(parts: list[dict[str, Any]], limit: int) -> list[list[dict[str, Any]]
                 room -= n
     messages.append(current)
     return messages
+
+
+def _now() -> float:
+    return time.time()
 
 
 def _number(value: Any) -> Any:
@@ -215,6 +248,14 @@ class Hub:
         self._changed = anyio.Event()
         self._encode = msgspec.json.Encoder().encode
         self._pages: set[Page] = set()
+
+    def _unique_id(self, label: str) -> str:
+        taken = {run.run.id for run in self.runs}
+        run_id, n = label, 2
+        while run_id in taken:
+            run_id = f"{label} ({n})"
+            n += 1
+        return run_id
 
     def add_run(self, label: str, address: str = "") -> RunFeed:
         """A new run to show, as one series on every chart."""

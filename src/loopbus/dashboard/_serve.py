@@ -1,19 +1,45 @@
-"""Serving a :class:`Dashboard` with uvicorn: ``loopbus dashboard ADDRESS ...``."""
+"""Serving a :class:`Dashboard` with uvicorn, or writing a report:
+``loopbus dashboard [PATH|GLOB|ADDRESS]... [--export report.html]``."""
 
 from __future__ import annotations
 
+import glob
+import os
 import socket
 import sys
 import webbrowser
 from collections.abc import Sequence
-from typing import IO
+from typing import IO, Any
 
 from .._exceptions import MisconfigurationError
 from .._validate import check_int
-from ..stream import is_loopback
+from ..stream import is_loopback, parse_address
 from ._app import Dashboard, new_token
+from ._catalog import Catalog
+from ._export import export
 
-__all__ = ["bind", "serve"]
+__all__ = ["bind", "serve", "split_sources"]
+
+
+def split_sources(sources: Sequence[str]) -> tuple[list[str], list[str]]:
+    """``(paths, addresses)``: an existing path or a glob is a path (run folders and log
+    files), anything else must be a stream address."""
+    paths: list[str] = []
+    addresses: list[str] = []
+    for source in sources:
+        expanded = os.path.expanduser(source)
+        if os.path.exists(expanded) or glob.has_magic(expanded):
+            paths.append(source)
+            continue
+        try:
+            addresses.append(str(parse_address(source)))
+        except ValueError as exc:
+            raise MisconfigurationError(
+                f"{source!r} is neither an existing path (a run folder, a folder of runs, a "
+                "log file or a glob) nor a stream address (tcp://HOST:PORT, HOST:PORT, PORT "
+                f"or unix:///path): {exc}"
+            ) from None
+    return paths, addresses
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -42,8 +68,27 @@ def url_of(sock: socket.socket, host: str, token: str | None) -> str:
     return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
+def _export(paths: list[str], export_to: str | os.PathLike[str], out: IO[str]) -> None:
+    if not paths:
+        raise MisconfigurationError(
+            "--export writes the runs read from files: name a run folder, a folder of "
+            "runs or a log file (loopbus dashboard runs --export report.html)."
+        )
+    written = export(Catalog(paths), export_to)
+    print(f"loopbus dashboard: wrote {written} ({written.stat().st_size:,} bytes)", file=out)
+
+
+def _warn_beyond_loopback(host: str, out: IO[str]) -> None:
+    if not is_loopback(host):
+        print(
+            f"loopbus dashboard: WARNING: serving on {host!r}, beyond this machine; the page "
+            "is plain HTTP (the token travels unencrypted).",
+            file=out,
+        )
+
+
 def serve(
-    addresses: Sequence[str],
+    sources: Sequence[str],
     *,
     host: str = "127.0.0.1",
     port: int = 0,
@@ -53,15 +98,20 @@ def serve(
     labels: Sequence[str] | None = None,
     interval: float = 0.1,
     out: IO[str] | None = None,
+    export_to: str | os.PathLike[str] | None = None,
 ) -> None:
-    """Serve a dashboard of the runs at ``addresses`` until interrupted (Ctrl-C).
-
-    The page is on loopback by default. On any other ``host`` it needs a ``web_token``
-    (``"auto"`` makes one up); the address printed carries it.
+    """Serve a dashboard of the runs of ``sources`` (run folders, folders of runs, log
+    files, globs; live jobs' stream addresses) until interrupted (Ctrl-C). The page is on
+    loopback by default; on any other ``host`` it needs a ``web_token`` (``"auto"`` makes
+    one up). With ``export_to`` it writes a report of the runs there instead, and returns.
     """
     import uvicorn
 
     out = out if out is not None else sys.stderr
+    paths, addresses = split_sources(sources)
+    if export_to is not None:
+        _export(paths, export_to, out)
+        return
     if not isinstance(host, str) or not host:
         raise MisconfigurationError(f"the dashboard's host must be a host name, got {host!r}.")
     if web_token == "auto":
@@ -72,19 +122,15 @@ def serve(
             "pass a token for the page (--web-token SECRET, or --web-token auto), or keep "
             "--host on 127.0.0.1 and forward the port (ssh -L 8080:127.0.0.1:8080 host)."
         )
-    dashboard = Dashboard(
-        addresses, labels=labels, token=token, web_token=web_token, interval=interval
-    )
+    options: dict[str, Any] = {"labels": labels, "token": token, "web_token": web_token}
+    options["interval"] = interval
+    dashboard = Dashboard(addresses, paths=paths, **options)
     sock = bind(host, port)
     url = url_of(sock, host, web_token)
-    if not is_loopback(host):
-        print(
-            f"loopbus dashboard: WARNING: serving on {host!r}, beyond this machine; the page "
-            "is plain HTTP (the token travels unencrypted).",
-            file=out,
-        )
+    _warn_beyond_loopback(host, out)
     print(
-        f"loopbus dashboard: {url} (watching {', '.join(dashboard.addresses)}; Ctrl-C stops)",
+        f"loopbus dashboard: {url} (watching {', '.join([*paths, *dashboard.addresses])}; "
+        "Ctrl-C stops)",
         file=out,
         flush=True,
     )

@@ -48,6 +48,7 @@ async def follow(
                 if welcome.step < feed.step:
                     feed = feed.successor()
                 feed.started(welcome.stage, welcome.step, welcome.epoch)
+                feed.attach(welcome.run_dir, welcome.time)
                 await _feed(feed, stream)
             if feed.state == "connected":  # a bye without a StageEnded before it
                 feed.set_state("between stages", "the stage ended")
@@ -77,7 +78,7 @@ async def _feed(feed: RunFeed, stream: Stream) -> None:
         kind = type(item)
         if kind is PutRecord:
             r: PutRecord = item  # type: ignore[assignment]
-            record(r.name, r.value, r.step, r.epoch)
+            record(r.name, r.value, r.step, r.epoch, r.time)
         elif kind is EpochEnded:
             e: EpochEnded = item  # type: ignore[assignment]
             feed.epoch_ended(e.epoch, e.step)

@@ -256,6 +256,9 @@ class StreamServer(Plugin):
                 self._finalizer = weakref.finalize(
                     self, _shut_down, server, "the trainer's stream server closed"
                 )
+        run_dir = getattr(trainer, "run_dir", None)
+        if run_dir is not None:  # told to clients, so that a dashboard reads the history
+            server.run_dir = os.path.abspath(run_dir)  # noqa: ASYNC240 - no I/O, a string
         server.publish_event(
             StageStarted(
                 stage=stage, step=trainer.global_step, epoch=trainer.current_epoch, time=time.time()

@@ -142,6 +142,23 @@ def _serve_in_thread(
     return thread
 
 
+class _RunFolder:
+    """``Server.run_dir``: the run folder clients are told in ``Welcome.run_dir`` (where
+    the job's loggers write, so that a dashboard reads the history before it connected);
+    None: not told. Settable at any time; clients accepted afterwards are told the new
+    value."""
+
+    def __get__(self, server: Server | None, owner: type) -> Any:
+        return self if server is None else server._sessions.run_dir
+
+    def __set__(self, server: Server, value: str | os.PathLike[str] | None) -> None:
+        if value is not None and not isinstance(value, (str, os.PathLike)):
+            raise TypeError(
+                f"Server.run_dir must be a folder path or None, got {type(value).__name__}."
+            )
+        server._sessions.run_dir = None if value is None else os.fspath(value)
+
+
 class Server:
     """Serve records and lifecycle events to clients in other processes.
 
@@ -260,6 +277,7 @@ class Server:
     handshake_timeout: _Option[float] = _Option()
     subscribe_rate: _Option[float] = _Option()
     accept_rate: _Option[float] = _Option()
+    run_dir = _RunFolder()  # told to clients in Welcome.run_dir
 
     @property
     def limits(self) -> Limits:

@@ -85,6 +85,8 @@ class Sessions:
         self.versions = versions
         self._token = token
         self._accepting = accepting
+        #: The run folder told to clients in ``Welcome.run_dir`` (None: not told).
+        self.run_dir: str | None = None
         #: Handshakes accepted; connections turned away or closed for a protocol
         #: violation; unexpected errors in connection tasks (logged, they end only that
         #: connection).
@@ -219,6 +221,7 @@ class Sessions:
             buffer=self.limits.client_buffer,
             topics=list(TOPICS),
             versions=list(self.versions),
+            run_dir=self.run_dir,
         )
 
     # ------------------------------------------------------------ reading

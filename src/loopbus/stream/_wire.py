@@ -122,7 +122,10 @@ class Bye(_Message, frozen=True, kw_only=True):
 class Welcome(_Message, frozen=True, kw_only=True):
     """The server accepted the client's Hello. Describes the run and the server's limits.
     ``version`` is the version the client asked for (the one this connection speaks),
-    ``versions`` every version the server speaks."""
+    ``versions`` every version the server speaks. ``run_dir`` is the run folder the job
+    writes its logs into (``Server.run_dir``), when it has one: a dashboard reads the run's
+    history there (an optional key added within version 2; clients that do not know it
+    ignore it)."""
 
     version: int
     server: str
@@ -134,6 +137,7 @@ class Welcome(_Message, frozen=True, kw_only=True):
     buffer: int = 0
     topics: list[str] = msgspec.field(default_factory=lambda: list(TOPICS))
     versions: list[int] = msgspec.field(default_factory=lambda: list(PROTOCOL_VERSIONS))
+    run_dir: Annotated[str, msgspec.Meta(max_length=4096)] | None = None
 
 
 class Subscribed(_Message, frozen=True, kw_only=True):

@@ -1,0 +1,236 @@
+"""The dashboard's JSON API, which its page uses (``docs/dashboard.md`` documents it):
+
+* ``GET /api/runs``: every run, with its record names, ``run.json`` and configuration;
+* ``GET /api/scalars?run=ID&name=NAME``: every point of one series, exact;
+* ``GET|POST /api/lines``: what a chart draws of several runs' series (min and max per
+  pixel column of the visible range, with the markers);
+* ``GET|POST /api/csv``: the exact points of runs and names, as CSV;
+* ``GET /api/updates``: Server-Sent Events, one ``runs`` event whenever runs change.
+
+Queries name runs by their id, never by a path: no query reaches a file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+import msgspec
+from sse_starlette import EventSourceResponse
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import BaseRoute, Route
+
+from ._catalog import Catalog
+from ._runs import Run
+from ._series import X_MODES, lines, scalars, x_of
+
+__all__ = ["api_routes"]
+
+#: Seconds between looks for changed runs, per open page.
+UPDATES = 0.1
+#: Pixel columns a chart may ask for.
+_WIDTHS = (16, 8192)
+_encode = msgspec.json.Encoder().encode
+#: Keys of a run's light description (what changes while it is written).
+_LIGHT = ("id", "name", "state", "names", "points", "loaded", "version", "live", "reason")
+
+
+class _Query(msgspec.Struct, forbid_unknown_fields=True):
+    """A request for lines or CSV (the body of a POST, or the query of a GET)."""
+
+    runs: list[str] = []
+    names: list[str] = []
+    x: str = "step"
+    lo: float | None = None
+    hi: float | None = None
+    width: int = 800
+
+
+class BadRequest(Exception):
+    """Raised when a request names what is not there or is malformed (400 or 404)."""
+
+    def __init__(self, message: str, status: int = 400) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _json(data: Any) -> Response:
+    return Response(_encode(data), media_type="application/json")
+
+
+def _one(request: Request, key: str) -> str:
+    values = request.query_params.getlist(key)
+    if len(values) != 1 or not values[0]:
+        raise BadRequest(f"the query needs one {key}=..., got {len(values)}.")
+    return values[0]
+
+
+def _number(text: str | None, key: str) -> float | None:
+    if text is None or text == "":
+        return None
+    try:
+        value = float(text[:40])
+    except ValueError:
+        raise BadRequest(f"{key} must be a number, got {text[:40]!r}.") from None
+    if not math.isfinite(value):
+        raise BadRequest(f"{key} must be a finite number, got {text[:40]!r}.")
+    return value
+
+
+async def _query(request: Request) -> _Query:
+    if request.method == "POST":
+        body = await request.body()
+        try:
+            query = msgspec.json.decode(body, type=_Query)
+        except msgspec.DecodeError as exc:
+            raise BadRequest(
+                f"the body must be a JSON object of runs, names, x, ...: {exc}"
+            ) from None
+    else:
+        params = request.query_params
+        query = _Query(
+            runs=params.getlist("run"),
+            names=params.getlist("name"),
+            x=params.get("x", "step"),
+            lo=_number(params.get("lo"), "lo"),
+            hi=_number(params.get("hi"), "hi"),
+            width=int(_number(params.get("width"), "width") or 800),
+        )
+    if query.x not in X_MODES:
+        raise BadRequest(f"x must be one of {', '.join(X_MODES)}, got {query.x[:40]!r}.")
+    query.width = min(max(query.width, _WIDTHS[0]), _WIDTHS[1])
+    return query
+
+
+def _run(catalog: Catalog, run_id: str) -> Run:
+    run = catalog.get(run_id)
+    if run is None:
+        raise BadRequest(f"there is no run {run_id[:200]!r}: GET /api/runs lists them.", 404)
+    return run
+
+
+def light(run: Run) -> dict[str, Any]:
+    """What changes while a run is written, for the page's updates."""
+    info = run.info()
+    return {key: info[key] for key in _LIGHT}
+
+
+def _lines(catalog: Catalog, query: _Query) -> dict[str, Any]:
+    if len(query.names) != 1:
+        raise BadRequest("lines are asked for one record name at a time (one name).")
+    name = query.names[0]
+    runs = [_run(catalog, run_id) for run_id in query.runs]
+    shown, data, markers = [], [], []
+    for run in runs:
+        series = run.series.get(name)
+        if series is None:
+            continue
+        origin = run.origin()
+        shown.append(run.id)
+        data.append(x_of(series, query.x, origin))
+        markers.extend(_markers(run, query.x, origin))
+    result = lines(data, query.lo, query.hi, query.width)
+    result["runs"] = shown
+    result["total"] = sum(len(x) for x, _ in data)
+    result["markers"] = markers
+    return result
+
+
+def _markers(run: Run, mode: str, origin: float | None) -> list[dict[str, Any]]:
+    out = []
+    for m in run.markers():
+        if mode == "step":
+            x = m["step"]
+        elif m["time"] is None:
+            continue
+        else:
+            x = m["time"] - (origin or 0.0) if mode == "relative" else m["time"]
+        out.append({"run": run.id, "kind": m["kind"], "x": x, "label": m["label"]})
+    return out
+
+
+def _csv(catalog: Catalog, query: _Query) -> str:
+    runs = [_run(catalog, run_id) for run_id in query.runs] or catalog.runs()
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["run", "name", "step", "wall_time", "value"])
+    for run in runs:
+        names = query.names or sorted(run.series)
+        for name in names:
+            series = run.series.get(name)
+            if series is None:
+                continue
+            points = scalars(series)
+            for step, time, value in zip(
+                points["step"], points["wall_time"], points["value"], strict=True
+            ):
+                writer.writerow([run.id, name, step, repr(time), _cell(value)])
+    return out.getvalue()
+
+
+def _cell(value: Any) -> str:
+    return repr(value) if type(value) is float else str(value)
+
+
+async def _changes(catalog: Catalog) -> AsyncIterator[dict[str, Any]]:
+    """A ``runs`` event whenever runs change: the changed runs' light descriptions and
+    how many runs there are."""
+    sent: dict[str, int] = {}
+    while True:
+        runs = catalog.runs()
+        changed = [light(r) for r in runs if sent.get(r.id) != r.version]
+        if changed or len(sent) != len(runs):
+            sent = {r.id: r.version for r in runs}
+            yield {"event": "runs", "data": _encode({"runs": changed, "count": len(runs)}).decode()}
+        await anyio.sleep(UPDATES)
+
+
+def api_routes(catalog: Catalog) -> list[BaseRoute]:
+    """The JSON API's routes over ``catalog`` (see the module's docstring)."""
+
+    def answering(handler: Any) -> Any:
+        async def endpoint(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except BadRequest as exc:
+                return PlainTextResponse(str(exc), exc.status)
+
+        return endpoint
+
+    async def runs(request: Request) -> Response:
+        return _json([run.info() for run in catalog.runs()])
+
+    async def series(request: Request) -> Response:
+        run = _run(catalog, _one(request, "run"))
+        name = _one(request, "name")
+        found = run.series.get(name)
+        if found is None:
+            raise BadRequest(f"run {run.id!r} has no record {name[:200]!r}.", 404)
+        return _json(scalars(found))
+
+    async def chart(request: Request) -> Response:
+        return _json(_lines(catalog, await _query(request)))
+
+    async def table(request: Request) -> Response:
+        text = _csv(catalog, await _query(request))
+        return Response(
+            text,
+            media_type="text/csv",
+            headers={"Content-Disposition": 'attachment; filename="records.csv"'},
+        )
+
+    async def updates(request: Request) -> Response:
+        return EventSourceResponse(_changes(catalog), ping=15, sep="\n")
+
+    return [
+        Route("/api/runs", answering(runs)),
+        Route("/api/scalars", answering(series)),
+        Route("/api/lines", answering(chart), methods=["GET", "POST"]),
+        Route("/api/csv", answering(table), methods=["GET", "POST"]),
+        Route("/api/updates", updates),
+    ]

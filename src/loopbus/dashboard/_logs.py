@@ -1,0 +1,318 @@
+"""Reading the logs loopbus's file loggers write, from where the last read stopped.
+
+Each reader follows one file (or, for TensorBoard, the event files of one folder): every
+:meth:`read` returns the points added since the previous one as a :class:`Chunk`. A file
+replaced by another (the CSV logger rewrites its file when a record name appears, a
+resumed run cuts the lines after its checkpoint) is read again from its start, and the
+chunk says so (``reset``). Only whole lines are read: a line still being written waits
+for the next read.
+
+* ``records.jsonl`` (``JSONLLogger``): every record with its step, epoch, time and value
+  (``"nan"``, ``"inf"``, ``"-inf"`` for the floats JSON has no word for);
+* ``metrics.csv`` (``CSVLogger``): ``step,epoch,time`` and a column per record name;
+* ``events.out.tfevents.*`` (``TensorBoardLogger``, or any TensorBoard writer): scalars
+  read with TensorBoard's own event-file reader, every point (the ``tensorboard``
+  extra); a purge marker at step N (a resumed run) drops the earlier points from N on.
+
+Imports the base layer only (and ``tensorboard`` when an event file is read).
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+__all__ = ["CSV", "JSONL", "TB_PREFIX", "Chunk", "LogReader", "reader_for", "reader_for_file"]
+
+#: The file names the loggers write (and a TensorBoard event file's prefix).
+JSONL = "records.jsonl"
+CSV = "metrics.csv"
+TB_PREFIX = "events.out.tfevents."
+_TEXT = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+#: Bytes read from a growing file at once.
+_BLOCK = 16 * 1024 * 1024
+
+
+@dataclass
+class Chunk:
+    """What a read found: ``points[name] = (steps, times, values)``, the epoch ends seen
+    (``epoch -> (step, time)`` of its last point), purges (``(step, time)``: drop the
+    points from that step on, a resumed run), and ``reset``: forget everything read
+    before (the file was replaced)."""
+
+    points: dict[str, tuple[list[int], list[float], list[Any]]] = field(default_factory=dict)
+    #: Points read as columns at once (numpy arrays): name -> (steps, times, values).
+    arrays: dict[str, tuple[Any, Any, Any]] = field(default_factory=dict)
+    epochs: dict[int, tuple[int, float]] = field(default_factory=dict)
+    purges: list[tuple[int, float]] = field(default_factory=list)
+    reset: bool = False
+
+    def add(self, name: str, step: int, time: float, value: Any) -> None:
+        columns = self.points.get(name)
+        if columns is None:
+            columns = self.points[name] = ([], [], [])
+        columns[0].append(step)
+        columns[1].append(time)
+        columns[2].append(value)
+
+    def __bool__(self) -> bool:
+        return bool(self.points or self.arrays or self.epochs or self.purges or self.reset)
+
+
+class LogReader:
+    """Follows one log file; subclasses parse its lines."""
+
+    kind = ""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._identity: tuple[int, int] | None = None  # (device, inode) of the file read
+        self._offset = 0
+        self._size = 0
+        self._rest = b""
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {str(self.path)!r} at {self._offset}>"
+
+    def read(self) -> Chunk:
+        """The points written since the last read (all of them the first time)."""
+        chunk = Chunk()
+        try:
+            with self.path.open("rb") as f:
+                stat = os.fstat(f.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                if identity != self._identity or stat.st_size < self._offset:
+                    chunk.reset = self._identity is not None
+                    self._identity, self._offset, self._rest = identity, 0, b""
+                    self._restart()
+                self._size = stat.st_size
+                if stat.st_size == self._offset:
+                    return chunk
+                f.seek(self._offset)
+                data = f.read(_BLOCK)
+        except FileNotFoundError:
+            return chunk
+        self._offset += len(data)
+        data = self._rest + data
+        cut = data.rfind(b"\n") + 1
+        self._rest = data[cut:]
+        if cut:
+            self._parse(data[:cut], chunk)
+        return chunk
+
+    def more(self) -> bool:
+        """Whether the file held more than the last read took."""
+        return self._offset < self._size
+
+    def _restart(self) -> None:
+        """The file is read from its start again."""
+
+    def _parse(self, lines: bytes, chunk: Chunk) -> None:
+        raise NotImplementedError
+
+
+class _Line(msgspec.Struct):
+    name: str
+    value: float | int | bool | str
+    step: int = 0
+    epoch: int = 0
+    time: float = 0.0
+
+
+_LINES = msgspec.json.Decoder(_Line)
+
+
+class JsonlReader(LogReader):
+    """``records.jsonl``: one record a line."""
+
+    kind = "jsonl"
+
+    def _parse(self, lines: bytes, chunk: Chunk) -> None:
+        try:
+            records = _LINES.decode_lines(lines)
+        except msgspec.DecodeError:  # a line of another kind: read line by line
+            records = []
+            for line in lines.splitlines():
+                try:
+                    records.append(_LINES.decode(line))
+                except msgspec.DecodeError:
+                    continue
+        epochs = chunk.epochs
+        for r in records:
+            value = r.value
+            if type(value) is str:
+                value = _TEXT.get(value)
+                if value is None:
+                    continue
+            chunk.add(r.name, r.step, r.time, value)
+            epochs[r.epoch] = (r.step, r.time)
+
+
+def _cell(text: str) -> Any:
+    if text == "True":
+        return True
+    if text == "False":
+        return False
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
+
+
+class CsvReader(LogReader):
+    """``metrics.csv``: ``step,epoch,time``, then a column per record name."""
+
+    kind = "csv"
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._names: list[str] | None = None
+
+    def _restart(self) -> None:
+        self._names: list[str] | None = None
+
+    def _parse(self, lines: bytes, chunk: Chunk) -> None:
+        text = lines.decode("utf-8", errors="replace")
+        if self._names is None:
+            first, _, text = text.partition("\n")
+            header = next(csv.reader(io.StringIO(first)), [])
+            if header[:3] != ["step", "epoch", "time"]:
+                return  # not the CSV logger's file: nothing to read
+            self._names = header[3:]
+        names = self._names
+        if names and _columns(text, names, chunk):
+            return
+        epochs = chunk.epochs
+        for line in text.splitlines():
+            cells = line.split(",")
+            try:
+                step, epoch, time = int(cells[0]), int(cells[1]), float(cells[2])
+            except (ValueError, IndexError):
+                continue
+            for name, cell in zip(names, cells[3:], strict=False):
+                if cell:
+                    try:
+                        chunk.add(name, step, time, _cell(cell))
+                    except ValueError:
+                        continue
+            epochs[epoch] = (step, time)
+
+
+def _columns(text: str, names: list[str], chunk: Chunk) -> bool:
+    """Read rows whose every cell holds a number at C speed (numpy); False when a row has
+    an empty cell or a bool (then they are read one by one)."""
+    import numpy as np
+
+    try:
+        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.float64, ndmin=2)
+    except ValueError:
+        return False
+    if table.shape[1] != len(names) + 3:
+        return False
+    steps = table[:, 0].astype(np.int64)
+    times = table[:, 2]
+    if not np.array_equal(steps, table[:, 0]):
+        return False
+    for j, name in enumerate(names):
+        chunk.arrays[name] = (steps, times, table[:, 3 + j])
+    epochs = table[:, 1].astype(np.int64)
+    ends = np.flatnonzero(np.r_[epochs[1:] != epochs[:-1], True])
+    for i in ends.tolist():
+        chunk.epochs[int(epochs[i])] = (int(steps[i]), float(times[i]))
+    return True
+
+
+class EventsReader:
+    """The TensorBoard event files of one folder, oldest first, each followed with
+    TensorBoard's own reader (every event, not TensorBoard's sampled view)."""
+
+    kind = "tensorboard"
+
+    def __init__(self, folder: Path, files: list[Path]) -> None:
+        from tensorboard.backend.event_processing import event_file_loader
+
+        self.path = folder
+        self._loader = event_file_loader.LegacyEventFileLoader
+        self._loaders: dict[Path, Any] = {}
+        self.files = files
+
+    def __repr__(self) -> str:
+        return f"<EventsReader {str(self.path)!r} ({len(self.files)} files)>"
+
+    def read(self) -> Chunk:
+        chunk = Chunk()
+        for path in sorted(self.files, key=lambda p: p.name):
+            loader = self._loaders.get(path)
+            if loader is None:
+                loader = self._loaders[path] = self._loader(str(path))
+            try:
+                for event in loader.Load():
+                    _event(event, chunk)
+            except (OSError, ValueError):  # a file gone, or a torn record: next time
+                continue
+        return chunk
+
+
+def _event(event: Any, chunk: Chunk) -> None:
+    """Add one TensorBoard event's scalars (or its purge marker) to ``chunk``."""
+    if event.HasField("session_log") and event.session_log.status == 1:  # START
+        chunk.purges.append((event.step, event.wall_time))
+        for steps, times, values in chunk.points.values():  # this chunk's own points
+            while steps and steps[-1] >= event.step:
+                steps.pop(), times.pop(), values.pop()
+        return
+    if not event.HasField("summary"):
+        return
+    for value in event.summary.value:
+        kind = value.WhichOneof("value")
+        if kind == "simple_value":
+            chunk.add(value.tag, event.step, event.wall_time, value.simple_value)
+        elif kind == "tensor" and value.metadata.plugin_data.plugin_name == "scalars":
+            from tensorboard.util import tensor_util
+
+            number = tensor_util.make_ndarray(value.tensor)
+            if number.size == 1:
+                chunk.add(value.tag, event.step, event.wall_time, number.item())
+
+
+def have_tensorboard() -> bool:
+    """Whether TensorBoard's event-file reader can be imported (the ``tensorboard``
+    extra)."""
+    try:
+        from tensorboard.backend.event_processing import event_file_loader  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def reader_for_file(path: Path) -> LogReader | EventsReader | None:
+    """The reader of one log file given by its path (by its name: ``*.jsonl``, ``*.csv``
+    or a TensorBoard event file)."""
+    name = path.name
+    if name.endswith(".jsonl"):
+        return JsonlReader(path)
+    if name.endswith(".csv"):
+        return CsvReader(path)
+    if name.startswith(TB_PREFIX) and have_tensorboard():
+        return EventsReader(path.parent, [path])
+    return None
+
+
+def reader_for(folder: Path, names: set[str]) -> LogReader | EventsReader | None:
+    """The reader of a run folder holding the files ``names``: its JSONL file first (the
+    most exact), then its CSV file, then its event files (None when none is there)."""
+    if JSONL in names:
+        return JsonlReader(folder / JSONL)
+    if CSV in names:
+        return CsvReader(folder / CSV)
+    events = [folder / n for n in names if n.startswith(TB_PREFIX)]
+    if events and have_tensorboard():
+        return EventsReader(folder, events)
+    return None

@@ -12,19 +12,25 @@ import loopbus
 from loopbus.stream import Server, Welcome
 
 
-async def test_the_welcome_names_the_run_folder_once_it_is_set(tmp_path: Path) -> None:
+async def test_the_welcome_names_the_run_folder_once_it_is_set(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     socket = tmp_path / "run.sock"
     async with Server(host=None, path=socket) as server:
         async with loopbus.connect(f"unix://{socket}") as stream:
             assert stream.welcome is not None
             assert stream.welcome.run_dir is None
         server.run_dir = tmp_path / "runs" / "exp" / "version_0"
-        assert server.run_dir == str(tmp_path / "runs" / "exp" / "version_0")
         async with loopbus.connect(f"unix://{socket}") as stream:
             assert stream.welcome is not None
-            assert stream.welcome.run_dir == server.run_dir
-        with pytest.raises(TypeError, match=r"Server\.run_dir must be a folder path or None"):
-            server.run_dir = 3  # type: ignore[assignment]
+            assert stream.welcome.run_dir == str(tmp_path / "runs" / "exp" / "version_0")
+        # A value that is no path is not told (and the client is served all the same).
+        server.run_dir = 3  # type: ignore[assignment]
+        with caplog.at_level("WARNING", logger="loopbus.stream"):
+            async with loopbus.connect(f"unix://{socket}") as stream:
+                assert stream.welcome is not None
+                assert stream.welcome.run_dir is None
+        assert "Server.run_dir must be a folder path or None, got 3" in caplog.text
 
 
 def test_a_client_that_does_not_know_the_key_ignores_it() -> None:

@@ -142,23 +142,6 @@ def _serve_in_thread(
     return thread
 
 
-class _RunFolder:
-    """``Server.run_dir``: the run folder clients are told in ``Welcome.run_dir`` (where
-    the job's loggers write, so that a dashboard reads the history before it connected);
-    None: not told. Settable at any time; clients accepted afterwards are told the new
-    value."""
-
-    def __get__(self, server: Server | None, owner: type) -> Any:
-        return self if server is None else server._sessions.run_dir
-
-    def __set__(self, server: Server, value: str | os.PathLike[str] | None) -> None:
-        if value is not None and not isinstance(value, (str, os.PathLike)):
-            raise TypeError(
-                f"Server.run_dir must be a folder path or None, got {type(value).__name__}."
-            )
-        server._sessions.run_dir = None if value is None else os.fspath(value)
-
-
 class Server:
     """Serve records and lifecycle events to clients in other processes.
 
@@ -243,9 +226,11 @@ class Server:
         self._records_wanted = False
         self._fanout = Fanout(self._pending, self._want_records)
         secret = token.encode() if token is not None else None
+        self.run_dir: str | os.PathLike[str] | None = None  # told in Welcome.run_dir
         self._sessions = Sessions(
             self._fanout, limits, token=secret, versions=self.versions, accepting=self._accepting
         )
+        self._sessions.run_dir = lambda: self.run_dir
         self._serving = False
         self._state = "new"
         self._close_reason = "the server closed"
@@ -277,7 +262,6 @@ class Server:
     handshake_timeout: _Option[float] = _Option()
     subscribe_rate: _Option[float] = _Option()
     accept_rate: _Option[float] = _Option()
-    run_dir = _RunFolder()  # told to clients in Welcome.run_dir
 
     @property
     def limits(self) -> Limits:
@@ -358,9 +342,8 @@ class Server:
         return self._state == "closed"
 
     def __repr__(self) -> str:
-        where = self.address or (
-            f"tcp://{self.host}:{self.port}" if self.host is not None else f"unix://{self.path}"
-        )
+        tcp = f"tcp://{self.host}:{self.port}"
+        where = self.address or (tcp if self.host is not None else f"unix://{self.path}")
         return f"<{self._owner} {where} clients={self.connected}>"
 
     # ------------------------------------------------------------ publishing (any thread)

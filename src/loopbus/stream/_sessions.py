@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import logging
+import os
 import socket
 import time
 from collections.abc import Callable
@@ -61,6 +62,17 @@ def _spoken(versions: tuple[int, ...]) -> str:
     return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
+def _folder(value: object) -> str | None:
+    """A run folder as ``Welcome.run_dir`` tells it: a path as a string; anything else
+    (a value that is no path) is not told, with a warning in the log."""
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)  # type: ignore[no-any-return]
+    logger.warning("Server.run_dir must be a folder path or None, got %r: not told", value)
+    return None
+
+
 class Sessions:
     """Serves each connection a server accepts (:meth:`handle`), and counts them.
 
@@ -85,8 +97,9 @@ class Sessions:
         self.versions = versions
         self._token = token
         self._accepting = accepting
-        #: The run folder told to clients in ``Welcome.run_dir`` (None: not told).
-        self.run_dir: str | None = None
+        #: The run folder to tell a client in ``Welcome.run_dir`` now (the server's
+        #: ``run_dir``; None: not told), asked at each handshake.
+        self.run_dir: Callable[[], object] = lambda: None
         #: Handshakes accepted; connections turned away or closed for a protocol
         #: violation; unexpected errors in connection tasks (logged, they end only that
         #: connection).
@@ -221,7 +234,7 @@ class Sessions:
             buffer=self.limits.client_buffer,
             topics=list(TOPICS),
             versions=list(self.versions),
-            run_dir=self.run_dir,
+            run_dir=_folder(self.run_dir()),
         )
 
     # ------------------------------------------------------------ reading

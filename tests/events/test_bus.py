@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Generator
 from typing import Any
 
 import anyio
@@ -299,3 +300,53 @@ async def test_running_drain_timeout_cancels_a_hung_consumer() -> None:
         async with bus.running(drain_timeout=0.05):
             await bus.publish(Ping())
     assert sub.delivered == 0
+
+
+# ---------------------------------------------------------------- one delivery loop
+def test_in_step_events_run_the_delivery_loop_without_an_event_loop() -> None:
+    bus = EventBus()
+    got: list[str] = []
+    bus.subscribe(AfterBackward, lambda e: got.append("first"))
+    bus.subscribe(Event, lambda e: got.append(type(e).__name__))
+    bus.deliver_sync(bus.table[AfterBackward], AfterBackward(loop="train"))
+    assert got == ["first", "AfterBackward"]
+
+    def fails(event: Any) -> None:
+        raise ValueError("boom")
+
+    bus.subscribe(AfterBackward, fails, owner="Failing")
+    with pytest.raises(HandlerError, match="Failing") as caught:
+        bus.deliver_sync(bus.table[AfterBackward], AfterBackward(loop="train"))
+    assert isinstance(caught.value.__cause__, ValueError)
+
+
+class _Suspend:
+    """An awaitable that suspends once (what waiting on an event loop looks like)."""
+
+    def __await__(self) -> Generator[None, None, None]:
+        yield None
+
+
+def test_an_in_step_handler_that_waits_is_named_in_the_error() -> None:
+    bus = EventBus()
+
+    async def waits(event: Any) -> None:  # subscribed to every event, so also in-step ones
+        await _Suspend()
+
+    bus.subscribe(Event, waits)
+    with pytest.raises(RuntimeError, match=r"AfterBackward.*waited"):
+        bus.deliver_sync(bus.table[AfterBackward], AfterBackward(loop="train"))
+
+
+async def test_records_are_delivered_with_the_same_errors_as_events() -> None:
+    bus = EventBus()
+
+    def fails(record: PutRecord) -> None:
+        raise KeyError("nope")
+
+    bus.subscribe(PutRecord, fails, owner="Sink")
+    record = PutRecord(name="a", value=1.0, destinations=("callbacks",))
+    with pytest.raises(HandlerError, match="Sink"):
+        await bus.deliver_record(bus.route(("callbacks",)), record)
+    with pytest.raises(HandlerError, match="Sink"):
+        await bus.publish(record)

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from loopbus import Module, PutRecord, Trainer
-from loopbus.records._recorder import _resolve
+from loopbus.records._readback import resolve as _resolve
 
 
 class Many(Module):

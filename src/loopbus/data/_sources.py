@@ -86,10 +86,7 @@ class BatchSource:
 
     def has_next(self) -> bool:
         if self.next is _UNSET:
-            try:
-                self.next = next(self.iterator)
-            except StopIteration:
-                self.next = _END
+            self.next = next(self.iterator, _END)
         return self.next is not _END
 
     def look_ahead(self) -> bool:

@@ -13,7 +13,7 @@ entries, empty when nobody listens, so a loop can skip building an event nobody 
 from __future__ import annotations
 
 import math
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sized
 from contextlib import asynccontextmanager
 from typing import Any, Literal
 
@@ -27,7 +27,17 @@ from ._options import check_count, check_options
 from ._subscription import Entry, Subscription
 from ._types import Event, PutRecord
 
-__all__ = ["EventBus"]
+__all__ = ["EventBus", "record_route"]
+
+
+def record_route(subscribers: Iterable[Entry], destinations: tuple[str, ...]) -> tuple[Entry, ...]:
+    """The entries of ``subscribers`` (a :class:`PutRecord` dispatch table's) whose
+    subscriber plays a role named in ``destinations``: where a record put to those goes."""
+    return tuple(entry for entry in subscribers if entry[2].destination in destinations)
+
+
+async def _nothing() -> None:
+    """What a plain bus runs between two inline handlers: nothing (never called)."""
 
 
 class _Table(dict[type, tuple[Entry, ...]]):
@@ -59,12 +69,16 @@ class EventBus:
         self._subs: list[Subscription] = []
         self._seq = 0
         self.table = _Table(self)
-        #: The cache :meth:`route` fills, destinations -> record subscribers: read it to
-        #: skip a call where the route is usually cached; only the bus writes to it.
+        #: The cache :meth:`route` fills, destinations -> record subscribers (what a
+        #: :class:`PutRecord` published on the bus goes to); only the bus writes to it.
         self.routes: dict[tuple[str, ...], tuple[Entry, ...]] = {}
         self._tg: TaskGroup | None = None
         self.failure: HandlerError | None = None
         self._consumers: list[anyio.CancelScope] = []
+        # What runs between two inline handlers of one event (see :meth:`deliver`):
+        # ``_settle()`` while ``_unsettled`` is truthy; never on a plain bus.
+        self._unsettled: Sized = ()
+        self._settle: Callable[[], Awaitable[None]] = _nothing
 
     # ------------------------------------------------------------ subscribing
     def subscribe(
@@ -190,8 +204,7 @@ class EventBus:
         """The record subscribers whose role is in ``destinations`` (cached)."""
         entries = self.routes.get(destinations)
         if entries is None:
-            wanted = set(destinations)
-            entries = tuple(e for e in self.table[PutRecord] if e[2].destination in wanted)
+            entries = record_route(self.table[PutRecord], destinations)
             self.routes[destinations] = entries
         return entries
 
@@ -201,16 +214,28 @@ class EventBus:
         if type(event) is PutRecord:
             entries = self.route(event.destinations)
             if entries:
-                await self.deliver_record(entries, event)
+                await self.deliver(entries, event, settle=False)
             return
         entries = self.table[type(event)]
         if entries:
             await self.deliver(entries, event)
 
-    async def deliver(self, entries: tuple[Entry, ...], event: Any) -> None:
-        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`), in
-        their order."""
+    async def deliver(self, entries: tuple[Entry, ...], event: Any, *, settle: bool = True) -> None:
+        """Deliver ``event`` to precomputed ``entries`` (from :attr:`table`, or for a
+        record from :meth:`route`), in their order: the bus's one delivery loop, which
+        :meth:`deliver_record` and :meth:`deliver_sync` run too.
+
+        A handler's exception is raised as a :class:`HandlerError` naming its owner and
+        the event (one already raised as such, and :class:`StopLoop`, pass as they are).
+        On a bus that settles between handlers (a trainer's, whose inline handlers may
+        put records), what the previous handler left pending is delivered before the
+        next one runs, unless ``settle`` is False: records are delivered as on any bus,
+        and what a record's handler puts waits for the next flush."""
+        between = self._unsettled if settle else ()
+        unsettled: Sized = ()  # nothing to settle before the first handler
         for fn, is_async, sub in entries:
+            if unsettled:
+                await self._settle()
             try:
                 if is_async:
                     await fn(event)
@@ -220,29 +245,27 @@ class EventBus:
                 raise
             except Exception as exc:
                 raise handler_error(sub.owner, event, exc) from exc
+            unsettled = between
 
     async def deliver_record(self, entries: tuple[Entry, ...], record: PutRecord) -> None:
-        """Deliver a put record to its routed ``entries`` (from :meth:`route`)."""
-        for fn, is_async, sub in entries:
-            try:
-                if is_async:
-                    await fn(record)
-                else:
-                    fn(record)
-            except (HandlerError, StopLoop):
-                raise
-            except Exception as exc:
-                raise handler_error(sub.owner, record, exc) from exc
+        """Deliver a put record to its routed ``entries`` (from :meth:`route`): :meth:`deliver`
+        without settling between handlers."""
+        await self.deliver(entries, record, settle=False)
 
     def deliver_sync(self, entries: tuple[Entry, ...], event: Any) -> None:
-        """Deliver an ``inside_step`` event, whose handlers are all synchronous."""
-        for fn, _, sub in entries:
-            try:
-                fn(event)
-            except (HandlerError, StopLoop):
-                raise
-            except Exception as exc:
-                raise handler_error(sub.owner, event, exc) from exc
+        """Deliver an ``inside_step`` event, whose handlers are all synchronous: :meth:`deliver`
+        run to its end at once, without an event loop (nothing in it waits)."""
+        delivery = self.deliver(entries, event, settle=False)
+        try:
+            delivery.send(None)
+        except StopIteration:
+            return
+        delivery.close()
+        raise RuntimeError(
+            f"a handler of {type(event).__name__}, which is published inside the "
+            "(synchronous) training step, waited for something; its handlers must be "
+            "plain `def` functions that return without waiting."
+        )
 
     # ------------------------------------------------------------ queued delivery
     def _start(self, sub: Subscription, tg: TaskGroup) -> None:

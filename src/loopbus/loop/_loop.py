@@ -64,8 +64,9 @@ if TYPE_CHECKING:
 __all__ = ["Loop", "LoopEvents"]
 
 T = TypeVar("T")
-#: An iteration hook, bound: ``await hook(it)``.
-IterationHook = Callable[[Scope], Awaitable[None]]
+#: An iteration hook, bound: ``hook(it)`` returns what is left to await, or None when
+#: it has finished (a plain function that never waits returns None).
+IterationHook = Callable[[Scope], Awaitable[None] | None]
 #: ``on_advance_start`` (or None), ``advance``, ``on_advance_end`` (or None).
 _Hooks = tuple[IterationHook | None, IterationHook, IterationHook | None]
 
@@ -97,9 +98,9 @@ def _snake(name: str) -> str:
 def _labelled(hook: Any, label: str) -> Any:
     """``hook`` that first marks the iteration scope with the hook's name."""
 
-    async def call(it: TrackedScope) -> None:
+    def call(it: TrackedScope) -> Awaitable[None] | None:
         it.enter_hook(label)
-        await hook(it)
+        return hook(it)  # type: ignore[no-any-return]
 
     return call
 
@@ -375,7 +376,10 @@ class Loop(Generic[T]):
         and ``on_advance_end``, asked once when the run's iterations start (after
         :meth:`on_run_start`). Either end is None where it has nothing to do in this run
         (by default: where the class keeps :class:`Loop`'s empty hook). A loop that
-        overrides this leaves out only hooks that would do nothing."""
+        overrides this leaves out only hooks that would do nothing, and may give a plain
+        function for a hook that does the same work without waiting: what it returns,
+        if not None, is awaited (the built-in loops give their batch fetch and their
+        inline training step so)."""
         cls = type(self)
         start = None if cls.on_advance_start is Loop.on_advance_start else self.on_advance_start
         end = None if cls.on_advance_end is Loop.on_advance_end else self.on_advance_end
@@ -432,18 +436,19 @@ class Loop(Generic[T]):
                 try:
                     total.ready += 1
                     current.ready += 1
-                    if on_advance_start is not None:
-                        await on_advance_start(it)
+                    if on_advance_start is not None and (wait := on_advance_start(it)) is not None:
+                        await wait
                     if table[adv_started]:
                         event = self.make_event(adv_started, it, iteration=current.ready - 1)
                         await deliver(table[adv_started], event)
                     total.started += 1
                     current.started += 1
-                    await advance(it)
+                    if (wait := advance(it)) is not None:
+                        await wait
                     total.processed += 1
                     current.processed += 1
-                    if on_advance_end is not None:
-                        await on_advance_end(it)
+                    if on_advance_end is not None and (wait := on_advance_end(it)) is not None:
+                        await wait
                     total.completed += 1
                     current.completed += 1
                     if table[adv_completed]:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 from anyio.lowlevel import checkpoint
@@ -38,7 +38,7 @@ from loopbus.state._ranges import RANGES
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope, TrackedScope
 from loopbus.state._stateful import is_stateful
-from loopbus.step._step import EvalStep, TrainStep, run_in_worker
+from loopbus.step._step import EvalStep, StepBoundary, TrainStep, run_in_worker
 
 from .._exceptions import MisconfigurationError
 from ..events import (
@@ -218,6 +218,10 @@ class _DataLoop(_Hosted, Loop[Any]):
                 source.close()
 
     async def on_advance_start(self, ctx: Scope) -> None:
+        self._take_batch(ctx)
+
+    def _take_batch(self, ctx: Scope) -> None:
+        """``on_advance_start`` as a plain function: the next batch into the scope."""
         if RANGES.on:  # profiling_ranges(True): the phase as a profiler range
             with record_function("loopbus.data_fetch"):
                 batch = self.run_ctx.source.take()
@@ -228,6 +232,23 @@ class _DataLoop(_Hosted, Loop[Any]):
         else:
             ctx.batch = batch
         ctx.batch_idx = self.progress.current.ready - 1
+
+    async def advance(self, ctx: Scope) -> None:
+        if (wait := self._advance(ctx)) is not None:
+            await wait
+
+    def _advance(self, ctx: Scope) -> Awaitable[None] | None:
+        """``advance`` as a plain function: what is left to await (None: nothing)."""
+        raise NotImplementedError
+
+    def iteration_hooks(self) -> tuple[IterationHook | None, IterationHook, IterationHook | None]:
+        # The hooks a subclass keeps as they are here are called as plain functions.
+        start, advance, end = super().iteration_hooks()
+        if type(self).on_advance_start is _DataLoop.on_advance_start:
+            start = self._take_batch
+        if type(self).advance is _DataLoop.advance:
+            advance = self._advance
+        return start, advance, end
 
     def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
         if event_type is self.events.advance_started or event_type is self.events.advance_completed:
@@ -320,7 +341,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
 
     # This run's step path, taken from the host when the run starts.
     _step: Callable[[Any, Scope], Any]
-    _boundary: Callable[[], Any]
+    _boundary: StepBoundary
     _worker: Any
     _state: RunState
     _stop: StopControl
@@ -342,13 +363,11 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     @property
     def done(self) -> bool:
         state = self._state
-        if state.step >= self._max_steps:
-            return True
         ready = self.progress.current.ready
+        if state.step >= self._max_steps or ready >= self._limit:
+            return True
         # Inside an accumulation window a stop may wait for its end (TrainStep.stop_window).
         if state.stop_requested and ready % self._stop_window == 0:
-            return True
-        if ready >= self._limit:
             return True
         return not self.run_ctx.source.has_next()
 
@@ -408,13 +427,11 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         state.finish_resume()
         return iterator  # type: ignore[no-any-return]
 
-    async def advance(self, ctx: Scope) -> None:
-        worker = self._worker
-        if worker is None:  # (a profiler range while profiling_ranges is on)
-            ctx.output = self._step(ctx.batch, ctx) if not RANGES.on else _in_step(self, ctx)
-        else:
-            ctx.output = await run_in_worker(self._step, ctx, worker)
-        await self._boundary()
+    def _advance(self, ctx: Scope) -> Awaitable[None] | None:
+        if self._worker is not None:
+            return _in_worker(self, ctx)
+        ctx.output = self._step(ctx.batch, ctx) if not RANGES.on else _in_step(self, ctx)
+        return self._boundary.settle()  # the step boundary, as far as it needs no waiting
 
     def iteration_hooks(self) -> tuple[IterationHook | None, IterationHook, IterationHook | None]:
         start, advance, end = super().iteration_hooks()
@@ -423,8 +440,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         return start, advance, end
 
     def iteration_boundary(self) -> Callable[[], None] | None:
-        # Between two batches, after the batch's events: under a distributed strategy
-        # the stop control's periodic exchange (None in one process).
+        # Between two batches: the stop control's periodic exchange (None in one process).
         return self._stop.boundary
 
     async def on_advance_end(self, ctx: Scope) -> None:
@@ -466,6 +482,12 @@ def _in_step(loop: TrainEpochLoop, ctx: Scope) -> Any:
     """The training step of ``loop`` inside the profiler range ``loopbus.step``."""
     with record_function("loopbus.step"):
         return loop._step(ctx.batch, ctx)
+
+
+async def _in_worker(loop: TrainEpochLoop, ctx: Scope) -> None:
+    """The training step of ``loop`` in its worker thread, then the step boundary."""
+    ctx.output = await run_in_worker(loop._step, ctx, loop._worker)
+    await loop._boundary()
 
 
 class FitLoop(_Hosted, Loop[None]):
@@ -601,15 +623,12 @@ class EvaluationLoop(_DataLoop):
         self._state = host.state
         self._open_source(ctx, host.sources, data, iter(data))
 
-    async def advance(self, ctx: Scope) -> None:
+    def _advance(self, ctx: Scope) -> Awaitable[None] | None:
         step = self._pass
-        worker = step.worker
-        if worker is None:
-            output = step.run(ctx.batch, ctx)
-        else:
-            output = await run_in_worker(step.run, ctx, worker)
-        self.keep_output(ctx, output)
-        await self._boundary()
+        if step.worker is not None:
+            return _evaluated_in_worker(self, ctx)
+        self.keep_output(ctx, step.run(ctx.batch, ctx))
+        return self._boundary()
 
     def keep_output(self, ctx: Scope, output: Any) -> None:
         ctx.output = output
@@ -617,6 +636,12 @@ class EvaluationLoop(_DataLoop):
     async def on_run_end(self, ctx: Scope) -> Any:
         await self.host.records.flush_pending()
         return None
+
+
+async def _evaluated_in_worker(loop: EvaluationLoop, ctx: Scope) -> None:
+    """The evaluation step of ``loop`` in its worker thread, then the step boundary."""
+    loop.keep_output(ctx, await run_in_worker(loop._pass.run, ctx, loop._pass.worker))
+    await loop._boundary()
 
 
 class PredictionLoop(EvaluationLoop):

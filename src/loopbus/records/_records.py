@@ -17,7 +17,6 @@ import torch
 from ._checks import (
     INT_MAX,
     INT_MIN,
-    STRIDED,
     TENSOR_DTYPES,
     check_tensor,
     checked,
@@ -93,21 +92,16 @@ class PutMixin:
         the eager path inlines its common cases and falls back to the same functions).
         """
         recorder = self._loopbus_recorder
-        if recorder is not None and recorder.compiled:
-            value = checked(name, value)
-            routed = ALL if destinations is None else checked_destinations(destinations)
-            recorder.queue_put(name, value, routed, self._loopbus_source)
+        if recorder is None or recorder.compiled:
+            self._put_checked(recorder, name, value, destinations)
             return
         if type(name) is not str or name not in _VALID_NAMES:
             _check_name(name)
         cls = type(value)
         if cls is _Tensor or isinstance(value, _Tensor):
-            # Compressed sparse and mkldnn layouts cannot be 0-d: a 0-d tensor skips that.
-            if (
-                (value.ndim and (value.numel() != 1 or value.layout is not STRIDED))
-                or value.dtype not in TENSOR_DTYPES
-                or value.is_meta
-            ):
+            # A 0-d tensor of a readable dtype passes at once (compressed sparse and mkldnn
+            # layouts cannot be 0-d); any other tensor takes the whole check.
+            if value.ndim or value.dtype not in TENSOR_DTYPES or value.is_meta:
                 check_tensor(name, value)
             if value.requires_grad:
                 value = value.detach()
@@ -116,16 +110,22 @@ class PutMixin:
                 raise int_out_of_range(name, value)
         elif cls is not float and cls is not bool:
             value = coerce(name, value)
-        if destinations is not None:
-            destinations = normalize_destinations(destinations)
-        else:
-            destinations = ALL
+        destinations = ALL if destinations is None else normalize_destinations(destinations)
+        recorder.enqueue(PendingPut(name, value, destinations, self._loopbus_source))
+
+    def _put_checked(
+        self, recorder: Recorder | None, name: Any, value: Any, destinations: Any
+    ) -> None:
+        """``put`` with the whole check and nothing remembered: in a compiled stage (what
+        compiled code traces), and outside a stage (where it raises after the checks)."""
+        value = checked(name, value)
+        routed = ALL if destinations is None else checked_destinations(destinations)
         if recorder is None:
             raise RuntimeError(
                 f"{type(self).__name__}.put({name!r}, ...) was called outside a Trainer stage; "
                 "call it from a step or an event handler while fit/validate/test/predict runs."
             )
-        recorder.enqueue(PendingPut(name, value, destinations, self._loopbus_source))
+        recorder.queue_put(name, value, routed, self._loopbus_source)
 
     def put_dict(self, values: Mapping[str, Any], destinations: Any = None) -> None:
         """``put`` every item of ``values``: all of them, or (when one is refused) none."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Mapping, Sized
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sized
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from time import perf_counter
@@ -64,10 +64,14 @@ class FlushingRecorder(Protocol):
     def has_pending(self) -> Sized: ...
 
     @property
-    def inflight(self) -> Any: ...
+    def inflight(self) -> Sized: ...
 
     @property
     def readback(self) -> Any: ...
+
+    def route(self) -> list[Any]: ...
+
+    async def deliver(self, routed: list[Any]) -> None: ...
 
     async def flush(self) -> None: ...
 
@@ -106,33 +110,89 @@ class SchedulerStepper(Protocol):
 
 class StepBoundary:
     """What runs after every step of a stage: flush the step's records, and at most every
-    ``interval`` seconds let other tasks run. The flush is chosen once: the recorder's
-    step flush where put values are read back from a device without waiting (CUDA), its
-    plain flush elsewhere; ``flush=None`` drops the records instead (the sanity check)."""
+    ``interval`` seconds let other tasks run. How the records go is chosen once: on the
+    CPU they are routed at once (those nobody listens to are kept, with nothing to
+    await) and the others delivered; where put values are read back from a device
+    without waiting (CUDA), the recorder's step flush runs.
 
-    __slots__ = ("_flush", "_next_yield", "interval", "recorder")
+    Await the boundary whole (``await boundary()``), or call :meth:`settle`, which does
+    what needs no waiting and returns what is left to await (None: nothing)."""
+
+    __slots__ = (
+        "_deferred",
+        "_deliver",
+        "_due",
+        "_flush",
+        "_next_yield",
+        "_route",
+        "interval",
+        "recorder",
+    )
 
     def __init__(self, recorder: FlushingRecorder, interval: float) -> None:
         self.recorder = recorder
         self.interval = interval
         self._next_yield = perf_counter() + interval
-        self._flush = recorder.flush if recorder.readback is None else recorder.flush_step
+        self._route = recorder.route
+        self._deliver = recorder.deliver
+        #: Whether the values are read back from a device (the step flush runs every step).
+        self._deferred = recorder.readback is not None
+        self._flush = recorder.flush_step if self._deferred else recorder.flush
+        #: Truthy when there is something to flush: the pending records (and on a device,
+        #: the step flushes whose values are on their way).
+        self._due: Sized = (
+            _Either(recorder.has_pending, recorder.inflight)
+            if self._deferred
+            else recorder.has_pending
+        )
 
     async def __call__(self) -> None:
-        recorder = self.recorder
-        if recorder.has_pending or recorder.inflight:
-            if RANGES.on:  # profiling_ranges(True): the phase as a profiler range
-                with record_function("loopbus.put_flush"):
-                    await self._flush()
-            else:
-                await self._flush()
+        if (wait := self.settle()) is not None:
+            await wait
+
+    def settle(self) -> Awaitable[None] | None:
+        """The boundary as far as it needs no waiting: what is left to await, or None."""
+        if self._due and (self._deferred or RANGES.on):  # (a profiler range when on)
+            return self._flushed(None)
+        if self._due and (routed := self._route()):
+            return self._flushed(routed)
         if perf_counter() >= self._next_yield:
-            if RANGES.on:
-                with record_function("loopbus.boundary"):
-                    await checkpoint()
-            else:
+            return self._yield()
+        return None
+
+    async def _flushed(self, routed: list[Any] | None) -> None:
+        """Deliver ``routed`` (None: run the flush), then yield if it is time."""
+        if routed is not None:
+            await self._deliver(routed)
+        elif RANGES.on:
+            with record_function("loopbus.put_flush"):
+                await self._flush()
+        else:
+            await self._flush()
+        if perf_counter() >= self._next_yield:
+            await self._yield()
+
+    async def _yield(self) -> None:
+        """Let other tasks run (one checkpoint), and set when to do it next."""
+        if RANGES.on:
+            with record_function("loopbus.boundary"):
                 await checkpoint()
-            self._next_yield = perf_counter() + self.interval
+        else:
+            await checkpoint()
+        self._next_yield = perf_counter() + self.interval
+
+
+class _Either:
+    """Truthy while either of two collections is."""
+
+    __slots__ = ("first", "second")
+
+    def __init__(self, first: Sized, second: Sized) -> None:
+        self.first = first
+        self.second = second
+
+    def __len__(self) -> int:
+        return len(self.first) + len(self.second)
 
 
 async def run_in_worker(step: StepFn, ctx: Scope, limiter: anyio.CapacityLimiter) -> Any:
@@ -224,6 +284,7 @@ class TrainStep:
         "_forward",
         "_step_optimizer",
         "_variant",
+        "_zero_grad",
         "boundary",
         "events",
         "module",
@@ -260,6 +321,10 @@ class TrainStep:
         if optimizer_step is None and optimizers:
             optimizer_step = optimizers[0].step
         self._step_optimizer: Callable[[], Any] = optimizer_step or _no_optimizer_step
+        # The plain step's zero_grad (manual optimization never calls it).
+        self._zero_grad: Callable[..., Any] = (
+            optimizers[0].zero_grad if optimizers else _no_optimizer_step
+        )
         self.precision = precision
         self.strategy = strategy
         self.state = state
@@ -314,17 +379,13 @@ class TrainStep:
         if loss is None:
             return output
         loss.backward()  # type: ignore[no-untyped-call]
-        events = self.events
-        table = events.table
-        entries = table[AfterBackward]
-        if entries:
-            events.send(entries, AfterBackward, ctx)
-        optimizer = self.optimizers[0]
-        entries = table[BeforeOptimizerStep]
-        if entries:
-            events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
+        table = self.events.table
+        if entries := table[AfterBackward]:
+            self.events.send(entries, AfterBackward, ctx)
+        if entries := table[BeforeOptimizerStep]:
+            self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=self.optimizers[0])
         self._step_optimizer()
-        optimizer.zero_grad(set_to_none=True)
+        self._zero_grad(set_to_none=True)
         self.state.step_completed()
         return output
 

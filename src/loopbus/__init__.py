@@ -97,6 +97,7 @@ if TYPE_CHECKING:
     from .stage import run as run
     from .stage import run_or_return as run_or_return
     from .stage import set_default_plugins as set_default_plugins
+    from .state import RngSnapshot as RngSnapshot
     from .state import Scope as Scope
     from .state import Stateful as Stateful
     from .state import profiling_ranges as profiling_ranges
@@ -140,6 +141,7 @@ _ENGINE_NAMES = {
     "Publication": "records",
     "RemotePath": "storage",
     "StoreDeadlines": "storage",
+    "RngSnapshot": "state",
     "SchedulerConfig": "step",
     "Scope": "state",
     "SingleProcess": "distributed",
@@ -201,6 +203,7 @@ __all__ = [
     "Publication",
     "PutRecord",
     "RemotePath",
+    "RngSnapshot",
     "SchedulerConfig",
     "StoreDeadlines",
     "Scope",

@@ -22,7 +22,6 @@ import os
 import re
 import secrets
 import socket
-import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -31,10 +30,9 @@ import msgspec
 
 from .._exceptions import CheckpointError
 from .._untrusted import check_json_nesting, read_small
-from .._validate import check_local_path
 from .._version import __version__
 from ..state._run_config import json_safe
-from ..storage import RemotePath, Store, is_url, remote_path
+from ..storage import RemotePath, Storage, crc32_of, located
 
 __all__ = [
     "FORMAT",
@@ -55,8 +53,8 @@ __all__ = [
     "marker_path",
     "pointer_to",
     "read_json",
+    "read_marker",
     "read_remote_json",
-    "read_remote_marker",
 ]
 
 FORMAT = "loopbus.checkpoint"
@@ -94,13 +92,9 @@ def marker_path(path: PathLike) -> Path:
 def is_sharded_checkpoint(path: PathLike) -> bool:
     """Whether ``path`` is a sharded checkpoint's directory: it holds a completeness
     marker, the torch.distributed.checkpoint metadata or loopbus's state file."""
-    if is_url(path):  # a prefix holding one of those objects
-        names = Store(remote_path(path)).listing()
-        return any(name in names for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE))
-    p = Path(os.fspath(path))
-    return p.is_dir() and any(
-        (p / name).is_file() for name in (SHARDED_MARKER, ".metadata", SHARDED_STATE)
-    )
+    store, name = located(path)
+    names = store.below(name).listing()  # nothing for a file: it holds no entries
+    return any(entry in names for entry in (SHARDED_MARKER, ".metadata", SHARDED_STATE))
 
 
 def _temp_path(target: Path) -> Path:
@@ -183,8 +177,8 @@ def read_json(path: Path, schema: type[_Schema]) -> _Schema:
     return decode_json(read_small(path), schema)
 
 
-def read_remote_json(store: Store, name: str, schema: type[_Schema]) -> _Schema:
-    """:func:`read_json` for the object ``name`` of a remote directory."""
+def read_remote_json(store: Storage, name: str, schema: type[_Schema]) -> _Schema:
+    """:func:`read_json` for the entry ``name`` of a store."""
     return decode_json(store.read_small(name), schema)
 
 
@@ -255,16 +249,11 @@ def checkpoint_info(
     a run without one, or written before checkpoints carried it. ``path`` may
     be a URL (``s3://bucket/run/epoch=0-step=10.ckpt``), reached with the fsspec
     ``storage_options`` (None: the backend's standard credentials)."""
-    if is_url(path):
-        target = remote_path(path, storage_options)
-        store = Store(target.parent)
-        if store.size(target.name) is None:  # a sharded checkpoint: its marker inside
-            info = read_remote_marker(store.below(target.name), SHARDED_MARKER, target)
-        else:
-            info = read_remote_marker(store, target.name + MARKER_SUFFIX, target)
+    store, name = located(path, storage_options=storage_options)
+    if store.size(name) is None:  # a sharded checkpoint: its marker inside
+        info = read_marker(store.below(name), SHARDED_MARKER)
     else:
-        check_local_path("path", path, owner="checkpoint_info")
-        info = _read_marker(marker_path(path))
+        info = read_marker(store, name + MARKER_SUFFIX)
     if info is None:
         return None
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
@@ -273,18 +262,15 @@ def checkpoint_info(
 def file_crc32(file: Path) -> int:
     """The CRC-32 of the file at ``file`` (as a completeness marker records it), read in
     4 MiB pieces."""
-    crc = 0
-    with open(file, "rb") as handle:
-        while chunk := handle.read(1 << 22):
-            crc = zlib.crc32(chunk, crc)
-    return crc
+    return crc32_of(file)
 
 
-def _read_marker(marker: Path) -> Marker | None:
-    """The completeness marker at ``marker``, None if there is none; raises
+def read_marker(store: Storage, name: str) -> Marker | None:
+    """The completeness marker ``name`` of ``store``, None if there is none; raises
     :class:`CheckpointError` naming it and what is wrong with it."""
+    marker = store.path(name)
     try:
-        return read_json(marker, Marker)
+        return decode_json(store.read_small(name), Marker)
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -296,23 +282,9 @@ def _read_marker(marker: Path) -> Marker | None:
             f"the completeness marker {marker} is damaged: {exc}. Delete it to load the "
             "checkpoint without the integrity check, or load another checkpoint."
         ) from exc
-
-
-def read_remote_marker(store: Store, name: str, where: RemotePath) -> Marker | None:
-    """:func:`_read_marker` for the remote marker ``name`` of ``where``'s checkpoint."""
-    url = store.url(name)
-    try:
-        return read_remote_json(store, name, Marker)
-    except FileNotFoundError:
-        return None
-    except ValueError as exc:
+    except Exception as exc:  # a store's failure, which names the URL and the cause
         raise CheckpointError(
-            f"the completeness marker {url} is damaged: {exc}. Delete it to load {where} "
-            "without the integrity check, or load another checkpoint."
-        ) from exc
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot read the completeness marker {url}: {type(exc).__name__}: {exc}"
+            f"cannot read the completeness marker {marker}: {type(exc).__name__}: {exc}"
         ) from exc
 
 

@@ -13,8 +13,8 @@ resume.
 
 from __future__ import annotations
 
+import contextlib
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -26,20 +26,19 @@ from loopbus.state._runstate import ResumePlan
 from loopbus.step._params import has_sharded_parameters
 
 from .._exceptions import CheckpointError
-from .._validate import check_local_path
-from ..storage import RemotePath, Store, is_url, remote_path
+from ..storage import LocalStore, located, location
 from ._diagnose import _load_failed, _sniff, check_loaded
 from ._format import (
     MARKER_SUFFIX,
     Marker,
     PathLike,
-    _read_marker,
     check_header,
     file_crc32,
     is_sharded_checkpoint,
     marker_path,
+    read_marker,
 )
-from ._locate import resolve_checkpoint, resolve_remote
+from ._locate import resolve_checkpoint
 from ._parts import CheckpointMismatch, ModulePart, load_state
 from ._sharded_load import consolidate, load_sharded
 
@@ -70,12 +69,30 @@ def load_checkpoint(
     the backend's standard credentials; a :class:`~loopbus.RemotePath` carries its own).
     The object is downloaded to a temporary file and read as above.
     """
-    if is_url(path):
-        return _load_remote(remote_path(path, storage_options), map_location, verify)
-    check_local_path("path", path, owner="load_checkpoint")
-    file = resolve_checkpoint(path)
-    if file.is_dir():
-        return consolidate(file)
+    found = resolve_checkpoint(location(path, storage_options))
+    store, name = located(found)
+    if store.size(name) is None:  # a sharded checkpoint: its shards read, consolidated here
+        return consolidate(found)
+    with contextlib.ExitStack() as stack:
+        beside = (name + MARKER_SUFFIX,) if verify else ()
+        try:
+            file = stack.enter_context(store.local_copy(name, beside=beside))
+        except Exception as exc:
+            raise CheckpointError(
+                f"cannot download the checkpoint {found}: {type(exc).__name__}: {exc}"
+            ) from exc
+        try:
+            return _load_file(file, map_location, verify)
+        except CheckpointError as exc:  # name the checkpoint, not the copy that was read
+            message = str(exc).replace(str(file), str(found))
+            message = message.replace(str(file.parent), str(found.parent))
+            if message == str(exc):
+                raise
+            raise CheckpointError(message) from exc
+
+
+def _load_file(file: Path, map_location: Any, verify: bool) -> dict[str, Any]:
+    """:func:`load_checkpoint` of the local checkpoint file ``file``."""
     if verify:
         _verify(file)
     container = _sniff(file)
@@ -88,35 +105,8 @@ def load_checkpoint(
     return state  # type: ignore[no-any-return]
 
 
-def _load_remote(target: RemotePath, map_location: Any, verify: bool) -> dict[str, Any]:
-    """:func:`load_checkpoint` of a URL: its object and marker downloaded side by side
-    into a temporary directory, loaded from there; messages name the URL."""
-    found = resolve_remote(target)
-    if is_sharded_checkpoint(found):  # its shards read from the store, consolidated here
-        return consolidate(found)
-    store = Store(found.parent)
-    with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
-        local = Path(staging) / found.name
-        try:
-            store.download(found.name, local)
-            if verify:
-                try:
-                    store.download(found.name + MARKER_SUFFIX, marker_path(local))
-                except FileNotFoundError:
-                    pass
-        except Exception as exc:
-            raise CheckpointError(
-                f"cannot download the checkpoint {found}: {type(exc).__name__}: {exc}"
-            ) from exc
-        try:
-            return load_checkpoint(local, map_location=map_location, verify=verify)
-        except CheckpointError as exc:
-            message = str(exc).replace(str(local), found.url).replace(staging, found.parent.url)
-            raise CheckpointError(message) from exc
-
-
 def _verify(file: Path) -> None:
-    info = _read_marker(marker_path(file))
+    info = read_marker(LocalStore(file.parent), marker_path(file).name)
     if info is None:
         return
     try:

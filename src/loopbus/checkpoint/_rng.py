@@ -1,17 +1,20 @@
-"""The random number generators a run draws from: capture and restore their states as
-plain values (for checkpoints), and the state a data loader's epoch order comes from."""
+"""The random number generators a run draws from, as a checkpoint holds them: their
+states as plain values (captured through :class:`~loopbus.state.RngSnapshot`, which
+lives in ``state/``), and the state a data loader's epoch order comes from."""
 
 from __future__ import annotations
 
-import array
 import contextlib
 import random
-import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+from ..state._rng import RngSnapshot as RngSnapshot
+from ..state._rng import loader_generators as loader_generators
+from ..state._rng import restore_cuda
 
 __all__ = [
     "RngSnapshot",
@@ -26,63 +29,6 @@ __all__ = [
     "restore_rng",
     "rng_preserved",
 ]
-
-
-class RngSnapshot:
-    """The global generators' states as taken, in the forms that are cheap to take
-    (Python's state tuple, NumPy's state tuple, torch's byte tensors), and converted to
-    plain values (:func:`capture_rng`'s form) only when a checkpoint needs them: an
-    epoch's start takes one and nearly always drops it unsaved. ``torch_only`` takes
-    torch's generators alone (see :func:`order_depends_on_torch_only`)."""
-
-    __slots__ = ("cuda", "numpy", "python", "torch")
-
-    def __init__(self, torch_only: bool = False) -> None:
-        self.python = None if torch_only else random.getstate()
-        np = None if torch_only else sys.modules.get("numpy")
-        self.numpy = None if np is None else np.random.get_state(legacy=True)
-        self.torch = torch.get_rng_state()
-        self.cuda = (
-            list(torch.cuda.get_rng_state_all())
-            if torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-            else None
-        )
-
-    def plain(self) -> dict[str, Any]:
-        """The states as :func:`capture_rng` returns them."""
-        state: dict[str, Any] = {}
-        if self.python is not None:
-            version, internal, gauss_next = self.python
-            # The Mersenne Twister's 625 words as one tensor (not 625 Python ints).
-            words = array.array("q", internal)
-            state["python"] = {
-                "version": version,
-                "state": torch.frombuffer(words, dtype=torch.int64).clone(),
-                "gauss_next": gauss_next,
-            }
-        state["torch"] = self.torch
-        if self.numpy is not None:
-            kind, key, pos, has_gauss, gauss = self.numpy
-            state["numpy"] = {
-                "kind": str(kind),
-                "key": torch.from_numpy(key.astype("int64")),
-                "pos": int(pos),
-                "has_gauss": int(has_gauss),
-                "gauss": float(gauss),
-            }
-        if self.cuda is not None:
-            state["cuda"] = self.cuda
-        return state
-
-    def restore(self) -> None:
-        """Set the generators it holds back to the states it took."""
-        if self.python is not None:
-            random.setstate(self.python)
-        if self.numpy is not None:
-            sys.modules["numpy"].random.set_state(self.numpy)
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            _restore_cuda(self.cuda)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -115,30 +61,7 @@ def restore_rng(state: dict[str, Any]) -> None:
         )
     cuda_states = state.get("cuda")
     if cuda_states:
-        _restore_cuda(cuda_states)
-
-
-def _restore_cuda(states: list[torch.Tensor]) -> None:
-    if torch.cuda.is_available():
-        for index in range(min(len(states), torch.cuda.device_count())):
-            torch.cuda.set_rng_state(states[index], index)
-
-
-def loader_generators(data: Any) -> list[torch.Generator]:
-    """The ``torch.Generator`` objects a data loader draws its order from (its own, its
-    sampler's, its batch sampler's sampler's), without duplicates."""
-    found: list[torch.Generator] = []
-    sampler = getattr(data, "sampler", None)
-    batch_sampler = getattr(data, "batch_sampler", None)
-    for owner in (data, sampler, getattr(batch_sampler, "sampler", None)):
-        generator = getattr(owner, "generator", None)
-        if (
-            generator is not None  # before isinstance, which is slow for torch.Generator
-            and isinstance(generator, torch.Generator)
-            and all(generator is not g for g in found)
-        ):
-            found.append(generator)
-    return found
+        restore_cuda(cuda_states)
 
 
 def set_sampler_epoch(data: Any, epoch: int) -> None:

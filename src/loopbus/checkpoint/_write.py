@@ -31,7 +31,7 @@ import torch
 from .._durable import replace_atomically
 from .._exceptions import CheckpointError
 from .._untrusted import MAX_STATE_DEPTH
-from ..storage import RemotePath, Store, is_url, remote_path
+from ..storage import RemotePath, Store, is_url, remote_path, store_for
 from ._format import (
     FORMAT,
     LAST_POINTER,
@@ -44,7 +44,6 @@ from ._format import (
     marker_config,
     marker_path,
     pointer_to,
-    read_json,
     read_remote_json,
 )
 
@@ -230,11 +229,8 @@ def _pointer_state(directory: Path | RemotePath) -> str:
     """What the ``last.json`` of ``directory`` names now, for a message."""
     pointer = directory / LAST_POINTER
     try:
-        if isinstance(directory, RemotePath):
-            # One try: this only words a failure, perhaps of this very store.
-            name = read_remote_json(Store(directory, retries=0), LAST_POINTER, Pointer).checkpoint
-        else:
-            name = read_json(directory / LAST_POINTER, Pointer).checkpoint
+        # One try: this only words a failure, perhaps of this very store.
+        name = read_remote_json(store_for(directory, retries=0), LAST_POINTER, Pointer).checkpoint
     except FileNotFoundError:
         return f"there is no {LAST_POINTER} in {directory}"
     except Exception:  # unreadable, damaged, or the store unreachable

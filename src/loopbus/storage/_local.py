@@ -14,10 +14,11 @@ Imports the base layer and the standard library; a local path never imports fssp
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import zlib
-from collections.abc import Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -85,6 +86,14 @@ class Storage(Protocol):
 
     def write(self, name: str, data: bytes) -> None:
         """Write the entry ``name`` whole (locally: a temporary file renamed into place)."""
+        ...
+
+    def local_copy(
+        self, name: str, *, beside: Iterable[str] = ()
+    ) -> contextlib.AbstractContextManager[Path]:
+        """The entry ``name`` as a local file while the block runs: a local store's own
+        file; an object store's downloaded into a temporary directory, with the entries
+        ``beside`` it (those missing left out), removed afterwards."""
         ...
 
     def remove(self, name: str) -> None:
@@ -171,6 +180,10 @@ class LocalStore:
     def write(self, name: str, data: bytes) -> None:
         replace_atomically(self.path(name), lambda file: file.write(data))
 
+    @contextlib.contextmanager
+    def local_copy(self, name: str, *, beside: Iterable[str] = ()) -> Iterator[Path]:
+        yield self.path(name)  # read in place: no copy
+
     def remove(self, name: str) -> None:
         self.path(name).unlink(missing_ok=True)
 
@@ -199,10 +212,13 @@ def store_for(
     return LocalStore(directory)
 
 
-def location(path: str | os.PathLike[str]) -> Path | RemotePath:
+def location(
+    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Path | RemotePath:
     """``path`` as a local :class:`~pathlib.Path`, or a URL as a :class:`RemotePath`
-    (one already is keeps its options)."""
-    return remote_path(path) if is_url(path) else Path(os.fspath(path))
+    with the fsspec ``storage_options`` (one already a ``RemotePath`` keeps its own unless
+    they are given)."""
+    return remote_path(path, storage_options) if is_url(path) else Path(os.fspath(path))
 
 
 def located(

@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib.util
 import os
 import posixpath
 import re
+import tempfile
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from pathlib import Path
 from typing import Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
@@ -409,6 +412,17 @@ class Store:
     def crc32(self, name: str) -> None:
         """None: an object's CRC-32 would need a download."""
         return None
+
+    @contextlib.contextmanager
+    def local_copy(self, name: str, *, beside: Iterable[str] = ()) -> Iterator[Path]:
+        """The object ``name`` downloaded into a temporary directory while the block
+        runs, with the objects ``beside`` it (those missing left out)."""
+        with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
+            self.download(name, Path(staging) / name)
+            for other in beside:
+                with contextlib.suppress(FileNotFoundError):
+                    self.download(other, Path(staging) / other)
+            yield Path(staging) / name
 
     def modified(self, name: str) -> None:
         """None: only a marker's time of creation is trusted."""

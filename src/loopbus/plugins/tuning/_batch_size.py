@@ -15,7 +15,6 @@ from __future__ import annotations
 import functools
 import gc
 import math
-import random
 import re
 import weakref
 from collections.abc import Callable, Iterable
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from loopbus import (
     MisconfigurationError,
     Plugin,
+    RngSnapshot,
     TrainerView,
     check_choice,
     check_int,
@@ -133,18 +133,6 @@ def _sample_count(loader: Any) -> int | None:
         return None
 
 
-def _generators(loader: Any) -> list[torch.Generator]:
-    """The generators iterating ``loader`` draws from (its own, its sampler's)."""
-    sampler = getattr(loader, "sampler", None)
-    batch_sampler = getattr(getattr(loader, "batch_sampler", None), "sampler", None)
-    found: list[torch.Generator] = []
-    for g in (getattr(loader, "generator", None), getattr(sampler, "generator", None),
-              getattr(batch_sampler, "generator", None)):
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-    return found
-
-
 # ------------------------------------------------------------------ state
 def _to_host(value: Any) -> Any:
     """A copy of ``value`` with every tensor copied to the host."""
@@ -169,21 +157,7 @@ class _Snapshot:
         ]
         self.modes = [(m, m.training) for m in module.modules()]
         self.precision = _to_host(trainer.precision.state_dict())
-        self.python = random.getstate()
-        self.torch = torch.get_rng_state()
-        self.cuda = None
-        if torch.cuda.is_available() and (
-            trainer.options.device.type == "cuda"
-            or torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-        ):
-            self.cuda = torch.cuda.get_rng_state_all()
-        try:
-            import numpy
-        except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-            self.numpy = None
-        else:
-            self.numpy = numpy.random.get_state()
-        self.generators = [(g, g.get_state()) for g in _generators(train_data)]
+        self.rng = RngSnapshot(device=trainer.options.device, data=train_data)
         self.parts: dict[int, tuple[weakref.ref[Any], dict[str, Any]]] = {}
         self.see(trainer)
 
@@ -206,16 +180,7 @@ class _Snapshot:
             if part is not None:  # still used (a module that keeps its optimizer)
                 part.load_state_dict(state)
         trainer.precision.load_state_dict(self.precision)
-        for generator, generator_state in self.generators:
-            generator.set_state(generator_state)
-        random.setstate(self.python)
-        torch.set_rng_state(self.torch)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state_all(self.cuda)
-        if self.numpy is not None:
-            import numpy
-
-            numpy.random.set_state(self.numpy)
+        self.rng.restore()
 
 
 def _trial_options(trainer: TrainerView, steps: int) -> dict[str, Any]:

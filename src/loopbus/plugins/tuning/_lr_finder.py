@@ -15,7 +15,6 @@ import copy
 import functools
 import logging
 import math
-import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +28,7 @@ from loopbus import (
     Delivery,
     MisconfigurationError,
     Plugin,
+    RngSnapshot,
     TrainerView,
     check_choice,
     check_int,
@@ -545,8 +545,7 @@ class _Snapshot:
             for c in trainer.lr_scheduler_configs
         ]
         self.stateful += [(part, copy.deepcopy(part.state_dict())) for part in _data_parts(data)]
-        self.generators = [(g, g.get_state()) for g in _data_generators(data)]
-        self.rng = _rng_state(trainer.options.device)
+        self.rng = RngSnapshot(device=trainer.options.device, data=data)
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -558,9 +557,7 @@ class _Snapshot:
             submodule.train(training)
         for part, state in self.stateful:
             part.load_state_dict(state)
-        for generator, state in self.generators:
-            generator.set_state(state)
-        _set_rng_state(self.rng)
+        self.rng.restore()
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
@@ -577,44 +574,3 @@ def _data_parts(data: Any) -> list[Any]:
         if p is not None and callable(getattr(p, "state_dict", None))
         and callable(getattr(p, "load_state_dict", None))
     ]
-
-
-def _data_generators(data: Any) -> list[torch.Generator]:
-    """The generators a loader's shuffling draws from when it was given its own."""
-    batch_sampler = getattr(data, "batch_sampler", None)
-    candidates = [
-        getattr(data, "generator", None),
-        getattr(getattr(data, "sampler", None), "generator", None),
-        getattr(getattr(batch_sampler, "sampler", None), "generator", None),
-    ]
-    found: list[torch.Generator] = []
-    for g in candidates:
-        if isinstance(g, torch.Generator) and all(g is not f for f in found):
-            found.append(g)
-    return found
-
-
-def _rng_state(device: torch.device) -> dict[str, Any]:
-    state: dict[str, Any] = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available() and (
-        device.type == "cuda" or torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
-    ):
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy
-    except ImportError:
-        pass
-    else:
-        state["numpy"] = numpy.random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict[str, Any]) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy
-
-        numpy.random.set_state(state["numpy"])

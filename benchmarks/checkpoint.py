@@ -317,13 +317,8 @@ def stalled_store(
             store_deadlines=deadlines,
         )
         trainer = Trainer(max_epochs=1, plugins=[checkpoint, watch], device="cpu")
-        start = time.perf_counter()
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loopbus.run(trainer.fit, Wide(width), data)
-        took = time.perf_counter() - start
+        took, messages = _timed_fit(trainer, width, data)
         proxy.close()
-        messages = [str(w.message) for w in caught]
         down = sum("cannot save to" in m for m in messages)
         back = sum(" resumed: " in m for m in messages)
         print(
@@ -394,13 +389,18 @@ def _fit_20_epochs(
             )
         )
     trainer = Trainer(max_epochs=20, plugins=plugins, device="cpu")
+    seconds, messages = _timed_fit(trainer, width, data)
+    proxy.close()
+    return seconds, sum("cannot save to" in m for m in messages)
+
+
+def _timed_fit(trainer: Trainer, width: int, data: DataLoader[Any]) -> tuple[float, list[str]]:
+    """``trainer.fit`` of a fresh ``Wide(width)``: its seconds and the warnings it gave."""
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         loopbus.run(trainer.fit, Wide(width), data)
-    seconds = time.perf_counter() - start
-    proxy.close()
-    return seconds, sum("cannot save to" in str(w.message) for w in caught)
+    return time.perf_counter() - start, [str(w.message) for w in caught]
 
 
 def report(kind: str, blocked: list[float], host: list[float]) -> None:

@@ -183,13 +183,15 @@ class EventBus:
     def subscriptions(self) -> tuple[Subscription, ...]:
         return tuple(self._subs)
 
-    def _remove(self, sub: Subscription) -> None:
+    def discard(self, sub: Subscription) -> None:
+        """Remove ``sub`` from this bus (what ``sub.unsubscribe()`` calls); nothing when
+        it is not subscribed."""
         try:
             self._subs.remove(sub)
         except ValueError:
             return
         self._changed()
-        sub._close_queue()
+        sub.close_queue()
 
     def _changed(self) -> None:
         self.table.clear()
@@ -198,7 +200,7 @@ class EventBus:
     def _build(self, event_type: type) -> tuple[Entry, ...]:
         subs = [s for s in self._subs if issubclass(event_type, s.event_type)]
         subs.sort(key=lambda s: (-s.priority, s.seq))
-        return tuple(s._entry() for s in subs)
+        return tuple(s.entry() for s in subs)
 
     def route(self, destinations: tuple[str, ...]) -> tuple[Entry, ...]:
         """The record subscribers whose role is in ``destinations`` (cached)."""
@@ -269,7 +271,7 @@ class EventBus:
 
     # ------------------------------------------------------------ queued delivery
     def _start(self, sub: Subscription, tg: TaskGroup) -> None:
-        recv, done = sub._open_queue()
+        recv, done = sub.open_queue()
         scope = anyio.CancelScope(shield=True)
         self._consumers.append(scope)
         tg.start_soon(
@@ -337,8 +339,8 @@ class EventBus:
         sent. Returns False if ``timeout`` (seconds) ran out first."""
         waits: list[anyio.Event] = []
         for sub in self._subs:
-            sub._close_queue()
-            consumer_done = sub._take_done()
+            sub.close_queue()
+            consumer_done = sub.take_done()
             if consumer_done is not None:
                 waits.append(consumer_done)
         self._tg = None

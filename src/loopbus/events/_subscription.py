@@ -25,7 +25,7 @@ Entry = tuple[Callable[[Any], Any], bool, "Subscription"]
 class SubscriptionOwner(Protocol):
     """What a subscription asks of the bus it belongs to: to be removed from it."""
 
-    def _remove(self, sub: Subscription) -> None: ...
+    def discard(self, sub: Subscription) -> None: ...
 
 
 class Subscription:
@@ -97,7 +97,7 @@ class Subscription:
         """Remove the subscription; safe to call more than once."""
         if self.active:
             self.active = False
-            self.bus._remove(self)
+            self.bus.discard(self)
 
     def __enter__(self) -> Subscription:
         return self
@@ -133,8 +133,8 @@ class Subscription:
             return False
         return self.when is None or bool(self.when(event))
 
-    # ---- queued delivery
-    def _open_queue(self) -> tuple[MemoryObjectReceiveStream[Any], anyio.Event]:
+    # ---- queued delivery (what the bus's run calls)
+    def open_queue(self) -> tuple[MemoryObjectReceiveStream[Any], anyio.Event]:
         """Open this queued subscription's queue for a run of the bus; returns what its
         consumer task takes: the receiving end, and the event it sets when it ends."""
         send, recv = anyio.create_memory_object_stream[Any](self.buffer)
@@ -142,13 +142,13 @@ class Subscription:
         self._done = done = anyio.Event()
         return recv, done
 
-    def _close_queue(self) -> None:
+    def close_queue(self) -> None:
         """Close the sending end: the consumer ends once it handled what is buffered."""
         if self._send is not None:
             self._send.close()
             self._send = None
 
-    def _take_done(self) -> anyio.Event | None:
+    def take_done(self) -> anyio.Event | None:
         """The event the consumer of this run sets when it ends (None: no consumer, or
         already taken), handed over once to the one who waits for it."""
         done, self._done = self._done, None
@@ -185,7 +185,10 @@ class Subscription:
             # The consumer failed, and its error is already ending the stage.
             self.dropped += 1
 
-    def _entry(self) -> Entry:
+    def entry(self) -> Entry:
+        """What the bus's dispatch table holds for this subscription: the callable that
+        takes an event (the handler, or a wrapper with the filters or the queue), and
+        whether it is awaited."""
         if self.mode == "queued":
             target: Callable[[Any], Any] = (
                 self._offer_drop if self.overflow == "drop" else self._offer_block

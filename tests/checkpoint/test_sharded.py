@@ -17,8 +17,9 @@ import torch
 
 import loopbus
 from loopbus import CheckpointError, Trainer
-from loopbus.checkpoint._format import SHARDED_MARKER, SHARDED_STATE, _host_tag
+from loopbus.checkpoint._format import SHARDED_MARKER, SHARDED_STATE
 from loopbus.plugins import Checkpoint
+from loopbus.storage import host_tag as _host_tag
 from tests.ckpt_scenario import Net, make_data
 
 DEAD_PID = 999_999_999

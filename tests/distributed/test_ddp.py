@@ -18,9 +18,10 @@ import torch
 
 import loopbus
 from loopbus import MisconfigurationError, Trainer
-from loopbus.checkpoint._format import _host_tag, _temp_path
 from loopbus.distributed._strategy import SingleProcess
 from loopbus.plugins import Checkpoint
+from loopbus.storage import host_tag as _host_tag
+from loopbus.storage import temporary_for as _temp_path
 from tests.torchrun import (
     DDP_SCRIPT,
     Scenarios,

@@ -130,10 +130,10 @@ def _slow_second_signal(ready: Path) -> None:
     sends SIGTERM again and waits: the second signal arrives while the checkpoint is
     being written."""
     from loopbus import _durable
-    from loopbus.checkpoint import _write as _checkpoint_io
+    from loopbus.storage import LocalStore
 
     real = os.fsync
-    real_write = _checkpoint_io._write_durably
+    real_write = LocalStore.publish
 
     class _Os:
         def __getattr__(self, name: str) -> Any:
@@ -147,14 +147,14 @@ def _slow_second_signal(ready: Path) -> None:
                 time.sleep(10)
 
     def write_durably(*args: Any, **kwargs: Any) -> Any:
-        # Checkpoint writes only: the loggers write through the same function.
+        # Checkpoint writes only: the loggers write through replace_atomically too.
         vars(_durable)["os"] = _Os()
         try:
             return real_write(*args, **kwargs)
         finally:
             vars(_durable)["os"] = os
 
-    vars(_checkpoint_io)["_write_durably"] = write_durably
+    LocalStore.publish = write_durably  # type: ignore[method-assign]
 
 
 def main(args: argparse.Namespace) -> None:

@@ -10,21 +10,11 @@ no longer runs or by this one, is removed.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
-from ..storage import Storage, is_url, located, store_for
-from ._format import (
-    _TMP_TAG,
-    MARKER_SUFFIX,
-    SHARDED_MARKER,
-    PathLike,
-    _host_tag,
-    _temp_writer,
-)
+from ..storage import Storage, located, store_for
+from ._format import MARKER_SUFFIX, SHARDED_MARKER, PathLike
 
 __all__ = [
     "remove_checkpoint",
@@ -68,33 +58,9 @@ def remove_stale_temporaries(directory: PathLike) -> list[Path]:
     another host (a directory shared between machines) is never removed: a process id
     says nothing about another machine's processes; delete such files by hand once no
     run writes there. A name without a host (written by an earlier loopbus) is taken to
-    come from this host."""
-    removed: list[Path] = []
-    if is_url(directory):
-        return removed  # a remote checkpoint is uploaded under its own name
-    d = Path(directory)
-    if not d.is_dir():
-        return removed
-    here = _host_tag()
-    for entry in d.iterdir():
-        name = entry.name
-        if not name.startswith(".") or _TMP_TAG not in name:
-            continue
-        writer = _temp_writer(name)
-        if writer is None:
-            continue
-        pid, host = writer
-        if host is not None and host != here:
-            continue  # another machine's writer: its pid means nothing here
-        if pid != os.getpid() and _alive(pid):
-            continue
-        with contextlib.suppress(OSError):
-            if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's
-                shutil.rmtree(entry)
-            else:
-                entry.unlink()
-            removed.append(entry)
-    return removed
+    come from this host. An object store holds none (a remote checkpoint is uploaded
+    under its own name)."""
+    return store_for(directory).remove_stale_temporaries()
 
 
 def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> list[Any]:
@@ -110,11 +76,11 @@ def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> l
     Complete checkpoints, ``last.json`` and objects that are no checkpoints (names
     without a checkpoint suffix) are left alone; deletions are tried again ``retries``
     times."""
-    if not is_url(directory):
-        return remove_stale_temporaries(directory)
+    store = store_for(directory, retries=retries)
+    if store.renames:  # entries appear complete, by a rename: only temporaries are left
+        return list(store.remove_stale_temporaries())
     from ._locate import candidates, incomplete
 
-    store = store_for(directory, retries=retries)
     objects, prefixes = store.contents()
     checkpoints = set(candidates(store, objects, prefixes))
     removed: list[Any] = []
@@ -134,15 +100,3 @@ def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> l
             store.remove(name)
         removed.append(store.path(name))
     return removed
-
-
-def _alive(pid: int) -> bool:
-    """Whether a process with this id runs on this host (a permission error means that
-    one does, owned by another user)."""
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OSError):
-        return True
-    return True

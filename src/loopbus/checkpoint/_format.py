@@ -17,11 +17,7 @@ too large, too deep or of the wrong shape is damaged, like one that is not JSON.
 from __future__ import annotations
 
 import errno
-import hashlib
 import os
-import re
-import secrets
-import socket
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, TypeVar
@@ -67,12 +63,6 @@ MARKER_SUFFIX = ".complete"
 SHARDED_MARKER = "loopbus.complete"
 #: The file of a sharded checkpoint that holds everything but the sharded tensors.
 SHARDED_STATE = "loopbus_state.pt"
-#: Marks a temporary's name (``.<name>.tmp-<pid>-<random>@<host>``).
-_TMP_TAG = ".tmp-"
-#: Separates a temporary file's writer (``<pid>-<random>``) from its host's name.
-_HOST_SEP = "@"
-#: The longest host tag in a temporary file's name.
-_HOST_TAG_MAX = 32
 
 PathLike = str | os.PathLike[str]
 
@@ -95,40 +85,6 @@ def is_sharded_checkpoint(path: PathLike) -> bool:
     store, name = located(path)
     names = store.below(name).listing()  # nothing for a file: it holds no entries
     return any(entry in names for entry in (SHARDED_MARKER, ".metadata", SHARDED_STATE))
-
-
-def _temp_path(target: Path) -> Path:
-    """``.<name>.tmp-<pid>-<random>@<host>``: the writer's process id and host name, so
-    that :func:`remove_stale_temporaries` judges whether the writer still runs only on
-    the host where that process id means something."""
-    return target.with_name(
-        f".{target.name}{_TMP_TAG}{os.getpid()}-{secrets.token_hex(4)}{_HOST_SEP}{_host_tag()}"
-    )
-
-
-def _host_tag() -> str:
-    """This host's name as it goes into a temporary file's name: characters other than
-    letters, digits and ``-`` become ``_``, and a long name is cut, with a hash of the
-    whole name kept, so that the tag stays short and still tells hosts apart."""
-    host = socket.gethostname() or "localhost"
-    tag = re.sub(r"[^A-Za-z0-9-]", "_", host)
-    if len(tag) > _HOST_TAG_MAX:
-        digest = hashlib.sha1(host.encode("utf-8", "surrogateescape")).hexdigest()[:8]
-        tag = f"{tag[: _HOST_TAG_MAX - 9]}~{digest}"
-    return tag
-
-
-def _temp_writer(name: str) -> tuple[int, str | None] | None:
-    """The writer's process id and host tag from a temporary file's name (host None for
-    a name without one), or None if ``name`` is not a checkpoint temporary."""
-    tail = name.rsplit(_TMP_TAG, 1)[1]
-    host: str | None = None
-    if _HOST_SEP in tail:
-        tail, host = tail.rsplit(_HOST_SEP, 1)
-    pid_text = tail.split("-", 1)[0]
-    if not pid_text.isdigit():
-        return None
-    return int(pid_text), host
 
 
 # ---------------------------------------------------------------- markers and pointers

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
-from .._validate import check_local_path
 from ..storage import (
     LocalStore,
     RemotePath,
@@ -32,7 +31,6 @@ from ..storage import (
     located,
     location,
     remote_path,
-    require_backend,
     store_for,
 )
 from ._format import (
@@ -563,10 +561,7 @@ def resolve_resume_path(
 
 def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
     """Before anything runs: a URL's scheme must have its package installed."""
-    if is_url(ckpt_path):
-        require_backend(ckpt_path, owner=f"ckpt_path={str(ckpt_path)!r}")
-    else:
-        check_local_path("ckpt_path", ckpt_path)
+    location(ckpt_path, owner=f"ckpt_path={str(ckpt_path)!r}")
 
 
 # ---------------------------------------------------------------- remote

@@ -19,7 +19,6 @@ import contextlib
 import io
 import os
 import pickle
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -50,7 +49,7 @@ from loopbus.step._params import own_class
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
 from .._validate import check_local_path
-from ..storage import RemotePath, Store, is_url, location, remote_path
+from ..storage import RemotePath, Store, is_url, located, location, remote_path
 from ._diagnose import _refusal, check_loaded
 from ._format import (
     SHARDED_MARKER,
@@ -322,14 +321,10 @@ def _verify_remote(target: RemotePath) -> dict[str, Any]:
 
 def _read_state(path: Path | RemotePath) -> dict[str, Any]:
     file = path / SHARDED_STATE
-    try:
-        if isinstance(path, RemotePath):  # downloaded, then read as a local file
-            with tempfile.TemporaryDirectory(prefix="loopbus-download-") as staging:
-                local = Path(staging) / SHARDED_STATE
-                Store(path).download(SHARDED_STATE, local)
-                state = torch.load(local, map_location="cpu", weights_only=True)
-        else:
-            state = torch.load(file, map_location="cpu", weights_only=True)
+    store, name = located(path)
+    try:  # read in place, or downloaded first from an object store
+        with store.below(name).local_copy(SHARDED_STATE) as local:
+            state = torch.load(local, map_location="cpu", weights_only=True)
     except Exception as exc:
         raise CheckpointError(
             f"cannot read {file}, the plain part of the sharded checkpoint {path}: "

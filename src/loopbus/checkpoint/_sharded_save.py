@@ -51,13 +51,20 @@ from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
 from .._durable import fsync_dir
 from .._exceptions import CheckpointError
-from ..storage import RemotePath, Store, is_url, remote_path, require_backend
+from ..storage import (
+    LocalStore,
+    RemotePath,
+    Store,
+    is_url,
+    remote_path,
+    require_backend,
+    temporary_for,
+)
 from ._clean import remove_remote_tree
 from ._format import (
     LAST_POINTER,
     SHARDED_MARKER,
     SHARDED_STATE,
-    _temp_path,
     describe_os_error,
     marker_config,
     pointer_to,
@@ -65,11 +72,9 @@ from ._format import (
 from ._parts import collect_state, qualname
 from ._registry import CheckpointRegistry, RegistrySource
 from ._write import (
+    _cause,
     _json_bytes,
     _pointer_state,
-    _remote_cause,
-    _write_durably,
-    _write_json,
     find_os_error,
     save_plain,
     to_plain,
@@ -224,7 +229,7 @@ class ShardedSave:
             _discard(target)
             raise CheckpointError(
                 f"could not complete the sharded checkpoint {target}: writing {stage} failed "
-                f"after {self.retries} retries: {_remote_cause(exc)}. It has no marker, "
+                f"after {self.retries} retries: {_cause(exc)}. It has no marker, "
                 "so no reader takes it; what was written of it is removed, and "
                 f"{_pointer_state(target.parent)}."
             ) from exc
@@ -235,7 +240,7 @@ class ShardedSave:
                 raise CheckpointError(
                     f"the sharded checkpoint {target} is complete, but "
                     f"{target.parent / LAST_POINTER} could not be moved to it: "
-                    f"{_remote_cause(exc)}. The checkpoint loads by its URL."
+                    f"{_cause(exc)}. The checkpoint loads by its URL."
                 ) from exc
 
     def _complete(self) -> None:
@@ -245,9 +250,8 @@ class ShardedSave:
         written = temp / SHARDED_STATE
         try:
             if self.plain is not None:  # host copies, taken at the save: written off the step
-                temp.mkdir(parents=True, exist_ok=True)
                 plain, self.plain = self.plain, None
-                _write_durably(written, lambda f: save_plain(plain, f))
+                LocalStore(temp).publish(SHARDED_STATE, lambda f: save_plain(plain, f))
             files = {
                 entry.name: entry.stat().st_size
                 for entry in sorted(temp.iterdir())
@@ -255,7 +259,7 @@ class ShardedSave:
             }
             info = dict(self.info, files=files, checkpoint=target.name)
             written = temp / SHARDED_MARKER
-            _write_json(written, info)
+            LocalStore(temp).write(SHARDED_MARKER, _json_bytes(info))
         except OSError as exc:
             shutil.rmtree(temp, ignore_errors=True)
             raise CheckpointError(
@@ -267,7 +271,7 @@ class ShardedSave:
         self._publish(temp, target)
         if self.update_last:
             try:
-                _write_json(target.parent / LAST_POINTER, pointer_to(target, info))
+                LocalStore(target.parent).write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
             except OSError as exc:
                 raise CheckpointError(
                     f"the sharded checkpoint {target} is complete, but the pointer "
@@ -285,7 +289,7 @@ class ShardedSave:
         aside = None
         try:
             if target.exists():
-                aside = _temp_path(target)
+                aside = temporary_for(target)
                 os.replace(target, aside)
             os.replace(temp, target)
         except OSError as exc:
@@ -396,7 +400,7 @@ class ShardedCheckpointWriter:
                 strategy.barrier()  # and no rank writes before it is gone
         else:
             target = Path(os.fspath(path))
-            temp = Path(strategy.broadcast_object(str(_temp_path(target)) if zero else None))
+            temp = Path(strategy.broadcast_object(str(temporary_for(target)) if zero else None))
         module = registry.module
         if module is None:
             raise CheckpointError("there is no module to save yet: fit has not started.")

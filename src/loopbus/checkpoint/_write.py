@@ -18,27 +18,22 @@ cause and what is on disk since, not the ``RuntimeError`` torch makes of a faile
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import torch
 
-from .._durable import replace_atomically
 from .._exceptions import CheckpointError
 from .._untrusted import MAX_STATE_DEPTH
-from ..storage import RemotePath, Store, is_url, remote_path, store_for
+from ..storage import RemotePath, located, store_for
 from ._format import (
     FORMAT,
     LAST_POINTER,
     MARKER_SUFFIX,
     PathLike,
     Pointer,
-    _temp_path,
     check_header,
     describe_os_error,
     marker_config,
@@ -238,21 +233,8 @@ def _pointer_state(directory: Path | RemotePath) -> str:
     return f"{pointer} still names {name!r}"
 
 
-def _write_durably(
-    target: Path, write: Callable[[Any], _T], before_replace: Callable[[], object] | None = None
-) -> _T:
-    """:func:`~loopbus.replace_atomically` as checkpoints use it: the temporary is named
-    by ``_temp_path`` (its writer's process and host, for the stale-temporary cleanup),
-    and a failure's ``OSError`` is left as it is (the checkpoint's own message names the
-    file)."""
-    return replace_atomically(
-        target, write, before_replace=before_replace, temporary=_temp_path, name_errors=False
-    )
-
-
-def _write_json(target: Path, payload: dict[str, Any]) -> None:
-    data = json.dumps(payload, indent=1, sort_keys=True).encode()
-    _write_durably(target, lambda f: f.write(data))
+def _json_bytes(payload: dict[str, Any]) -> bytes:
+    return json.dumps(payload, indent=1, sort_keys=True).encode()
 
 
 def write_checkpoint(
@@ -266,55 +248,56 @@ def write_checkpoint(
     pointer is then moved to it. A crash at any moment leaves the previous checkpoint
     loadable. Returns the path written.
 
-    A write that fails (a full disk, say) raises :class:`CheckpointError` naming the file
+    A write that fails (a full disk) raises :class:`CheckpointError` naming the file
     that could not be written, the cause, and what is on disk since: whether the
     checkpoint file, its marker and the pointer were written, and what the pointer names.
 
     ``path`` may be a URL (``s3://bucket/run/x.ckpt``; a :class:`~loopbus.RemotePath`
-    carries storage options): the file is serialised to a local temporary file, uploaded
-    under its final name, then its marker ``<name>.complete`` and, with ``update_last``,
-    the pointer are written (see :func:`_write_remote`); each upload is held to the
-    URL's :class:`~loopbus.StoreDeadlines` (one abandoned at ``call_s``) and tried again
-    up to ``retries`` times with exponential backoff. Returns the ``RemotePath`` written.
-    """
-    if is_url(path):
-        return _write_remote(state, remote_path(path), update_last, retries)  # type: ignore[return-value]
-    target = Path(os.fspath(path))
+    carries storage options): an object store has no atomic rename, but an object appears
+    whole or not at all; so the file is serialised to a local temporary file and uploaded
+    under its final name, then its marker (which a reader needs to take it as complete)
+    and, with ``update_last``, the pointer are written. Each upload is held to the URL's
+    :class:`~loopbus.StoreDeadlines` (one abandoned at ``call_s``) and tried again up to
+    ``retries`` times with exponential backoff. Returns the ``RemotePath`` written.
+    Either way, an earlier checkpoint's marker of that name goes right before the new
+    file appears: a marker never describes other content than its file."""
+    store, name = located(path, retries=retries)
+    target = store.path(name)
     header = check_header(state, "the state passed to write_checkpoint")
-    plain = to_plain(state, where=f"checkpoint (for {target.name})")
-    if target.is_dir():
-        raise CheckpointError(
-            f"cannot write a checkpoint to {target}: it is a directory; pass a file path "
-            "such as 'checkpoints/run.ckpt'."
-        )
-    marker = marker_path(target)
-    existed = target.exists()
+    plain = to_plain(state, where=f"checkpoint (for {name})")
+    marker = name + MARKER_SUFFIX
+    existed = store.renames and store.size(name) is not None
     unmarked: list[bool] = []  # the old file's marker is removed
 
     def unmark() -> None:
-        # A marker must never describe other content than its file: the old one goes
-        # right before the new file replaces the old (which stays loadable without it).
-        marker.unlink(missing_ok=True)
+        store.remove(marker)
         unmarked.append(True)
 
     stage = "file"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        writer: _ChecksumWriter = _write_durably(target, lambda f: save_plain(plain, f), unmark)
+        writer = store.publish(name, lambda f: save_plain(plain, f), before=unmark)
         info = _file_marker(target, header, writer)
         stage = "marker"
-        _write_json(marker, info)
+        store.write(marker, _json_bytes(info))
         if update_last:
             stage = "pointer"
-            _write_json(target.parent / LAST_POINTER, pointer_to(target, info))
-    except OSError as exc:
+            store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
+    except IsADirectoryError as exc:
         raise CheckpointError(
-            _write_failed(target, stage, exc, existed, bool(unmarked), update_last)
+            f"cannot write a checkpoint to {target}: it is a directory; pass a file path "
+            "such as 'checkpoints/run.ckpt'."
         ) from exc
-    return target
+    except (OSError, CheckpointError) as exc:
+        failed = _write_failed if store.renames else _upload_failed
+        raise CheckpointError(
+            failed(target, stage, _cause(exc), existed, bool(unmarked), update_last)
+        ) from exc
+    return target  # type: ignore[return-value]  # a RemotePath for a URL
 
 
-def _file_marker(target: Path | RemotePath, header: dict[str, Any], writer: _ChecksumWriter) -> dict[str, Any]:
+def _file_marker(
+    target: Path | RemotePath, header: dict[str, Any], writer: _ChecksumWriter
+) -> dict[str, Any]:
     """What the completeness marker of the checkpoint file just written to ``target``
     records: its size and CRC-32 as ``writer`` counted them, and the step, epoch and time
     of creation of its ``header``."""
@@ -331,12 +314,20 @@ def _file_marker(target: Path | RemotePath, header: dict[str, Any], writer: _Che
     }
 
 
+def _cause(exc: BaseException) -> str:
+    """What a failed write's error says: a store's own message (it names the URL, the
+    cause and the tries), a local file's error, or the error as it is."""
+    if isinstance(exc, CheckpointError):
+        return str(exc).rstrip(".")
+    return describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
+
+
 def _write_failed(
-    target: Path, stage: str, exc: OSError, existed: bool, unmarked: bool, update_last: bool
+    target: Any, stage: str, cause: str, existed: bool, unmarked: bool, update_last: bool
 ) -> str:
     """Why :func:`write_checkpoint` failed at ``stage`` (``"file"``, ``"marker"`` or
-    ``"pointer"``), and what is on disk since."""
-    cause = describe_os_error(exc)
+    ``"pointer"``) in a store that renames entries into place, and what is on disk
+    since."""
     marker = marker_path(target)
     pointer = f" {_pointer_state(target.parent)}." if update_last else ""
     if stage == "file":
@@ -369,57 +360,17 @@ def _write_failed(
     )
 
 
-# ---------------------------------------------------------------- remote
-
-
-def _json_bytes(payload: dict[str, Any]) -> bytes:
-    return json.dumps(payload, indent=1, sort_keys=True).encode()
-
-
-def _write_remote(
-    state: dict[str, Any], target: RemotePath, update_last: bool, retries: int
-) -> RemotePath:
-    """:func:`write_checkpoint` to a URL. An object store has no atomic rename, but an
-    object appears whole or not at all; so the file goes under its final name, then its
-    marker (which a reader needs to take it as complete), then ``last.json``. A marker
-    of an earlier object of that name is deleted first: a marker never describes other
-    content than its object."""
-    header = check_header(state, "the state passed to write_checkpoint")
-    plain = to_plain(state, where=f"checkpoint (for {target.name})")
-    store = Store(target.parent, retries=retries)
-    marker = target.name + MARKER_SUFFIX
-    stage = "file"
-    try:
-        with tempfile.TemporaryDirectory(prefix="loopbus-upload-") as staging:
-            staged = Path(staging) / "checkpoint"
-            with open(staged, "wb") as file:
-                writer = save_plain(plain, file)
-            info = _file_marker(target, header, writer)
-            store.remove(marker)
-            store.upload(staged, target.name)
-        stage = "marker"
-        store.write(marker, _json_bytes(info))
-        if update_last:
-            stage = "pointer"
-            store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
-    except Exception as exc:
-        raise CheckpointError(_remote_failed(target, stage, _remote_cause(exc), update_last)) from exc
-    return target
-
-
-def _remote_cause(exc: Exception) -> str:
-    """What a failed remote write's error says: the store's own message (it names the
-    URL, the cause and the tries), a local file's error, or the error as it is."""
-    if isinstance(exc, CheckpointError):
-        return str(exc).rstrip(".")
-    return describe_os_error(exc) if isinstance(exc, OSError) else f"{type(exc).__name__}: {exc}"
-
-
-def _remote_failed(target: RemotePath, stage: str, cause: str, update_last: bool) -> str:
-    """Why :func:`_write_remote` failed at ``stage``, and what is in the store since."""
+def _upload_failed(
+    target: Any, stage: str, cause: str, existed: bool, unmarked: bool, update_last: bool
+) -> str:
+    """Why :func:`write_checkpoint` failed at ``stage`` in an object store (written in
+    place, complete only with its marker), and what is in the store since."""
     pointer = f" {LAST_POINTER} was not moved." if update_last else ""
     if stage == "file":
-        return f"could not upload the checkpoint {target}: {cause}. It is not complete (no marker).{pointer}"
+        return (
+            f"could not upload the checkpoint {target}: {cause}. It is not complete (no "
+            f"marker).{pointer}"
+        )
     if stage == "marker":
         return (
             f"the checkpoint {target} was uploaded, but its completeness marker could not be "

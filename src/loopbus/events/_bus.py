@@ -109,31 +109,20 @@ class EventBus:
         """
         event_type = check_event_type(event_type)
         is_async = check_handler(handler, event_type)
-        check_options(
-            event_type,
-            handler,
-            is_async,
-            priority=priority,
-            loop=loop,
-            when=when,
-            mode=mode,
-            buffer=buffer,
-            overflow=overflow,
-            destination=destination,
-        )
         sub = Subscription(self, event_type, handler)
         sub.is_async = is_async
-        sub.priority = priority
+        sub.priority = priority  # type: ignore[assignment]  # checked below
         sub.loop = loop
-        sub.every = check_count("every", every, 1)
-        sub.once = check_count("once", once, 1)
-        sub.before = check_count("before", before, 1)
-        sub.after = check_count("after", after, 0)
         sub.when = when
         sub.mode = mode
         sub.buffer = buffer
         sub.overflow = overflow
         sub.destination = destination
+        check_options(sub)
+        sub.every = check_count("every", every, 1)
+        sub.once = check_count("once", once, 1)
+        sub.before = check_count("before", before, 1)
+        sub.after = check_count("after", after, 0)
         if owner is not None:
             sub.owner = owner
         return self._add(sub)

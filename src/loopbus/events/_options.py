@@ -6,12 +6,15 @@ accept, and their checks, made once when a subscription is created (never per ev
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .._exceptions import SubscriptionError
 from .._validate import check_choice, check_int
 from ._handlers import check_event_type, describe_handler
 from ._types import Event, LoopEvent
+
+if TYPE_CHECKING:
+    from ._subscription import Subscription
 
 __all__ = ["DESTINATIONS", "check_count", "check_options", "on"]
 
@@ -29,27 +32,18 @@ def check_count(option: str, value: object, minimum: int) -> int | None:
     return check_int(option, value, minimum=minimum, allow_none=True, error=SubscriptionError)
 
 
-def check_options(
-    event_type: type[Event],
-    handler: object,
-    is_async: bool,
-    *,
-    priority: object,
-    loop: object,
-    when: object,
-    mode: object,
-    buffer: object,
-    overflow: object,
-    destination: object,
-) -> None:
-    """Raise :class:`~loopbus.SubscriptionError` unless the options of a subscription of
-    ``handler`` (async or not) to ``event_type`` fit together (the filter counts are
-    checked by :func:`check_count`)."""
+def check_options(sub: Subscription) -> None:
+    """Raise :class:`~loopbus.SubscriptionError` unless the options of ``sub`` (a new
+    subscription, not yet added to its bus) fit together: its priority, mode, overflow,
+    buffer, loop filter, ``when``, destination, and what an event published inside the
+    training step allows (the filter counts are checked by :func:`check_count`)."""
+    event_type, priority, mode, loop = sub.event_type, sub.priority, sub.mode, sub.loop
+    when, destination = sub.when, sub.destination
     check_int("priority", priority, minimum=None, error=SubscriptionError)
     check_choice("mode", mode, _MODES, error=SubscriptionError)
-    check_choice("overflow", overflow, _OVERFLOWS, error=SubscriptionError)
+    check_choice("overflow", sub.overflow, _OVERFLOWS, error=SubscriptionError)
     if mode == "queued":
-        check_int("buffer", buffer, error=SubscriptionError)
+        check_int("buffer", sub.buffer, error=SubscriptionError)
     if loop is not None:
         if not isinstance(loop, str):
             raise SubscriptionError(f"loop must be a loop name (str), got {loop!r}.")
@@ -71,11 +65,11 @@ def check_options(
                 f"{event_type.__name__} is published inside the training step and cannot "
                 "be queued; subscribe inline (the default)."
             )
-        if is_async:
+        if sub.is_async:
             raise SubscriptionError(
                 f"{event_type.__name__} is published inside the (synchronous) training "
                 f"step, so its handlers must be plain `def` functions; "
-                f"{describe_handler(handler)} is `async def`."
+                f"{describe_handler(sub.handler)} is `async def`."
             )
 
 

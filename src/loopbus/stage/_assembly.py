@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Mapping
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import anyio
 import anyio.from_thread
@@ -27,7 +28,7 @@ from loopbus.checkpoint._parts import (
 from loopbus.data._device import CudaBatchSource, pin_batch
 from loopbus.data._sampler import ElasticDistributedSampler, SamplerPart
 from loopbus.data._sources import Sources
-from loopbus.distributed._stopping import StopControl, StopNotice
+from loopbus.distributed._stopping import StopControl
 from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import Records, TrainEpochLoop
@@ -54,14 +55,45 @@ from ..events import EventBus
 from ._options import TrainerOptions
 from ._plugin import Plugin
 
+if TYPE_CHECKING:
+    from ._preemption import Preemption
+
 __all__ = [
     "StageHost",
+    "StageParts",
     "active_plugins",
     "build_host",
     "build_registry",
     "build_sources",
     "check_registration",
 ]
+
+
+@dataclass(frozen=True, slots=True)
+class StageParts:
+    """The parts a stage runs with, assembled once by the trainer (when the stage
+    starts, or when a checkpoint is composed outside one) and passed whole to what builds
+    the loops' host, the checkpoint registry and the stage's task group: ``stage`` (None
+    outside one), the module, the options, the run state, the recorder and its bus, the
+    precision, the strategy, the optimizers and schedulers, the stop control and the
+    preemption signals' handling, the root loops, the trainer's plugins and those that
+    act in this stage on this rank (``active``)."""
+
+    stage: str | None
+    module: Module | None
+    options: TrainerOptions
+    state: RunState
+    recorder: Recorder
+    bus: EventBus
+    precision: Precision
+    strategy: Strategy
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: LRSchedulers
+    stop: StopControl
+    preemption: Preemption
+    loops: Mapping[str, Loop[Any]]
+    plugins: list[Plugin]
+    active: list[Plugin]
 
 
 class StageHost:
@@ -81,20 +113,17 @@ class StageHost:
 
     def __init__(
         self,
+        parts: StageParts,
         *,
-        state: RunState,
-        options: TrainerOptions,
         sources: Sources,
-        records: Records,
-        stop: StopControl,
         train_step: TrainStep | None,
         eval_step: Callable[[str], EvalStep],
     ) -> None:
-        self.state = state
-        self.options = options
+        self.state = parts.state
+        self.options = parts.options
         self.sources = sources
-        self.records = records
-        self.stop = stop
+        self.records: Records = parts.recorder
+        self.stop = parts.stop
         self._train_step = train_step
         self._eval_step = eval_step
 
@@ -143,39 +172,27 @@ def _evaluation_function(module: Module, stage: str) -> Callable[[Any, Any], Any
     return module.predict_step
 
 
-def build_host(
-    stage: str,
-    *,
-    module: Module,
-    options: TrainerOptions,
-    state: RunState,
-    recorder: Recorder,
-    bus: EventBus,
-    precision: Precision,
-    strategy: Strategy,
-    optimizers: list[torch.optim.Optimizer],
-    schedulers: LRSchedulers,
-    stop: StopControl,
-    stop_notice: StopNotice,
-    train_loop: str = "train",
-) -> StageHost:
-    """Everything the loops of ``stage`` run with, chosen once: where steps run (inline,
-    or a worker thread under ``executor="thread"``), the batch sources, the step
+def build_host(parts: StageParts, train_loop: str = "train") -> StageHost:
+    """Everything the loops of ``parts.stage`` run with, chosen once: where steps run
+    (inline, or a worker thread under ``executor="thread"``), the batch sources, the step
     boundary, and for ``fit`` the training step (its forward through the strategy) and
     stop requests agreed across ranks (the strategy's stop transport)."""
-    worker, emit = _step_runner(options, bus)
+    module, options, strategy = parts.module, parts.options, parts.strategy
+    recorder = parts.recorder
+    assert module is not None  # a stage runs a module
+    worker, emit = _step_runner(options, parts.bus)
     prepare_compiled(module, options.compile)  # undone when the stage ends
     boundary = StepBoundary(recorder, options.responsiveness.yield_interval_s)
     train_step = None
-    if stage == "fit":
+    if parts.stage == "fit":
         train_step = build_train_step(
-            forward=strategy.wrap(module, state),
-            optimizers=optimizers,
-            schedulers=schedulers,
-            precision=precision,
+            forward=strategy.wrap(module, parts.state),
+            optimizers=parts.optimizers,
+            schedulers=parts.schedulers,
+            precision=parts.precision,
             strategy=strategy,
-            state=state,
-            events=StepEvents(bus.table, emit, train_loop, state),
+            state=parts.state,
+            events=StepEvents(parts.bus.table, emit, train_loop, parts.state),
             options=StepOptions(
                 accumulate=options.accumulate_grad_batches,
                 clip_val=options.gradient_clip_val,
@@ -188,15 +205,12 @@ def build_host(
             compile=options.compile,
             compile_optimizer=options.compile_optimizer,
         )
-    stop.begin(strategy.stop_transport() if stage == "fit" else None, stop_notice)
+    parts.stop.begin(strategy.stop_transport() if parts.stage == "fit" else None, parts.preemption)
     return StageHost(
-        state=state,
-        options=options,
+        parts,
         sources=build_sources(options),
-        records=recorder,
-        stop=stop,
         train_step=train_step,
-        eval_step=_eval_steps(module, options, recorder, precision, boundary, worker),
+        eval_step=_eval_steps(module, options, recorder, parts.precision, boundary, worker),
     )
 
 
@@ -254,61 +268,54 @@ def _plugin_parts(plugins: list[Plugin], taken: set[str]) -> dict[str, Plugin]:
 
 
 def build_registry(
+    parts: StageParts,
     *,
-    state: RunState,
-    strategy: Strategy,
-    module: Module | None,
-    optimizers: list[torch.optim.Optimizer],
-    schedulers: LRSchedulers,
-    precision: Precision,
-    loops: Mapping[str, Loop[Any]],
     epoch_loop: TrainEpochLoop,
-    plugins: list[Plugin],
     train_data: Any,
-    recorder: Recorder,
     registered: Mapping[str, Stateful],
 ) -> dict[str, Any]:
     """The registry a checkpoint is composed from, key -> :class:`Stateful` part: the run
     state, the generators, the module and its hyperparameters, each optimizer and
     scheduler, the precision, the loop tree, every stateful plugin, the training loader
-    when it is stateful, gradients mid-accumulation, the latest records and every
-    registered object."""
+    (read by ``epoch_loop``) when it is stateful, gradients mid-accumulation, the latest
+    records and every ``registered`` object."""
+    module, state = parts.module, parts.state
     if module is None:
         raise CheckpointError(
             "the trainer has no module yet, so there is no run state to save or load; "
             "a checkpoint can be taken once fit (or another stage) has started, and is "
             "loaded with trainer.fit(module, data, ckpt_path=...)."
         )
-    parts: dict[str, Any] = {
+    registry: dict[str, Any] = {
         "run": state,
-        "rng": RngPart(strategy),
+        "rng": RngPart(parts.strategy),
         "module": ModulePart(module),
         "hparams": HparamsPart(module),
     }
-    for index, opt in enumerate(optimizers):
-        parts[f"optimizers/{index}"] = OptimizerPart(opt)
-    for index, config in enumerate(schedulers.configs):
-        parts[f"lr_schedulers/{index}"] = SchedulerPart(config.scheduler)
-    parts["precision"] = PrecisionPart(precision)
-    for name, loop in loops.items():
-        parts[f"loops/{name}"] = LoopPart(loop)
-    parts.update(_plugin_parts(plugins, set(parts)))
+    for index, opt in enumerate(parts.optimizers):
+        registry[f"optimizers/{index}"] = OptimizerPart(opt)
+    for index, config in enumerate(parts.schedulers.configs):
+        registry[f"lr_schedulers/{index}"] = SchedulerPart(config.scheduler)
+    registry["precision"] = PrecisionPart(parts.precision)
+    for name, loop in parts.loops.items():
+        registry[f"loops/{name}"] = LoopPart(loop)
+    registry.update(_plugin_parts(parts.plugins, set(registry)))
     if isinstance(train_data, Stateful):
-        parts["data/train"] = LoaderPart(
+        registry["data/train"] = LoaderPart(
             train_data,
             epoch_loop.loader_position,
             lambda: epoch_loop.next_epoch_fresh,
             lambda: state.epoch,
         )
     elif isinstance(sampler := getattr(train_data, "sampler", None), ElasticDistributedSampler):
-        parts["data/sampler"] = SamplerPart(
+        registry["data/sampler"] = SamplerPart(
             sampler, train_data.batch_size, lambda: epoch_loop.progress.current.completed
         )
-    parts["grads"] = GradsPart(module)
-    parts["records"] = recorder
+    registry["grads"] = GradsPart(module)
+    registry["records"] = parts.recorder
     for name, obj in registered.items():
-        parts[f"user/{name}"] = obj
-    return parts
+        registry[f"user/{name}"] = obj
+    return registry
 
 
 def check_registration(

@@ -22,14 +22,11 @@ from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import SanityCheckLoop
 from loopbus.records._recorder import Recorder
-from loopbus.state._runstate import RunState
 from loopbus.step._module import Module
 
 from ..events import EventBus, ExceptionRaised, Subscription, Teardown
-from ._assembly import active_plugins
-from ._options import TrainerOptions
+from ._assembly import StageParts, active_plugins
 from ._plugin import Plugin
-from ._preemption import Preemption
 
 __all__ = [
     "classify",
@@ -109,21 +106,17 @@ def classify(exc: BaseException, bus: EventBus) -> tuple[str, BaseException | No
 
 
 async def finish_stage(
-    *,
-    stage: str,
+    parts: StageParts,
     reason: str,
     failure: BaseException | None,
-    state: RunState,
-    bus: EventBus,
-    recorder: Recorder,
-    drain_timeout: float,
     stop_plugins: Iterable[Callable[[], Awaitable[None]]],
-    loops: Mapping[str, Loop[Any]],
 ) -> None:
     """Fire the closing events, drain the queues, stop the plugins (``stop_plugins``,
     in order) and tear the loops down. A completed or stopped stage delivers what is
     pending and waits for every queued subscriber; a failed or cancelled one drops what
-    is pending and waits at most ``drain_timeout``."""
+    is pending and waits at most the ``drain_timeout_s`` option."""
+    stage, bus, recorder, state = parts.stage, parts.bus, parts.recorder, parts.state
+    assert stage is not None
     errors: list[BaseException] = []
     ended_well = reason in ("completed", "stopped")
 
@@ -145,14 +138,14 @@ async def finish_stage(
     teardown = Teardown(stage=stage, reason=reason, step=state.step, epoch=state.epoch)
     await attempt(lambda: bus.publish(teardown))
     await settle_records()  # what Teardown's handlers put or published
-    await bus.drain(None if ended_well else drain_timeout)
+    await bus.drain(None if ended_well else parts.options.responsiveness.drain_timeout_s)
     late = bus.failure
     if failure is None and late is not None:
         # A queued handler failed while its queue drained: tell the inline handlers.
         await attempt(lambda: bus.publish(ExceptionRaised(stage=stage, error=late)))
     for stop in stop_plugins:
         await attempt(stop)
-    for loop in loops.values():
+    for loop in parts.loops.values():
         loop.teardown_tree()
     if errors:
         # Every error is reported: the first raised (unless the stage failed already),
@@ -167,71 +160,47 @@ async def finish_stage(
 
 @asynccontextmanager
 async def running_stage(
-    stage: str,
-    *,
-    bus: EventBus,
-    state: RunState,
-    recorder: Recorder,
-    plugins: list[Plugin],
+    parts: StageParts,
     start: Callable[[Plugin, TaskGroup], Awaitable[None]],
     stop: Callable[[Plugin], Awaitable[None]],
-    loops: Mapping[str, Loop[Any]],
-    drain_timeout: float,
-    preemption: Preemption,
 ) -> AsyncIterator[None]:
-    """A stage's task group: the bus's queued subscribers and the plugins' services
-    (``start(plugin, task_group)``, in order) run in it while the stage does; however it
-    ends, :func:`finish_stage` runs, shielded, with the plugins that started stopped in
-    reverse order. A task group's group of one error is raised as that error. The
-    preemption signals are handled while it runs (see :class:`Preemption`); a stage that
-    ended well after one raises :class:`~loopbus.Preempted`."""
-    with preemption.handling(plugins):
-        async with _task_group(
-            stage, bus, state, recorder, plugins, start, stop, loops, drain_timeout
-        ):
+    """A stage's task group: the bus's queued subscribers and the active plugins'
+    services (``start(plugin, task_group)``, in order) run in it while the stage does;
+    however it ends, :func:`finish_stage` runs, shielded, with the plugins that started
+    stopped in reverse order. A task group's group of one error is raised as that error.
+    The preemption signals are handled while it runs (see :class:`Preemption`); a stage
+    that ended well after one raises :class:`~loopbus.Preempted`."""
+    with parts.preemption.handling(parts.active):
+        async with _task_group(parts, start, stop):
             yield
-    preemption.check()
+    parts.preemption.check()
 
 
 @asynccontextmanager
 async def _task_group(
-    stage: str,
-    bus: EventBus,
-    state: RunState,
-    recorder: Recorder,
-    plugins: list[Plugin],
+    parts: StageParts,
     start: Callable[[Plugin, TaskGroup], Awaitable[None]],
     stop: Callable[[Plugin], Awaitable[None]],
-    loops: Mapping[str, Loop[Any]],
-    drain_timeout: float,
 ) -> AsyncIterator[None]:
+    bus = parts.bus
     try:
         async with anyio.create_task_group() as tg:
             bus.start(tg)
             started: list[Plugin] = []
             reason, failure = "completed", None
             try:
-                for plugin in plugins:
+                for plugin in parts.active:
                     await start(plugin, tg)
                     started.append(plugin)
                 yield
-                reason = "stopped" if state.stop_requested else "completed"
+                reason = "stopped" if parts.state.stop_requested else "completed"
             except BaseException as exc:
                 reason, failure = classify(exc, bus)
                 raise
             finally:
                 with anyio.CancelScope(shield=True):
-                    await finish_stage(
-                        stage=stage,
-                        reason=reason,
-                        failure=failure,
-                        state=state,
-                        bus=bus,
-                        recorder=recorder,
-                        drain_timeout=drain_timeout,
-                        stop_plugins=[_bound(stop, p) for p in reversed(started)],
-                        loops=loops,
-                    )
+                    stops = [_bound(stop, p) for p in reversed(started)]
+                    await finish_stage(parts, reason, failure, stops)
     except BaseExceptionGroup as group:
         single = collapse(group)
         if single is None:
@@ -244,20 +213,17 @@ def _bound(stop: Callable[[Plugin], Awaitable[None]], plugin: Plugin) -> Callabl
 
 
 async def sanity_check(
-    module: Module,
+    parts: StageParts,
     val_data: Any,
-    *,
-    options: TrainerOptions,
     resuming: bool,
     attach: Callable[[Loop[Any], EventBus], None],
-    state: RunState,
-    recorder: Recorder,
 ) -> None:
     """Run ``options.num_sanity_val_steps`` validation batches (-1: all) before training,
     unless turned off, validation is (``limit_val_batches=0``), or the run resumes
     mid-epoch (``resuming``): unseen by the plugins (a bus of its own, with only the
     module's handlers), unrecorded (records dropped), and leaving the random generators
     as they were. ``attach(loop, bus)`` connects the loop to the trainer and the stage."""
+    options, module, recorder, state = parts.options, parts.module, parts.recorder, parts.state
     steps = options.num_sanity_val_steps
     if not steps or options.limit_val_batches == 0 or resuming:
         return

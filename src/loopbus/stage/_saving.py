@@ -24,9 +24,8 @@ from loopbus.state._runstate import ResumePlan
 from loopbus.state._stateful import Stateful
 
 from .._exceptions import MisconfigurationError
-from .._validate import check_local_path
-from ..storage import RemotePath, is_url, remote_path, require_backend
-from ._assembly import build_registry, check_registration
+from ..storage import RemotePath, location
+from ._assembly import StageParts, build_registry, check_registration
 
 if TYPE_CHECKING:
     from loopbus.distributed._strategy import Strategy
@@ -133,19 +132,14 @@ class CheckpointMethods:
             config=self.run_config,
         )
 
+    def _stage_parts(self, stage: str | None, active: list[Plugin]) -> StageParts:
+        raise NotImplementedError  # the trainer's parts now (Trainer)
+
     def _build_parts(self) -> dict[str, Any]:
         parts = build_registry(
-            state=self.state,
-            strategy=self.strategy,
-            module=self.module,
-            optimizers=self.optimizers,
-            schedulers=self._schedulers,
-            precision=self.precision,
-            loops=self.loops,
+            self._stage_parts(self.state.stage, []),
             epoch_loop=self.fit_loop.epoch_loop,
-            plugins=self.plugins,
             train_data=self._train_data,
-            recorder=self.recorder,
             registered=self._registered,
         )
         if self._weights_from is not None:
@@ -190,7 +184,7 @@ class CheckpointMethods:
         carries storage options): the object, then its completeness marker are uploaded
         (under FSDP every rank's shards, then the marker), and a ``RemotePath`` is
         returned."""
-        target = _save_target(path, "save_checkpoint")
+        target = location(path, owner=f"save_checkpoint({str(path)!r})")
         if self.strategy.sharded_state:
             return save_sharded(self.checkpoint_registry(), target)
         state = self.state_dict()
@@ -205,7 +199,7 @@ class CheckpointMethods:
         :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
         every rank its shards, staged first, then written in the background). ``path``
         may be a URL, as for :meth:`save_checkpoint`."""
-        target = _save_target(path, "save_checkpoint_async")
+        target = location(path, owner=f"save_checkpoint_async({str(path)!r})")
         if self.strategy.sharded_state:
             return await save_sharded_async(self.checkpoint_registry(), target)
         state = self.state_dict(to_host=True)
@@ -213,13 +207,3 @@ class CheckpointMethods:
             target = await anyio.to_thread.run_sync(write_checkpoint, state, target)
         self.strategy.barrier()
         return target
-
-
-def _save_target(path: str | os.PathLike[str], owner: str) -> Path | RemotePath:
-    """Where ``save_checkpoint(path)`` writes: a local path, or a URL as a
-    :class:`~loopbus.RemotePath` (its scheme's package checked now)."""
-    if is_url(path):
-        require_backend(path, owner=f"{owner}({str(path)!r})")
-        return remote_path(path)
-    check_local_path("path", path, owner=owner)
-    return Path(os.fspath(path))

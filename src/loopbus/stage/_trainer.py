@@ -35,11 +35,7 @@ from loopbus.step._precision import Precision, resolve_precision
 
 from .._exceptions import MisconfigurationError
 from ..events import Event, EventBus, Subscription
-from ._assembly import (
-    StageHost,
-    active_plugins,
-    build_host,
-)
+from ._assembly import StageHost, StageParts, active_plugins, build_host
 from ._lifecycle import prepared_fit, resume_from, running_stage, sanity_check, subscribed
 from ._options import OLD_NAMES, Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
@@ -284,7 +280,8 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         )
         train_data = await prepared_fit(self, module, train_data, _check_data)
         train_data = self.strategy.prepare_train_data(train_data)
-        async with self._stage("fit", module, train_data=train_data, datamodule=datamodule):
+        fitting = self._stage("fit", module, train_data=train_data, datamodule=datamodule)
+        async with fitting as parts:
             if ckpt_path is not None:
                 await resume_from(
                     ckpt_path,
@@ -296,13 +293,10 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
                 )
             if val_data is not None:
                 await sanity_check(
-                    module,
+                    parts,
                     val_data,
-                    options=self.options,
-                    resuming=self.fit_loop.epoch_loop.resumes_mid_epoch,
-                    attach=lambda loop, bus: loop.attach(bus=bus, trainer=self, host=self._host),
-                    state=self.state,
-                    recorder=self.recorder,
+                    self.fit_loop.epoch_loop.resumes_mid_epoch,
+                    lambda loop, bus: loop.attach(bus=bus, trainer=self, host=self._host),
                 )
             await self.fit_loop.run(train_data, val_data)
 
@@ -395,28 +389,21 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     @asynccontextmanager
     async def _stage(
         self, stage: str, module: Module, *, train_data: Any = None, datamodule: Any = None
-    ) -> AsyncIterator[None]:
+    ) -> AsyncIterator[StageParts]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         try:
             if stage == "fit":
                 self._train_data = train_data
             self._datamodule = datamodule
-            active = active_plugins(self.plugins, self.options, self.strategy)
-            self._prepare(stage, module)
-            with subscribed(self, stage, active, module, bus=self.bus, recorder=self.recorder):
+            parts = self._prepare(stage, module)
+            active, recorder = parts.active, parts.recorder
+            with subscribed(self, stage, active, module, bus=self.bus, recorder=recorder):
                 async with running_stage(
-                    stage,
-                    bus=self.bus,
-                    state=self.state,
-                    recorder=self.recorder,
-                    plugins=active,
-                    start=lambda plugin, tg: plugin.start(self, stage, tg),
-                    stop=lambda plugin: plugin.stop(self, stage),
-                    loops=self.loops,
-                    drain_timeout=self.options.responsiveness.drain_timeout_s,
-                    preemption=self._preemption,
+                    parts,
+                    lambda plugin, tg: plugin.start(self, stage, tg),
+                    lambda plugin: plugin.stop(self, stage),
                 ):
-                    yield
+                    yield parts
         finally:
             restore_compiled(module)
             module.bind_recorder(None)
@@ -430,9 +417,9 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             if datamodule is not None:
                 close_datamodule(datamodule, stage)
 
-    def _prepare(self, stage: str, module: Module) -> None:
+    def _prepare(self, stage: str, module: Module) -> StageParts:
         """Bind the module, move it, configure its optimizers (``fit``), and assemble
-        what the loops run with and what a checkpoint holds."""
+        the stage's parts, what the loops run with and what a checkpoint holds."""
         self.module = module
         module.bind_trainer(self)
         module.bind_recorder(self.recorder, type(module).__name__)
@@ -444,24 +431,20 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         if stage == "fit":
             self._configure(module)
             module.train()
-        self._host = build_host(
-            stage,
-            module=module,
-            options=self.options,
-            state=self.state,
-            recorder=self.recorder,
-            bus=self.bus,
-            precision=self.precision,
-            strategy=self.strategy,
-            optimizers=self.optimizers,
-            schedulers=self._schedulers,
-            stop=self._stop,
-            stop_notice=self._preemption,
-            train_loop=self.fit_loop.epoch_loop.name,
-        )
+        parts = self._stage_parts(stage, active_plugins(self.plugins, self.options, self.strategy))
+        self._host = build_host(parts, train_loop=self.fit_loop.epoch_loop.name)
         for loop in self.loops.values():
             loop.attach(host=self._host)
         self._parts = self._build_parts()
+        return parts
+
+    def _stage_parts(self, stage: str | None, active: list[Plugin]) -> StageParts:
+        """The trainer's parts now, as one value (see :class:`StageParts`)."""
+        return StageParts(
+            stage, self.module, self.options, self.state, self.recorder, self.bus,
+            self.precision, self.strategy, self.optimizers, self._schedulers, self._stop,
+            self._preemption, self.loops, self.plugins, active,
+        )
 
     def _configure(self, module: Module) -> None:
         """The module's optimizers and schedulers (configured once per module)."""

@@ -11,8 +11,9 @@ Imports the base layer, the standard library and, only when a URL is used, fsspe
 local path never imports fsspec. The checkpoint package builds its format (entry,
 completeness marker, ``last.json``) on a :class:`Storage`.
 
-Modules: ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
-``_local`` (:class:`Storage`, :class:`LocalStore`, :func:`store_for`, :func:`located`),
+Modules: ``_advice`` (what a failed store call means, and what to do), ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
+``_local`` (:class:`Storage`, :class:`LocalStore`, :func:`store_for`, :func:`located`,
+the local store's temporaries: :func:`temporary_for`, :func:`temporary_writer`),
 ``_lease`` (:class:`FolderLease`, :func:`folder_lease`), ``_health``
 (:class:`StoreHealth`, :class:`Outage`).
 """
@@ -25,12 +26,16 @@ from ._lease import LEASE_NAME as LEASE_NAME
 from ._lease import LEASE_TTL_S as LEASE_TTL_S
 from ._lease import FolderLease as FolderLease
 from ._lease import folder_lease as folder_lease
+from ._local import TEMP_TAG as TEMP_TAG
 from ._local import LocalStore as LocalStore
 from ._local import Storage as Storage
 from ._local import crc32_of as crc32_of
+from ._local import host_tag as host_tag
 from ._local import located as located
 from ._local import location as location
 from ._local import store_for as store_for
+from ._local import temporary_for as temporary_for
+from ._local import temporary_writer as temporary_writer
 from ._store import RemotePath as RemotePath
 from ._store import Store as Store
 from ._store import StoreDeadlines as StoreDeadlines
@@ -49,12 +54,16 @@ __all__ = [
     "StoreDeadlines",
     "Storage",
     "StoreHealth",
+    "TEMP_TAG",
     "crc32_of",
     "folder_lease",
+    "host_tag",
     "is_url",
     "located",
     "location",
     "remote_path",
     "require_backend",
     "store_for",
+    "temporary_for",
+    "temporary_writer",
 ]

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any
 
 from .._exceptions import CheckpointError, MisconfigurationError
-from ._store import RemotePath, Store, fix_for, missing_bucket, not_retried
+from ._advice import fix_for, missing_bucket, not_retried
+from ._store import RemotePath, Store
 
 try:
     import fcntl

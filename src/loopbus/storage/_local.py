@@ -15,16 +15,30 @@ Imports the base layer and the standard library; a local path never imports fssp
 from __future__ import annotations
 
 import contextlib
+import errno
+import hashlib
 import os
+import re
+import secrets
 import shutil
+import socket
 import zlib
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import IO, Any, Protocol, TypeVar, runtime_checkable
 
 from .._durable import replace_atomically
 from .._untrusted import read_small
-from ._store import RemotePath, Store, is_url, remote_path
+from ._store import RemotePath, Store, is_url, remote_path, require_backend
+
+_T = TypeVar("_T")
+
+#: Marks a temporary's name (``.<name>.tmp-<pid>-<random>@<host>``).
+TEMP_TAG = ".tmp-"
+#: Separates a temporary file's writer (``<pid>-<random>``) from its host's name.
+_HOST_SEP = "@"
+#: The longest host tag in a temporary file's name.
+_HOST_TAG_MAX = 32
 
 __all__ = ["LocalStore", "Storage", "crc32_of", "located", "location", "store_for"]
 
@@ -88,6 +102,22 @@ class Storage(Protocol):
         """Write the entry ``name`` whole (locally: a temporary file renamed into place)."""
         ...
 
+    def publish(
+        self,
+        name: str,
+        write: Callable[[IO[bytes]], _T],
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> _T:
+        """Stage the entry ``name`` with ``write(file)``, then publish it whole under its
+        name, and return what ``write`` returned. ``before()`` runs once it is staged,
+        right before it appears (to remove what must not outlive the old entry). Locally:
+        a temporary file in the directory (see :func:`temporary_for`), flushed, fsynced and
+        renamed onto the name, the directory fsynced (``IsADirectoryError`` if the name is
+        a directory); in an object store: a local temporary file, uploaded under the name
+        (an object appears whole or not at all)."""
+        ...
+
     def local_copy(
         self, name: str, *, beside: Iterable[str] = ()
     ) -> contextlib.AbstractContextManager[Path]:
@@ -104,6 +134,12 @@ class Storage(Protocol):
         """Delete the directory ``name`` and everything in it, its entry ``first`` (a
         completeness marker) before the rest, so that a directory half deleted is never
         taken as complete; a missing one is ignored, a link is removed as a link."""
+        ...
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """Delete the temporaries that writers which no longer run left in the directory
+        (entries staged for :meth:`publish`), and return them; none where entries are
+        not staged in the directory (an object store uploads under the final name)."""
         ...
 
 
@@ -178,7 +214,22 @@ class LocalStore:
         return self.path(name).stat().st_mtime
 
     def write(self, name: str, data: bytes) -> None:
-        replace_atomically(self.path(name), lambda file: file.write(data))
+        self.publish(name, lambda file: file.write(data))
+
+    def publish(
+        self,
+        name: str,
+        write: Callable[[IO[bytes]], _T],
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> _T:
+        target = self.path(name)
+        if target.is_dir():
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(target))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return replace_atomically(
+            target, write, before_replace=before, temporary=temporary_for, name_errors=False
+        )
 
     @contextlib.contextmanager
     def local_copy(self, name: str, *, beside: Iterable[str] = ()) -> Iterator[Path]:
@@ -195,6 +246,83 @@ class LocalStore:
         if first is not None and target.is_dir():
             (target / first).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """A temporary's name holds its writer's process id and host name (see
+        :func:`temporary_for`). It is removed when it was written on this host by a
+        process that no longer runs (or by this process). One written on another host (a
+        directory shared between machines) is never removed: a process id says nothing
+        about another machine's processes. A name without a host (written by an earlier
+        loopbus) is taken to come from this host."""
+        removed: list[Path] = []
+        if not self._directory.is_dir():
+            return removed
+        here = host_tag()
+        for entry in self._directory.iterdir():
+            writer = temporary_writer(entry.name) if entry.name.startswith(".") else None
+            if writer is None:
+                continue
+            pid, host = writer
+            if host is not None and host != here:
+                continue  # another machine's writer: its pid means nothing here
+            if pid != os.getpid() and _alive(pid):
+                continue
+            with contextlib.suppress(OSError):
+                if entry.is_dir() and not entry.is_symlink():  # a sharded checkpoint's
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+                removed.append(entry)
+        return removed
+
+
+def temporary_for(target: Path) -> Path:
+    """The temporary a local store stages ``target`` in:
+    ``.<name>.tmp-<pid>-<random>@<host>``, the writer's process id and host name, so that
+    a cleanup of stale temporaries judges whether the writer still runs only on the host
+    where that process id means something (see :func:`temporary_writer`)."""
+    return target.with_name(
+        f".{target.name}{TEMP_TAG}{os.getpid()}-{secrets.token_hex(4)}{_HOST_SEP}{host_tag()}"
+    )
+
+
+def host_tag() -> str:
+    """This host's name as it goes into a temporary file's name: characters other than
+    letters, digits and ``-`` become ``_``, and a long name is cut, with a hash of the
+    whole name kept, so that the tag stays short and still tells hosts apart."""
+    host = socket.gethostname() or "localhost"
+    tag = re.sub(r"[^A-Za-z0-9-]", "_", host)
+    if len(tag) > _HOST_TAG_MAX:
+        digest = hashlib.sha1(host.encode("utf-8", "surrogateescape")).hexdigest()[:8]
+        tag = f"{tag[: _HOST_TAG_MAX - 9]}~{digest}"
+    return tag
+
+
+def temporary_writer(name: str) -> tuple[int, str | None] | None:
+    """The writer's process id and host tag from a temporary's name (host None for a
+    name without one), or None if ``name`` is not such a temporary."""
+    if TEMP_TAG not in name:
+        return None
+    tail = name.rsplit(TEMP_TAG, 1)[1]
+    host: str | None = None
+    if _HOST_SEP in tail:
+        tail, host = tail.rsplit(_HOST_SEP, 1)
+    pid_text = tail.split("-", 1)[0]
+    if not pid_text.isdigit():
+        return None
+    return int(pid_text), host
+
+
+def _alive(pid: int) -> bool:
+    """Whether a process with this id runs on this host (a permission error means that
+    one does, owned by another user)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, OSError):
+        return True
+    return True
 
 
 def store_for(
@@ -213,12 +341,20 @@ def store_for(
 
 
 def location(
-    path: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    path: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    owner: str | None = None,
 ) -> Path | RemotePath:
     """``path`` as a local :class:`~pathlib.Path`, or a URL as a :class:`RemotePath`
     with the fsspec ``storage_options`` (one already a ``RemotePath`` keeps its own unless
-    they are given)."""
-    return remote_path(path, storage_options) if is_url(path) else Path(os.fspath(path))
+    they are given). With ``owner`` (what is about to use it, as an error names it:
+    ``"ckpt_path='s3://b/x'"``), the package a URL's scheme needs is checked now."""
+    if not is_url(path):
+        return Path(os.fspath(path))
+    if owner is not None:
+        require_backend(path, owner=owner)
+    return remote_path(path, storage_options)
 
 
 def located(

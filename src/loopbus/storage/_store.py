@@ -33,21 +33,19 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import IO, Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
 from .._untrusted import MAX_SMALL_FILE
 from .._validate import _URL, check_number
+from ._advice import Overdue, describe_failure, fix_for, not_retried
 from ._health import StoreHealth
 
 __all__ = [
     "RemotePath",
     "Store",
     "StoreDeadlines",
-    "fix_for",
     "is_url",
-    "missing_bucket",
-    "not_retried",
     "remote_path",
     "require_backend",
 ]
@@ -281,88 +279,6 @@ def _backend_options(directory: RemotePath, scheme: str) -> dict[str, Any]:
     return options
 
 
-class _Overdue(TimeoutError):
-    """A store call abandoned at its deadline (``call_s``)."""
-
-    def __init__(self, seconds: float) -> None:
-        super().__init__(
-            f"no answer within {seconds:g} s (StoreDeadlines.call_s), so it was abandoned"
-        )
-
-
-def _cause(exc: BaseException) -> str:
-    """What a failed call's error says, on one line."""
-    text = " ".join(str(exc).split())
-    return text if isinstance(exc, _Overdue) else f"{type(exc).__name__}: {text}"
-
-
-#: The backends' errors that another try cannot mend: no credentials at all (botocore's
-#: ``NoCredentialsError``, ``PartialCredentialsError``), credentials in a bad shape.
-_FINAL = ("NoCredentialsError", "PartialCredentialsError", "NoRegionError", "InvalidConfigError")
-
-
-def not_retried(exc: BaseException) -> bool:
-    """Whether ``exc`` (or what it was raised from) is an error that another try cannot
-    mend: a missing object, a refused permission, missing credentials."""
-    seen: BaseException | None = exc
-    while seen is not None:
-        if isinstance(seen, (FileNotFoundError, PermissionError)) or any(
-            kind.__name__ in _FINAL for kind in type(seen).__mro__
-        ):
-            return True
-        seen = seen.__cause__ or seen.__context__
-    return False
-
-
-def bucket_of(url: str) -> str:
-    """The bucket (the first part after the scheme) of ``url``: ``s3://b/run`` -> ``b``."""
-    return url.split("://", 1)[-1].split("/", 1)[0]
-
-
-def missing_bucket(url: str) -> str:
-    """What to say when the bucket of ``url`` is not there."""
-    return (
-        f"the bucket {bucket_of(url)} does not exist (or is not reachable with these "
-        "credentials): create it or fix dirpath"
-    )
-
-
-def fix_for(exc: BaseException, url: str) -> str:
-    """What to do about the failed call to ``url`` that raised ``exc``: provide
-    credentials, fix the endpoint, create the bucket, raise a deadline."""
-    if isinstance(exc, _Overdue):
-        return "raise StoreDeadlines.call_s if the store is slow rather than stalled"
-    seen: BaseException | None = exc
-    names: set[str] = set()
-    while seen is not None:
-        names |= {kind.__name__ for kind in type(seen).__mro__}
-        seen = seen.__cause__ or seen.__context__
-    text = str(exc)
-    if names & {"NoCredentialsError", "PartialCredentialsError"}:
-        return (
-            "no credentials were found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or "
-            "~/.aws/credentials, an instance role), or pass them as storage options "
-            "({'key': ..., 'secret': ...})"
-        )
-    if "NoSuchBucket" in names or "specified bucket does not exist" in text:
-        return missing_bucket(url)
-    if isinstance(exc, PermissionError) or ("ClientError" in names and "Denied" in text):
-        return (
-            "the credentials were refused: check the key and secret (storage options or "
-            "AWS_* variables) and that they may read and write this bucket"
-        )
-    if names & {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionError"}:
-        return (
-            "the store could not be reached: check the endpoint (storage options' "
-            "client_kwargs endpoint_url, or AWS_ENDPOINT_URL_S3) and the network"
-        )
-    return (
-        "check that the store is reachable and that the endpoint and credentials in the "
-        "storage options (or the backend's standard places, such as the AWS_* variables) "
-        "are right"
-    )
-
-
 class Store:
     """The objects directly under the directory ``directory`` (a :class:`RemotePath`),
     by name.
@@ -452,7 +368,7 @@ class Store:
                 return future.result()
             if left <= 0 or (health is not None and health.given_up):
                 future.cancel()
-                raise _Overdue(seconds)
+                raise Overdue(seconds)
 
     def _attempts(self, action: Callable[[], _T], tries: list[int]) -> _T:
         """``action()``, tried again up to ``retries`` times after a failure (waiting
@@ -472,7 +388,7 @@ class Store:
                 raise
             except Exception as exc:
                 if health is not None:
-                    health.failed(_cause(exc))
+                    health.failed(describe_failure(exc))
                 if attempt >= self.retries or not_retried(exc):
                     raise
                 if health is None:
@@ -497,7 +413,7 @@ class Store:
             where = (self.url(name) if name else self.directory).public_url
             times = f" ({tries[0]} tries)" if tries[0] > 1 else ""
             hint = fix_for(exc, where)
-            raise CheckpointError(f"cannot {doing} {where}{times}: {_cause(exc)}; {hint}.") from exc
+            raise CheckpointError(f"cannot {doing} {where}{times}: {describe_failure(exc)}; {hint}.") from exc
 
     # ------------------------------------------------------------ reads
     def listing(self) -> dict[str, int]:
@@ -575,6 +491,25 @@ class Store:
         """Write the object ``name``."""
         self._tried("write", name, lambda: self._call("pipe_file", self._key(name), data))
 
+    def publish(
+        self,
+        name: str,
+        write: Callable[[IO[bytes]], _T],
+        *,
+        before: Callable[[], object] | None = None,
+    ) -> _T:
+        """Stage the object ``name`` in a local temporary file with ``write(file)``, run
+        ``before()``, then upload it under its name (it appears whole or not at all), and
+        return what ``write`` returned."""
+        with tempfile.TemporaryDirectory(prefix="loopbus-upload-") as staging:
+            staged = Path(staging) / "staged"
+            with open(staged, "wb") as file:
+                result = write(file)
+            if before is not None:
+                before()
+            self.upload(staged, name)
+        return result
+
     def remove_tree(self, name: str, *, first: str | None = None) -> None:
         """Delete every object under the prefix ``name`` (a missing one is ignored), the
         object ``first`` in it (a completeness marker) before the rest."""
@@ -590,6 +525,11 @@ class Store:
                 pass
 
         self._tried("delete", name, delete)
+
+    def remove_stale_temporaries(self) -> list[Path]:
+        """None: an object is staged in a local temporary file and uploaded under its
+        own name, never staged in the store."""
+        return []
 
     def remove(self, name: str) -> None:
         """Delete the object ``name``; a missing one is ignored."""

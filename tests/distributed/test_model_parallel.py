@@ -7,6 +7,7 @@ this process."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -70,10 +71,13 @@ def tp_runs(tmp_path_factory: pytest.TempPathFactory) -> Scenarios:
 def other_layouts(
     tp_runs: Scenarios, tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, list[dict[str, Any]]]:
-    """The 2x2 checkpoint resumed under FSDP over 2 ranks and in one process."""
+    """The 2x2 checkpoint resumed under FSDP over 2 ranks and in one process: two
+    launches that only read the checkpoint, so they run side by side."""
     ckpt = str(tp_runs.out("train") / "ckpt")
-    results = {}
-    for sid, nproc, strategy in (("resume-fsdp2", 2, "fsdp"), ("resume-single", 0, "single")):
+    layouts = {"resume-fsdp2": (2, "fsdp"), "resume-single": (0, "single")}
+
+    def resume(sid: str) -> list[dict[str, Any]]:
+        nproc, strategy = layouts[sid]
         runs = Scenarios(
             SCRIPT,
             {sid: ["--scenario", "resume", "--strategy", strategy, "--ckpt", ckpt]},
@@ -81,8 +85,10 @@ def other_layouts(
             timeout_s=180,
         )
         runs.run_once(tmp_path_factory, f"tp-{sid}")
-        results[sid] = _summaries(runs, sid, max(nproc, 1))
-    return results
+        return _summaries(runs, sid, max(nproc, 1))
+
+    with ThreadPoolExecutor(len(layouts)) as pool:
+        return dict(zip(layouts, pool.map(resume, layouts), strict=True))
 
 
 @pytest.mark.external

@@ -11,8 +11,8 @@ a sharded checkpoint every 4 steps.
 * The uninterrupted run's mid-epoch checkpoint (step 4) resumed on (dp=1, tp=4) and on
   HSDP (4 replicas, no tp): the replicas read each remaining sample of the epoch once.
 
-Two launches are interrupted (``_interrupt``); the uninterrupted run and the four resumes
-share one launch after them.
+Two launches are interrupted (``_interrupt``, side by side); the uninterrupted run and the
+four resumes share one launch after them.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -39,28 +40,39 @@ pytestmark = [
     ),
 ]
 
-JOB = ["--scenario", "job", "--every", "4"]
-#: 256 samples, a global batch of 16: 16 optimizer steps an epoch, 2 epochs.
-STEPS_PER_EPOCH = 16
-FINAL_STEP = 32
-N_TRAIN = 256
+#: 128 samples, a global batch of 16: 8 optimizer steps an epoch, 2 epochs. Enough for a
+#: checkpoint (step 4) and an interruption after it in the middle of the first epoch, and
+#: a whole second epoch after the resume (each step is rounds of collectives on 4 ranks).
+N_TRAIN = 128
+STEPS_PER_EPOCH = 8
+FINAL_STEP = 16
+JOB = ["--scenario", "job", "--every", "4", "--n-train", str(N_TRAIN)]
 KILL_AT = 6
-#: The batch rank 0 holds until the SIGTERM has asked for a stop (the 10th of epoch 0);
+#: The batch rank 0 holds until the SIGTERM has asked for a stop (the 6th of epoch 0);
 #: the stop is agreed at a boundary after it (checked at every boundary here).
-WAIT_AT = 9
+WAIT_AT = 5
 MIDEPOCH_CKPT = "reference/ckpt/epoch=0-step=4.ckpt"
 
 
 def _interrupt(root: Path) -> None:
     """The two interrupted jobs, before the launch that resumes them: their exit status,
     the end of their output and what their last checkpoint was (the resumed runs save
-    into the same folders) in ``<dir>/launch.json``."""
+    into the same folders) in ``<dir>/launch.json``. They share nothing, so they run side
+    by side."""
+    with ThreadPoolExecutor(2) as pool:
+        for done in [pool.submit(_killed, root), pool.submit(_preempted, root)]:
+            done.result()
+
+
+def _killed(root: Path) -> None:
     killed = root / "killed"
     proc = launch(
         killed, *JOB, *MESH_2x2, "--kill-at", str(KILL_AT), nproc=WORLD, script=SCRIPT, timeout=300
     )
     _report(killed, proc.returncode, proc.stderr)
 
+
+def _preempted(root: Path) -> None:
     preempted = root / "preempted"
     preempted.mkdir()
     launcher = [f"--nproc_per_node={WORLD}", f"--master_port={free_port()}"]
@@ -209,7 +221,7 @@ def test_a_2x2_mid_epoch_checkpoint_resumed_on_another_mesh_reads_each_sample_on
     resumed = _per_replica(runs.out(sid))
     assert len(resumed) == replicas
     # The checkpoint of step 4 holds the first 4 global batches (64 samples) of epoch 0;
-    # the resumed run trains the other 192, each once, on its own replicas: the samples
+    # the resumed run trains the other 64, each once, on its own replicas: the samples
     # the uninterrupted run trained after step 4.
     before = _indices(reference, 0, range(4))
     after = _indices(resumed, 0, range(4, STEPS_PER_EPOCH))

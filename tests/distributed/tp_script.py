@@ -15,19 +15,20 @@ rank to ``--out``.
 * ``meta``: the model built on the ``meta`` device against one built normally with the
   same seed.
 * ``refusals``: a loader sharded over the whole world, a module split on meta.
-* ``job``: ``--epochs`` epochs of shuffled data on a mesh with a ``Checkpoint`` plugin
-  (sharded, every ``--every`` steps, all kept), resumed from ``last`` in ``--ckpt-dir``
-  with ``--resume`` or from ``--ckpt``; every rank appends the samples of each batch it
-  trains to ``samples_rank<R>.jsonl`` as it goes. ``--kill-at`` SIGKILLs every rank after
-  that step; ``--wait-at`` holds rank 0 in that step's batch (writing ``ready``) until
-  the preemption signal the test sends has asked for a stop. A run that ends writes its
-  full weights and optimizer state (rank 0, ``final.pt``); a preempted one writes
-  ``preempted_rank<R>.json`` and exits with the signal's status.
+* ``job``: ``--epochs`` epochs of ``--n-train`` shuffled samples on a mesh with a
+  ``Checkpoint`` plugin (sharded, every ``--every`` steps, all kept), resumed from
+  ``last`` in ``--ckpt-dir`` with ``--resume`` or from ``--ckpt``; every rank appends the
+  samples of each batch it trains to ``samples_rank<R>.jsonl`` as it goes. ``--kill-at``
+  SIGKILLs every rank after that step; ``--wait-at`` holds rank 0 in that step's batch
+  (writing ``ready``) until the preemption signal the test sends has asked for a stop. A
+  run that ends writes its full weights and optimizer state (rank 0, ``final.pt``); a
+  preempted one writes ``preempted_rank<R>.json`` and exits with the signal's status.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -263,9 +264,11 @@ def full_state(
     return out
 
 
+@functools.cache
 def reference(clip: float) -> tuple[list[float], dict[str, torch.Tensor]]:
     """The one-process run: the model built normally with seed 0, AdamW, the global
-    batches in order, ``clip_grad_norm_`` (no process group is touched)."""
+    batches in order, ``clip_grad_norm_`` (no process group is touched). The same for
+    every scenario of a launch: run once per clip value, read-only for the callers."""
     loopbus.seed_everything(0)
     model = TinyLlama()
     opt = torch.optim.AdamW(model.parameters(), lr=model.lr)
@@ -446,7 +449,7 @@ def scenario_job(args: argparse.Namespace) -> dict[str, Any]:
         **options,
     )
     batch = GLOBAL_BATCH // t.strategy.data_parallel_size
-    loader = DataLoader(data(), batch_size=batch, shuffle=True)
+    loader = DataLoader(data(args.n_train), batch_size=batch, shuffle=True)
     try:
         loopbus.run(t.fit, module, loader, ckpt_path=ckpt_path)
     except loopbus.Preempted as exc:
@@ -523,6 +526,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "the train scenario's beside --out",
     )
     parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--n-train", type=int, default=N_TRAIN, help="job: samples an epoch")
     parser.add_argument("--every", type=int, default=4, help="job: a checkpoint every N steps")
     parser.add_argument("--ckpt-dir", default="", help="job: relative to --out's parent")
     parser.add_argument("--resume", action="store_true", help="job: ckpt_path='last'")

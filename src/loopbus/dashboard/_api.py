@@ -37,7 +37,20 @@ UPDATES = 0.1
 _WIDTHS = (16, 8192)
 _encode = msgspec.json.Encoder().encode
 #: Keys of a run's light description (what changes while it is written).
-_LIGHT = ("id", "name", "state", "names", "points", "loaded", "version", "live", "reason")
+_LIGHT = (
+    "id",
+    "name",
+    "state",
+    "names",
+    "pending",
+    "points",
+    "loaded",
+    "version",
+    "live",
+    "reason",
+)
+#: Seconds a request for every point waits for columns not read yet.
+READING = 60.0
 
 
 class _Query(msgspec.Struct, forbid_unknown_fields=True):
@@ -125,9 +138,13 @@ def _lines(catalog: Catalog, query: _Query) -> dict[str, Any]:
         raise BadRequest("lines are asked for one record name at a time (one name).")
     name = query.names[0]
     runs = [_run(catalog, run_id) for run_id in query.runs]
-    shown, data, markers = [], [], []
+    catalog.want(name)
+    shown, data, markers, pending = [], [], [], []
     for run in runs:
         series = run.series.get(name)
+        if not run.loaded or name in run.pending:
+            pending.append(run.id)
+            continue
         if series is None:
             continue
         origin = run.origin()
@@ -136,6 +153,7 @@ def _lines(catalog: Catalog, query: _Query) -> dict[str, Any]:
         markers.extend(_markers(run, query.x, origin))
     result = lines(data, query.lo, query.hi, query.width)
     result["runs"] = shown
+    result["pending"] = pending
     result["total"] = sum(len(x) for x, _ in data)
     result["markers"] = markers
     return result
@@ -154,8 +172,18 @@ def _markers(run: Run, mode: str, origin: float | None) -> list[dict[str, Any]]:
     return out
 
 
-def _csv(catalog: Catalog, query: _Query) -> str:
-    runs = [_run(catalog, run_id) for run_id in query.runs] or catalog.runs()
+async def _read(catalog: Catalog, runs: list[Run], names: list[str] | None) -> None:
+    """Wait until the columns of ``names`` (all: None) of ``runs`` are read (they are
+    read first); 503 when they are not within :data:`READING` seconds."""
+    with anyio.move_on_after(READING):
+        await catalog.read_first(runs, names)
+        return
+    raise BadRequest(
+        f"the runs' files are still being read after {READING:.0f} s: ask again later.", 503
+    )
+
+
+def _csv(runs: list[Run], query: _Query) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
     writer.writerow(["run", "name", "step", "wall_time", "value"])
@@ -208,6 +236,7 @@ def api_routes(catalog: Catalog) -> list[BaseRoute]:
     async def series(request: Request) -> Response:
         run = _run(catalog, _one(request, "run"))
         name = _one(request, "name")
+        await _read(catalog, [run], [name])
         found = run.series.get(name)
         if found is None:
             raise BadRequest(f"run {run.id!r} has no record {name[:200]!r}.", 404)
@@ -217,7 +246,10 @@ def api_routes(catalog: Catalog) -> list[BaseRoute]:
         return _json(_lines(catalog, await _query(request)))
 
     async def table(request: Request) -> Response:
-        text = _csv(catalog, await _query(request))
+        query = await _query(request)
+        runs = [_run(catalog, run_id) for run_id in query.runs] or catalog.runs()
+        await _read(catalog, runs, query.names or None)
+        text = _csv(runs, query)
         return Response(
             text,
             media_type="text/csv",

@@ -16,7 +16,7 @@ from __future__ import annotations
 import glob
 import os
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -50,6 +50,12 @@ _NO_TB = (
 )
 
 Reader = LogReader | EventsReader
+#: The record names read before the others, at most (a page's first screen of charts).
+FIRST = 6
+#: The record names pages asked for that are remembered (the latest first).
+_WANTED = 32
+#: The page's groups of charts, in its order (``dashboard.js``'s ``GROUP_ORDER``).
+GROUP_ORDER = ("train", "val", "validate", "test", "predict")
 
 
 def _is_log(name: str) -> bool:
@@ -117,6 +123,9 @@ class Catalog:
         self._by_path: dict[str, str] = {}  # real path of a run's folder or file -> id
         self._attached: dict[int, _Followed] = {}  # id(live run) -> its folder's reading
         self._last_scan = -1.0
+        self._wanted: dict[str, None] = {}  # names pages asked for, the latest last
+        self._known: set[str] = set()  # the record names the runs' files have
+        self._waiting: list[anyio.Event] = []  # requests waiting for columns to be read
 
     # ------------------------------------------------------------ the runs
     def runs(self) -> list[Run]:
@@ -227,7 +236,8 @@ class Catalog:
             if followed.reader is None:
                 continue
             seen = _signature(followed.files())
-            if seen != followed.seen:
+            reader = followed.reader
+            if seen != followed.seen or (isinstance(reader, LogReader) and reader.more()):
                 followed.seen = seen
                 yield followed
 
@@ -250,7 +260,7 @@ class Catalog:
 
     def look(self) -> list[_Followed]:
         """New runs (when a scan is due) and the runs whose files changed since the last
-        look (to :meth:`read`, one at a time)."""
+        look, or hold more than was read of them (to :meth:`read`, one at a time)."""
         if self._last_scan < 0 or time.monotonic() - self._last_scan >= self.rescan:
             self.scan()
             for followed in list(self._followed.values()):
@@ -258,17 +268,59 @@ class Catalog:
         self._attach_live()
         return list(self._due())
 
+    # ------------------------------------------------------------ what is read first
+    def want(self, *names: str) -> None:
+        """A page asked for the record ``names``: the runs' columns of them are read
+        before the others (the latest asked first)."""
+        for name in names:
+            self._wanted.pop(name, None)
+            self._wanted[name] = None
+        while len(self._wanted) > _WANTED:
+            del self._wanted[next(iter(self._wanted))]
+
+    def first(self) -> list[str]:
+        """The record names read before the others: those pages asked for, the latest
+        first, then the page's first charts (the runs' first names in the page's order,
+        :func:`page_order`); at most :data:`FIRST` of them."""
+        asked = list(reversed(self._wanted))
+        if len(asked) < FIRST:
+            guess = sorted(self._known.difference(asked), key=page_order)
+            asked += guess[: FIRST - len(asked)]
+        return asked[:FIRST]
+
+    async def read_first(self, runs: Sequence[Run], names: Collection[str] | None) -> None:
+        """Have the record ``names`` (all: None) of ``runs`` read first, and wait until
+        they are read."""
+        wanted = set(names) if names is not None else None
+        if wanted is not None:
+            self.want(*wanted)
+        while any(
+            not r.loaded or (r.pending if wanted is None else r.pending & wanted) for r in runs
+        ):
+            event = anyio.Event()
+            self._waiting.append(event)
+            await event.wait()
+
+    def _next(self, queue: list[_Followed], first: list[str]) -> tuple[_Followed, list[str] | None]:
+        """The run to read next and the names to read (None: every name): a run not read
+        yet, or one without some of the ``first`` names, before the others."""
+        for followed in queue:
+            run = followed.run
+            if not run.loaded or run.pending.intersection(first):
+                return followed, first
+        return queue[0], None
+
     @staticmethod
-    def read(followed: _Followed) -> list[Chunk]:
-        """What one run's files hold since the last read (to :meth:`apply`)."""
+    def read(followed: _Followed, names: list[str] | None = None) -> list[Chunk]:
+        """What one run's files hold since the last read (to :meth:`apply`): of the
+        record ``names`` where its reader can read some names first, else of every
+        name."""
         reader = followed.reader
         assert reader is not None
-        chunks = []
-        while chunk := reader.read():
-            chunks.append(chunk)
-            if not isinstance(reader, LogReader) or not reader.more():
-                break
-        return chunks or [Chunk()]
+        chunks = [reader.read(names)]
+        while chunks[-1] and isinstance(reader, LogReader) and reader.more(names):
+            chunks.append(reader.read(names))
+        return chunks
 
     def refresh(self) -> list[tuple[_Followed, Chunk]]:
         """One look at every run and one read of those that changed, in this thread."""
@@ -280,9 +332,14 @@ class Catalog:
         for followed, chunk in found:
             run = followed.run
             run.apply(chunk)
+            self._known.update(chunk.pending or (), chunk.points, chunk.arrays)
             if not run.loaded:
                 run.loaded = True
                 run.version += 1
+        if found:
+            waiting, self._waiting = self._waiting, []
+            for event in waiting:
+                event.set()
         for followed in self._followed.values():
             newest = max((mtime for mtime in _mtimes(followed.files())), default=0.0)
             state = "live" if now - newest < self.idle else "finished"
@@ -296,13 +353,35 @@ class Catalog:
 
     async def run(self) -> None:
         """Follow the runs (and find new ones), until cancelled: each run's new points
-        are added as soon as they are read."""
+        are added as soon as they are read, the names of :meth:`first` before the
+        others; the files are looked at again every ``poll`` seconds meanwhile."""
         while True:
-            for followed in await anyio.to_thread.run_sync(self.look):
-                chunks = await anyio.to_thread.run_sync(self.read, followed)
+            queue = await anyio.to_thread.run_sync(self.look)
+            looked = time.monotonic()
+            while queue and time.monotonic() - looked < self.poll:
+                followed, names = self._next(queue, self.first())
+                chunks = await anyio.to_thread.run_sync(self.read, followed, names)
                 self.apply([(followed, chunk) for chunk in chunks])
+                reader = followed.reader
+                if not (isinstance(reader, LogReader) and reader.more()) or (
+                    names is None and not any(chunks)
+                ):
+                    queue.remove(followed)
             self.apply([])
-            await anyio.sleep(self.poll)
+            if not queue:
+                await anyio.sleep(self.poll)
+
+
+def page_order(name: str) -> tuple[str, str]:
+    """Where the page puts the chart of record ``name``: grouped by the part before the
+    first ``/`` (:data:`GROUP_ORDER` first, then the other groups, then names without a
+    group), by name in a group (``dashboard.js`` orders its charts the same way)."""
+    cut = name.find("/")
+    group = name[:cut] if cut > 0 else None
+    if group is None:
+        return "~", name
+    rank = GROUP_ORDER.index(group) if group in GROUP_ORDER else None
+    return (str(rank) if rank is not None else "5" + group), name
 
 
 def _mtimes(paths: list[Path]) -> Iterator[float]:

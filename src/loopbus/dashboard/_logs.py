@@ -19,15 +19,16 @@ Imports the base layer only (and ``tensorboard`` when an event file is read).
 
 from __future__ import annotations
 
-import csv
-import io
 import math
 import os
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import msgspec
+
+from ._columns import header, parse
 
 __all__ = ["CSV", "JSONL", "TB_PREFIX", "Chunk", "LogReader", "reader_for", "reader_for_file"]
 
@@ -53,6 +54,9 @@ class Chunk:
     epochs: dict[int, tuple[int, float]] = field(default_factory=dict)
     purges: list[tuple[int, float]] = field(default_factory=list)
     reset: bool = False
+    #: Record names the file has whose points are not read at all yet (None: the reader
+    #: reads every name at once).
+    pending: set[str] | None = None
 
     def add(self, name: str, step: int, time: float, value: Any) -> None:
         columns = self.points.get(name)
@@ -81,8 +85,10 @@ class LogReader:
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {str(self.path)!r} at {self._offset}>"
 
-    def read(self) -> Chunk:
-        """The points written since the last read (all of them the first time)."""
+    def read(self, names: Collection[str] | None = None) -> Chunk:
+        """The points written since the last read (all of them the first time); a reader
+        that can read some record ``names`` first (:class:`CsvReader`) reads only those,
+        the others read every name."""
         chunk = Chunk()
         try:
             with self.path.open("rb") as f:
@@ -107,7 +113,7 @@ class LogReader:
             self._parse(data[:cut], chunk)
         return chunk
 
-    def more(self) -> bool:
+    def more(self, names: Collection[str] | None = None) -> bool:
         """Whether the file held more than the last read took."""
         return self._offset < self._size
 
@@ -155,78 +161,83 @@ class JsonlReader(LogReader):
             epochs[r.epoch] = (r.step, r.time)
 
 
-def _cell(text: str) -> Any:
-    if text == "True":
-        return True
-    if text == "False":
-        return False
-    try:
-        return int(text)
-    except ValueError:
-        return float(text)
-
-
 class CsvReader(LogReader):
-    """``metrics.csv``: ``step,epoch,time``, then a column per record name."""
+    """``metrics.csv``: ``step,epoch,time``, then a column per record name, read by
+    columns (:mod:`._columns`): each column from where it was last read, so that the
+    columns a page asks for are read before the others (:meth:`read`)."""
 
     kind = "csv"
 
     def __init__(self, path: Path) -> None:
         super().__init__(path)
-        self._names: list[str] | None = None
+        self._names: list[str] | None = None  # the header's record names
+        self._at: dict[str, int] = {}  # name -> the offset its column was read up to
+        self._start = 0  # the offset of the first row
+        # (offset, file size): where the whole lines ended when a read reached the end.
+        self._tail = (0, 0)
 
-    def _restart(self) -> None:
-        self._names: list[str] | None = None
+    def read(self, names: Collection[str] | None = None) -> Chunk:
+        """The points written since the last read of the columns ``names`` (every column:
+        None; ``()``: only the header). The chunk's ``pending`` names the columns not read
+        at all yet."""
+        chunk = Chunk()
+        try:
+            with self.path.open("rb") as f:
+                stat = os.fstat(f.fileno())
+                identity = (stat.st_dev, stat.st_ino)
+                if identity != self._identity or stat.st_size < max(
+                    self._at.values(), default=self._start
+                ):
+                    chunk.reset = self._identity is not None
+                    self._identity, self._names, self._at = identity, None, {}
+                self._size = stat.st_size
+                if self._names is None and not self._header(f):
+                    return chunk
+                wanted = self._at if names is None else [n for n in names if n in self._at]
+                for offset in sorted({self._at[n] for n in wanted}):
+                    self._read_from(f, offset, [n for n in wanted if self._at[n] == offset], chunk)
+        except FileNotFoundError:
+            return chunk
+        chunk.pending = {n for n, at in self._at.items() if at == self._start < self._size}
+        return chunk
 
-    def _parse(self, lines: bytes, chunk: Chunk) -> None:
-        text = lines.decode("utf-8", errors="replace")
-        if self._names is None:
-            first, _, text = text.partition("\n")
-            header = next(csv.reader(io.StringIO(first)), [])
-            if header[:3] != ["step", "epoch", "time"]:
-                return  # not the CSV logger's file: nothing to read
-            self._names = header[3:]
-        names = self._names
-        if names and _columns(text, names, chunk):
+    def _header(self, f: BinaryIO) -> bool:
+        line = f.readline(_BLOCK)
+        if not line.endswith(b"\n"):
+            return False  # not written whole yet
+        self._start = len(line)
+        self._names = header(line) or []  # another CSV file: no column is read
+        self._at = dict.fromkeys(self._names, self._start)
+        return True
+
+    def _read_from(self, f: BinaryIO, offset: int, names: list[str], chunk: Chunk) -> None:
+        """Read the columns ``names`` from ``offset`` (a line's start) on, whole lines of
+        one block at most."""
+        if offset >= self._size:
             return
-        epochs = chunk.epochs
-        for line in text.splitlines():
-            cells = line.split(",")
-            try:
-                step, epoch, time = int(cells[0]), int(cells[1]), float(cells[2])
-            except (ValueError, IndexError):
-                continue
-            for name, cell in zip(names, cells[3:], strict=False):
-                if cell:
-                    try:
-                        chunk.add(name, step, time, _cell(cell))
-                    except ValueError:
-                        continue
-            epochs[epoch] = (step, time)
+        f.seek(offset)
+        data = f.read(_BLOCK)
+        cut = data.rfind(b"\n") + 1
+        if offset + len(data) == self._size:
+            self._tail = (offset + cut, self._size)  # what follows is being written
+        if not cut:
+            return
+        assert self._names is not None
+        rows = parse(data[:cut], self._names, names)
+        chunk.arrays.update(rows.arrays)
+        chunk.points.update(rows.lists)
+        chunk.epochs.update(rows.epochs)
+        for name in names:
+            self._at[name] = offset + cut
 
-
-def _columns(text: str, names: list[str], chunk: Chunk) -> bool:
-    """Read rows whose every cell holds a number at C speed (numpy); False when a row has
-    an empty cell or a bool (then they are read one by one)."""
-    import numpy as np
-
-    try:
-        table = np.loadtxt(io.StringIO(text), delimiter=",", dtype=np.float64, ndmin=2)
-    except ValueError:
-        return False
-    if table.shape[1] != len(names) + 3:
-        return False
-    steps = table[:, 0].astype(np.int64)
-    times = table[:, 2]
-    if not np.array_equal(steps, table[:, 0]):
-        return False
-    for j, name in enumerate(names):
-        chunk.arrays[name] = (steps, times, table[:, 3 + j])
-    epochs = table[:, 1].astype(np.int64)
-    ends = np.flatnonzero(np.r_[epochs[1:] != epochs[:-1], True])
-    for i in ends.tolist():
-        chunk.epochs[int(epochs[i])] = (int(steps[i]), float(times[i]))
-    return True
+    def more(self, names: Collection[str] | None = None) -> bool:
+        """Whether the file holds more than the last read of the columns ``names`` (all:
+        None) took."""
+        wanted = self._at if names is None else [n for n in names if n in self._at]
+        size = self._size
+        return self._names is not None and any(
+            self._at[n] < size and (self._at[n], size) != self._tail for n in wanted
+        )
 
 
 class EventsReader:
@@ -246,7 +257,8 @@ class EventsReader:
     def __repr__(self) -> str:
         return f"<EventsReader {str(self.path)!r} ({len(self.files)} files)>"
 
-    def read(self) -> Chunk:
+    def read(self, names: Collection[str] | None = None) -> Chunk:
+        """The points of every name written since the last read."""
         chunk = Chunk()
         for path in sorted(self.files, key=lambda p: p.name):
             loader = self._loaders.get(path)

@@ -46,6 +46,9 @@ class Run:
         self.state = "finished"
         self.reason = ""  # why nothing could be read, if so
         self.series: dict[str, Series] = {}
+        #: Record names its log has whose points are not read yet (they are read by
+        #: columns, those pages ask for first).
+        self.pending: set[str] = set()
         #: epoch -> (step, wall time) of its last point.
         self.epochs: dict[int, tuple[int, float]] = {}
         #: Other boundaries: {"kind": "stage" | "resume" | "gap", "step", "time", "label"}.
@@ -124,6 +127,9 @@ class Run:
             else:
                 self._add_logged(name, steps.tolist(), times.tolist(), values.tolist())
         self.epochs.update(chunk.epochs)
+        if chunk.pending is not None and chunk.pending != self.pending:
+            self.pending = chunk.pending
+            self.version += 1
         if chunk:
             self.version += 1
 
@@ -191,7 +197,8 @@ class Run:
             "name": self.name,
             "source": self.source,
             "state": self.state,
-            "names": sorted(self.series),
+            "names": sorted(self.pending.union(self.series)),
+            "pending": sorted(self.pending),
             "run": self.facts or None,
             "config": self.config,
             "points": sum(len(s) for s in self.series.values()),

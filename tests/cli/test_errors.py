@@ -106,7 +106,7 @@ BAD = [
     ),
     (
         ["--trainer.strategy=ddpp"],
-        "trainer.strategy (command line: --trainer.strategy=ddpp): strategy must be Literal['auto', 'ddp', 'fsdp', 'single'], got 'ddpp'.",
+        "trainer.strategy (command line: --trainer.strategy=ddpp): strategy must be Literal['auto', 'ddp', 'fsdp', 'ft', 'single'], got 'ddpp'.",
     ),
     (["stray"], "unexpected argument 'stray': loopbus fit takes --config FILE and --KEY=VALUE"),
     (["--print-config=yes"], "--print-config takes no value"),

@@ -31,6 +31,7 @@ COMMANDS = {
     "test": "run the test step over data once, from configuration files",
     "predict": "run the predict step over data, from configuration files",
     "sweep": "run (or print) a grid of fit runs, each in its own version folder",
+    "lighthouse": "start a torchft Lighthouse for fault-tolerant replica groups (strategy='ft')",
 }
 
 _EPILOG = """\
@@ -58,6 +59,8 @@ FILE --print-config` lists every key with its value, every option's default incl
 
 
 def _describe(parser: argparse.ArgumentParser, command: str) -> argparse.ArgumentParser:
+    if command == "lighthouse":
+        return _lighthouse_arguments(parser)
     parser.add_argument(
         "--config",
         action="append",
@@ -135,6 +138,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         return 2
     command = args[0]
+    if command == "lighthouse":
+        return lighthouse_main(args[1:])
     if command == "sweep":
         return sweep_main(args[1:], resolve, run_stage)
     try:
@@ -155,6 +160,74 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.write(explain(resolved))
         return 0
     return run_stage(command, resolved)
+
+
+def _lighthouse_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    parser.add_argument(
+        "--bind", default="[::]:29510", help="host:port to listen on (port 0: any free port)"
+    )
+    parser.add_argument(
+        "--min-replicas",
+        type=int,
+        default=1,
+        help="the fewest replica groups a quorum forms with (a majority of the groups "
+        "keeps two halves of a split run from both training)",
+    )
+    parser.add_argument(
+        "--join-timeout-ms",
+        type=int,
+        default=60_000,
+        help="how long a quorum waits for groups that have not asked yet",
+    )
+    parser.add_argument("--quorum-tick-ms", type=int, default=100, help="quorum check period")
+    parser.add_argument(
+        "--heartbeat-timeout-ms",
+        type=int,
+        default=5_000,
+        help="a group silent this long is left out of the next quorum",
+    )
+    parser.epilog = (
+        "The replica groups find it through TORCHFT_LIGHTHOUSE=<the address it prints> "
+        "(or FaultTolerantStrategy(lighthouse=...)); see docs/distributed.md. It runs "
+        "until interrupted (SIGINT or SIGTERM)."
+    )
+    return parser
+
+
+def lighthouse_main(argv: Sequence[str]) -> int:
+    """``loopbus lighthouse [--bind HOST:PORT] ...``: serve a Lighthouse until SIGINT
+    or SIGTERM; print its address first (one line, flushed)."""
+    import signal
+
+    parser = _parser("lighthouse")
+    args = parser.parse_args(list(argv))
+    from loopbus._exceptions import MisconfigurationError
+    from loopbus.distributed._ft import serve_lighthouse
+
+    stop = {signal.SIGINT, signal.SIGTERM}
+    signal.pthread_sigmask(signal.SIG_BLOCK, stop)
+    try:
+        server = serve_lighthouse(
+            args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+        )
+    except (MisconfigurationError, RuntimeError, OSError) as exc:
+        print(f"loopbus lighthouse: {exc}", file=sys.stderr)
+        return 2
+    address = server.address()
+    print(
+        f"loopbus lighthouse: listening on {address} (min_replicas={args.min_replicas}); "
+        f"start the replica groups with TORCHFT_LIGHTHOUSE={address}",
+        flush=True,
+    )
+    try:
+        signal.sigwait(stop)
+    finally:
+        server.shutdown()
+    return 0
 
 
 def resolve(line: CommandLine) -> tuple[Resolved, dict[str, Any] | None]:

@@ -47,7 +47,7 @@ KEYS: dict[str, TrainerKey] = {
     "executor": TrainerKey(Literal["inline", "thread"], "inline"),
     "compile": TrainerKey(bool | dict[str, Any], False),
     "device": TrainerKey(str | None, "auto"),
-    "strategy": TrainerKey(Literal["auto", "ddp", "fsdp", "single"], "auto"),
+    "strategy": TrainerKey(Literal["auto", "ddp", "fsdp", "ft", "single"], "auto"),
     "process_group_timeout_s": TrainerKey(float, 1800.0),
     "stop_check_interval_s": TrainerKey(float, 0.05),
     "preemption": TrainerKey(bool | Literal["auto"], "auto"),

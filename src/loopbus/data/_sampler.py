@@ -17,10 +17,18 @@ import math
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+import msgspec
 import torch
 from torch.utils.data import DistributedSampler
 
-__all__ = ["ElasticDistributedSampler", "SamplerPart"]
+__all__ = [
+    "CommittedCursor",
+    "CommittedCursorLoader",
+    "ElasticDistributedSampler",
+    "SamplerPart",
+    "StepPlan",
+    "plan_step",
+]
 
 
 class ElasticDistributedSampler(DistributedSampler[int]):
@@ -147,3 +155,181 @@ class SamplerPart:
                 )
             ]
         return []
+
+
+class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
+    """The samples of one fault-tolerant step, planned after its quorum: the epoch and
+    the committed global ``cursor`` it starts from, the ``participants`` (replica groups)
+    and this group's ``replica_rank`` among them, and the dataset ``indices`` this group
+    reads. The step consumes ``consumed`` samples of the epoch's order if it commits."""
+
+    epoch: int
+    cursor: int
+    participants: int
+    replica_rank: int
+    consumed: int
+    indices: tuple[int, ...]
+
+
+def plan_step(
+    order: list[int], cursor: int, batch_size: int, replica_rank: int, participants: int
+) -> StepPlan | None:
+    """A pure plan: the next ``participants * batch_size`` samples of ``order`` after the
+    committed ``cursor``, cut into contiguous slices of ``batch_size``, one per replica
+    group in rank order; this group's slice is ``replica_rank``'s. The epoch's last step
+    shares what is left evenly (the first groups one more); a group left with nothing
+    reads the order's first sample (padding, as ``DistributedSampler`` pads), which the
+    step counts as consumed by nobody. None: the epoch is over."""
+    left = len(order) - cursor
+    if left <= 0:
+        return None
+    if not 0 <= replica_rank < participants:
+        raise ValueError(f"replica rank {replica_rank} is not among {participants} participants")
+    per, extra = divmod(min(left, participants * batch_size), participants)
+    start = cursor + replica_rank * per + min(replica_rank, extra)
+    size = per + (1 if replica_rank < extra else 0)
+    indices = tuple(order[start : start + size]) if size else (order[0],)
+    consumed = min(left, participants * batch_size)
+    return StepPlan(
+        epoch=-1,
+        cursor=cursor,
+        participants=participants,
+        replica_rank=replica_rank,
+        consumed=consumed,
+        indices=indices,
+    )
+
+
+class CommittedCursor:
+    """Where an epoch of fault-tolerant training stands: the epoch's order (a
+    permutation of the dataset drawn from ``seed + epoch``, as ``DistributedSampler``
+    draws it, or the dataset's order) and the committed global sample ``cursor`` in it.
+    The cursor moves only when a step commits (:meth:`commit`), so an aborted step's
+    samples are planned again. It is the sampler of a :class:`CommittedCursorLoader`
+    (the loops call :meth:`set_epoch`), and Stateful: the cursor travels in a healed
+    replica group's state and in checkpoints."""
+
+    def __init__(self, size: int, *, shuffle: bool, seed: int = 0) -> None:
+        self.size = int(size)
+        self.shuffle = bool(shuffle)
+        self.seed = int(seed)
+        self.epoch = 0
+        self.cursor = 0
+        self._order: list[int] | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        """A new epoch starts from its first sample (the loops call this; a healed or
+        loaded state sets the epoch and cursor itself)."""
+        if int(epoch) != self.epoch:
+            self.epoch = int(epoch)
+            self.cursor = 0
+            self._order = None
+
+    def order(self) -> list[int]:
+        if self._order is None:
+            if self.shuffle:
+                generator = torch.Generator()
+                generator.manual_seed(self.seed + self.epoch)
+                self._order = torch.randperm(self.size, generator=generator).tolist()
+            else:
+                self._order = list(range(self.size))
+        return self._order
+
+    def plan(self, batch_size: int, replica_rank: int, participants: int) -> StepPlan | None:
+        plan = plan_step(self.order(), self.cursor, batch_size, replica_rank, participants)
+        return None if plan is None else msgspec.structs.replace(plan, epoch=self.epoch)
+
+    def commit(self, plan: StepPlan) -> None:
+        """``plan``'s step committed: its samples are consumed."""
+        if plan.epoch != self.epoch or plan.cursor != self.cursor:
+            raise RuntimeError(
+                f"a step planned at epoch {plan.epoch}, cursor {plan.cursor} committed, but "
+                f"the cursor is at epoch {self.epoch}, cursor {self.cursor}"
+            )
+        self.cursor += plan.consumed
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "dataset_size": self.size,
+            "shuffle": self.shuffle,
+            "seed": self.seed,
+        }
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        mine = self.state_dict()
+        changed = [
+            f"{key} {state.get(key)!r} there but {mine[key]!r} here"
+            for key in ("dataset_size", "shuffle", "seed")
+            if state.get(key) != mine[key]
+        ]
+        if changed:
+            raise ValueError(
+                "the sample cursor comes from another training set or order "
+                f"({'; '.join(changed)}); every replica group must read the same data."
+            )
+        epoch, cursor = state["epoch"], state["cursor"]
+        if not (isinstance(epoch, int) and isinstance(cursor, int) and 0 <= cursor <= self.size):
+            raise ValueError(f"not a sample cursor: epoch {epoch!r}, cursor {cursor!r}")
+        self.epoch, self.cursor, self._order = epoch, cursor, None
+
+
+class CommittedCursorLoader:
+    """The training data of a fault-tolerant run: each batch is planned when the step
+    asks for it, after the step's quorum (``begin_step()`` returns this group's
+    ``(replica_rank, participants)``), from the committed cursor, and read from
+    ``dataset`` with ``collate_fn`` in this process. :attr:`plan` is the plan of the step
+    in flight; :meth:`next_batch` plans (and reads) it again after an abort."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        batch_size: int,
+        collate_fn: Callable[[list[Any]], Any],
+        sampler: CommittedCursor,
+        begin_step: Callable[[], tuple[int, int]],
+    ) -> None:
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.collate_fn = collate_fn
+        self.sampler = sampler
+        self.begin_step = begin_step
+        #: The plan of the step in flight (None between steps).
+        self.plan: StepPlan | None = None
+
+    def __len__(self) -> int:
+        """Batches of ``batch_size`` left in the epoch (with one replica group)."""
+        return math.ceil((self.sampler.size - self.sampler.cursor) / self.batch_size)
+
+    def next_batch(self) -> Any:
+        """The batch of the next step (None: the epoch is over): a quorum, then the plan."""
+        if self.plan is not None:
+            raise RuntimeError(
+                "a fault-tolerant step's batch was asked for before the step in flight "
+                "committed or aborted: its samples depend on that outcome. Run with "
+                "prefetch=0 and accumulate_grad_batches=1."
+            )
+        if self.sampler.cursor >= self.sampler.size:
+            return None
+        rank, participants = self.begin_step()
+        plan = self.sampler.plan(self.batch_size, rank, participants)
+        if plan is None:  # a healed state put the cursor at the epoch's end
+            return None
+        self.plan = plan
+        return self.collate_fn([self.dataset[i] for i in plan.indices])
+
+    def settle(self, committed: bool) -> StepPlan:
+        """The step in flight committed (its samples are consumed) or aborted (they will
+        be planned again); the plan it ran."""
+        plan = self.plan
+        if plan is None:
+            raise RuntimeError("no fault-tolerant step is in flight")
+        if committed:
+            self.sampler.commit(plan)
+        self.plan = None
+        return plan
+
+    def __iter__(self) -> Iterator[Any]:
+        while (batch := self.next_batch()) is not None:
+            yield batch

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ._ddp import DDPStrategy
 from ._fsdp import FSDPStrategy
+from ._ft import FaultTolerantStrategy
 from ._strategy import SingleProcess, Strategy, launched_distributed
 
 __all__ = ["resolve_strategy"]
@@ -14,7 +15,8 @@ def resolve_strategy(
     name: str | Strategy, process_group_timeout_s: float, stop_check_interval_s: float
 ) -> Strategy:
     """The strategy of ``Trainer(strategy=...)``: an instance as given, or one by name
-    (``"auto"``: DDP under a launcher of several processes, else one process)."""
+    (``"auto"``: DDP under a launcher of several processes, else one process; ``"ft"``:
+    fault tolerant, configured from the environment)."""
     if isinstance(name, Strategy):
         return name
     if name == "auto":
@@ -26,4 +28,6 @@ def resolve_strategy(
             process_group_timeout_s=process_group_timeout_s,
             stop_check_interval_s=stop_check_interval_s,
         )
+    if name == "ft":
+        return FaultTolerantStrategy()
     return SingleProcess()

@@ -7,7 +7,9 @@ own behind the same interface: DDP in ``_ddp.py``, FSDP2 (``fully_shard``) in
 ``Trainer(strategy="auto")`` picks DDP when the launcher says the world has more than one
 process (``WORLD_SIZE > 1`` with ``RANK``/``LOCAL_RANK`` set, as ``torchrun`` does), else
 :class:`SingleProcess`, which changes nothing. ``strategy="fsdp"`` (or an
-``FSDPStrategy(...)`` with options) shards the module. The trainer owns its strategy
+``FSDPStrategy(...)`` with options) shards the module; ``strategy="ft"`` (or a
+``FaultTolerantStrategy(...)``, ``_ft.py``) trains replica groups that survive the loss
+of one (torchft). The trainer owns its strategy
 (``trainer.strategy``); the strategy owns what it wraps or shards.
 
 What the rest of the engine asks of a strategy, and nothing more (loops and plugins never
@@ -16,7 +18,8 @@ ask which one runs):
 * ``prepare_module`` (a stage starts: put the module where it runs; FSDP shards it),
   ``prepare_optimizers`` (after ``configure_optimizers``), ``prepare_train_data`` (over
   ``data_parallel_size`` replicas, this rank reading replica ``data_parallel_rank``);
-* ``wrap`` (what the training step's forward calls), ``no_sync`` (the context of an
+* ``step_gate`` (None, or what decides whether a step commits: fault tolerance),
+  ``wrap`` (what the training step's forward calls), ``no_sync`` (the context of an
   accumulation window's non-final micro-batches), ``clip_gradients``;
 * ``stop_transport`` (the collectives the stop control exchanges requests with; None in
   one process) and the small collectives a checkpoint needs (``all_gather_object``,
@@ -40,6 +43,7 @@ if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
     from loopbus.step._module import Module
     from loopbus.step._precision import Precision
+    from loopbus.step._step import StepGate
 
 __all__ = [
     "SingleProcess",
@@ -48,7 +52,7 @@ __all__ = [
     "launched_distributed",
 ]
 
-StrategyName = Literal["auto", "ddp", "fsdp", "single"]
+StrategyName = Literal["auto", "ddp", "fsdp", "ft", "single"]
 
 
 def launched_distributed() -> bool:
@@ -153,6 +157,20 @@ class Strategy:
 
     def prepare_train_data(self, data: Any) -> Any:
         return data
+
+    def step_gate(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: Any,
+        state: RunState,
+    ) -> StepGate | None:
+        """What decides whether a training step commits, asked once when the training
+        step is built (see :class:`~loopbus.step._step.StepGate`): None here and under
+        DDP, FSDP and model parallelism, where every step commits and the step pays
+        nothing for the question; the fault-tolerant strategy's gate, which also heals
+        ``module``, ``optimizers``, ``schedulers`` and ``state`` from a live peer."""
+        return None
 
     def stop_transport(self) -> StopTransport | None:
         """How the ranks exchange stop requests during ``fit`` (see

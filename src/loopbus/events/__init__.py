@@ -25,9 +25,12 @@ from ._types import PredictCompleted as PredictCompleted
 from ._types import PredictStarted as PredictStarted
 from ._types import PreemptionRequested as PreemptionRequested
 from ._types import PutRecord as PutRecord
+from ._types import ReplicaHealed as ReplicaHealed
+from ._types import ReplicaLost as ReplicaLost
 from ._types import RunCompleted as RunCompleted
 from ._types import RunSkipped as RunSkipped
 from ._types import RunStarted as RunStarted
+from ._types import StepAborted as StepAborted
 from ._types import Teardown as Teardown
 from ._types import TestBatchCompleted as TestBatchCompleted
 from ._types import TestBatchStarted as TestBatchStarted
@@ -63,9 +66,12 @@ __all__ = [
     "PredictStarted",
     "PreemptionRequested",
     "PutRecord",
+    "ReplicaHealed",
+    "ReplicaLost",
     "RunCompleted",
     "RunSkipped",
     "RunStarted",
+    "StepAborted",
     "Subscription",
     "Teardown",
     "TestBatchCompleted",

@@ -32,9 +32,12 @@ __all__ = [
     "PredictStarted",
     "PreemptionRequested",
     "PutRecord",
+    "ReplicaHealed",
+    "ReplicaLost",
     "RunCompleted",
     "RunSkipped",
     "RunStarted",
+    "StepAborted",
     "Teardown",
     "TestBatchCompleted",
     "TestBatchStarted",
@@ -179,6 +182,41 @@ class BeforeOptimizerStep(LoopEvent, frozen=True, kw_only=True):
     inside_step: ClassVar[bool] = True
     batch_idx: int = 0
     optimizer: Any = None
+
+
+class StepAborted(LoopEvent, frozen=True, kw_only=True):
+    """A fault-tolerant step did not commit (a replica group was lost during it, or too
+    few took part): its optimizer step, scheduler step, counters and records are
+    dropped, and its samples are planned again by the next quorum. ``dropped_records``
+    is the number of records it had put; ``participants`` the replica groups it ran
+    with. Published inside the step."""
+
+    inside_step: ClassVar[bool] = True
+    batch_idx: int = 0
+    participants: int = 0
+    dropped_records: int = 0
+
+
+class ReplicaLost(LoopEvent, frozen=True, kw_only=True):
+    """Fewer replica groups than in the last quorum take part in the step: ``lost`` of
+    them left, ``participants`` remain. Published inside the step."""
+
+    inside_step: ClassVar[bool] = True
+    batch_idx: int = 0
+    lost: int = 0
+    participants: int = 0
+
+
+class ReplicaHealed(LoopEvent, frozen=True, kw_only=True):
+    """This replica group caught up from a live peer: it loaded the peer's state of
+    ``healed_step`` committed steps (its weights, optimizer and scheduler state, run
+    counters and sample cursor) from ``sources`` (replica group ids). Published inside
+    the step."""
+
+    inside_step: ClassVar[bool] = True
+    batch_idx: int = 0
+    healed_step: int = 0
+    sources: tuple[str, ...] = ()
 
 
 class ValidationStarted(RunStarted, frozen=True, kw_only=True):

@@ -36,7 +36,7 @@ from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope
 
 from .._exceptions import MisconfigurationError
-from ..events import AfterBackward, BeforeOptimizerStep
+from ..events import AfterBackward, BeforeOptimizerStep, StepAborted
 from ._compile import compiled, optimizer_step_for
 from ._precision import Precision
 
@@ -44,6 +44,7 @@ __all__ = [
     "EvalStep",
     "StepBoundary",
     "StepEvents",
+    "StepGate",
     "StepOptions",
     "TrainStep",
     "build_eval_step",
@@ -62,6 +63,9 @@ class FlushingRecorder(Protocol):
 
     @property
     def has_pending(self) -> Sized: ...
+
+    @property
+    def pending(self) -> Any: ...
 
     @property
     def inflight(self) -> Sized: ...
@@ -94,6 +98,32 @@ class StepStrategy(Protocol):
     def clip_gradients(
         self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
     ) -> None: ...
+
+    def step_gate(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: Any,
+        state: RunState,
+    ) -> StepGate | None: ...
+
+
+class StepGate(Protocol):
+    """What a step whose commit is decided across replica groups asks of the strategy
+    (fault tolerance): :meth:`commit` after backward (the gradients averaged over the
+    groups that take part, then whether the step commits), :meth:`news` (events of the
+    quorums since the last call: ``(event type, fields)``), :meth:`retry` (after an
+    abort: a new quorum, and the batch planned again from the committed cursor) and
+    ``participants`` (the replica groups of the step in flight)."""
+
+    @property
+    def participants(self) -> int: ...
+
+    def commit(self) -> bool: ...
+
+    def news(self) -> list[tuple[Any, dict[str, Any]]]: ...
+
+    def retry(self) -> Any: ...
 
 
 class SchedulerStepper(Protocol):
@@ -282,6 +312,7 @@ class TrainStep:
 
     __slots__ = (
         "_forward",
+        "_gate",
         "_step_optimizer",
         "_variant",
         "_zero_grad",
@@ -337,12 +368,16 @@ class TrainStep:
         # The forward, under autocast only where the precision has one (the plain path
         # calls the module's step directly).
         self._forward: StepFn = forward if autocast is None else _under(autocast, forward)
-        #: ``"plain"``, ``"general"`` or ``"manual"``: which step runs (see build_train_step).
-        self.variant = _choose_variant(options, precision, schedulers)
+        #: The strategy's commit gate (None: every step commits; see StepGate).
+        self._gate = strategy.step_gate(module, optimizers, schedulers, state)
+        #: ``"plain"``, ``"general"``, ``"manual"`` or ``"gated"``: which step runs (see
+        #: build_train_step).
+        self.variant = _choose_variant(options, precision, schedulers, self._gate)
         self._variant: StepFn = {
             "plain": self._plain,
             "general": self._general,
             "manual": self._manual,
+            "gated": self._gated,
         }[self.variant]
 
     def for_epoch(self, closes_window: Callable[[int], bool]) -> StepFn:
@@ -402,17 +437,44 @@ class TrainStep:
                 output, _ = self._forward_backward(batch, ctx, accumulate)
             return output
         output, has_loss = self._forward_backward(batch, ctx, accumulate)
-        if not has_loss:
-            return output
-        optimizer = self.optimizers[0]
-        clip = self.options.clip_val
-        if clip is not None:
-            self.precision.unscale_(optimizer)
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            self.strategy.clip_gradients(params, clip, self.options.clip_algorithm)
-        self._optimizer_step(ctx)
-        if self.schedulers.per_step:
-            self.schedulers.step("step")
+        if has_loss:
+            self._apply(ctx)
+        return output
+
+    def _gated(self, batch: Any, ctx: Scope) -> Any:
+        """The automatic step whose commit is decided across replica groups (fault
+        tolerance): forward and backward, then the gate averages the gradients over the
+        groups and says whether the step commits. Only a committed step steps the
+        optimizer and the schedulers and counts; an aborted one drops its gradients and
+        records (``StepAborted``) and runs again on the batch the next quorum plans, in
+        the same iteration, so the loops count committed steps only."""
+        gate = self._gate
+        assert gate is not None
+        events = self.events
+        table = events.table
+        pending = self.boundary.recorder.pending
+        while True:
+            mark = len(pending.entries)
+            output, _ = self._forward_backward(batch, ctx, 1)
+            committed = gate.commit()
+            for event_type, fields in gate.news():
+                if entries := table[event_type]:
+                    events.send(entries, event_type, ctx, **fields)
+            if committed:
+                break
+            dropped = len(pending.entries) - mark
+            pending.retract(mark)
+            self.optimizers[0].zero_grad(set_to_none=True)
+            if entries := table[StepAborted]:
+                events.send(
+                    entries,
+                    StepAborted,
+                    ctx,
+                    participants=gate.participants,
+                    dropped_records=dropped,
+                )
+            batch = ctx.batch = gate.retry()
+        self._apply(ctx)
         return output
 
     def _manual(self, batch: Any, ctx: Scope) -> Any:
@@ -423,6 +485,19 @@ class TrainStep:
         return output
 
     # ------------------------------------------------------------ parts
+    def _apply(self, ctx: Scope) -> None:
+        """After the backward that closes a window: clipping, the optimizer step and the
+        per-step schedulers."""
+        clip = self.options.clip_val
+        if clip is not None:
+            optimizer = self.optimizers[0]
+            self.precision.unscale_(optimizer)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            self.strategy.clip_gradients(params, clip, self.options.clip_algorithm)
+        self._optimizer_step(ctx)
+        if self.schedulers.per_step:
+            self.schedulers.step("step")
+
     def _forward_backward(self, batch: Any, ctx: Scope, accumulate: int) -> tuple[Any, bool]:
         """Forward and backward (scaled) of one batch: the step's output and whether it
         returned a loss (None skips the backward)."""
@@ -469,8 +544,17 @@ def _under(autocast: Callable[[], AbstractContextManager[Any]], fn: StepFn) -> S
 
 
 def _choose_variant(
-    options: StepOptions, precision: Precision, schedulers: SchedulerStepper
-) -> Literal["plain", "general", "manual"]:
+    options: StepOptions, precision: Precision, schedulers: SchedulerStepper, gate: Any
+) -> Literal["plain", "general", "manual", "gated"]:
+    if gate is not None:
+        if not options.automatic or options.accumulate != 1:
+            raise MisconfigurationError(
+                "a fault-tolerant step (a strategy with a commit gate) runs with automatic "
+                "optimization and accumulate_grad_batches=1 for now; got "
+                f"automatic_optimization={options.automatic}, "
+                f"accumulate_grad_batches={options.accumulate}."
+            )
+        return "gated"
     if not options.automatic:
         return "manual"
     if (

@@ -1,0 +1,448 @@
+"""Fault-tolerant data parallelism on torchft: replica groups that keep training when
+one is lost, a lost group that rejoins from a live peer, and every sample trained exactly
+once.
+
+The pieces, from torchft (the ``ft`` extra): a *Lighthouse* (``loopbus lighthouse``)
+forms a quorum of the replica groups alive at each step; each group runs a ``Manager``
+that joins the quorums, averages the gradients over the groups of the quorum (its fault
+tolerant all-reduce, after backward), decides whether the step commits
+(``should_commit``: no group failed during it and enough took part) and heals a group
+that is behind from a live peer (its state sent over HTTP). torchft's own DDP wrapper is
+not used: when a peer dies in the middle of its all-reduce it crashes the survivor.
+
+What loopbus adds (see ``docs/distributed.md``, "Fault tolerance"):
+
+* **commit gating**: the step's gate (:class:`_CommitGate`, asked by the training step
+  after backward) lets the optimizer, the schedulers, the run's step and the loops'
+  counters advance only on a committed step; an aborted step's gradients and records are
+  dropped (``StepAborted``) and it runs again, in the same iteration, on the batch the
+  next quorum plans;
+* **a committed sample cursor**: each step's samples are a pure plan from the cursor,
+  the epoch's order, the batch size and the step's ``(replica rank, participants)``
+  (:class:`~loopbus.data._sampler.CommittedCursorLoader`), made after the step's quorum;
+  the cursor moves only on commit and travels in the healed state, so an aborted step's
+  samples are read again and a step that committed with a lost group counted keeps them;
+* **guards**: ``min_replicas`` defaults to a majority of the replica groups (a warning
+  when lowered), and a restarted group that finds neither a live peer with progress nor
+  a loaded checkpoint refuses to start from step 0.
+
+A replica group is one process for now (in-group DDP or FSDP is a later step).
+
+Imports ``loopbus.data``, ``loopbus.state`` and the base layer; torchft only when used.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import socket
+import warnings
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, StepPlan
+
+from .._exceptions import MisconfigurationError
+from ..events import ReplicaHealed, ReplicaLost
+from ._ddp import _shuffles
+from ._strategy import Strategy
+
+if TYPE_CHECKING:
+    from loopbus.state._runstate import RunState
+
+__all__ = ["FaultTolerantStrategy", "serve_lighthouse"]
+
+#: The environment a replica group reads when the strategy is not told: the Lighthouse's
+#: address (torchft's name), this group's id and the number of groups (torchft's
+#: launchers' names), and torchrun's restart count (a group restarted by torchrun).
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+GROUP_ENV = "REPLICA_GROUP_ID"
+GROUPS_ENV = "NUM_REPLICA_GROUPS"
+RESTART_ENV = "TORCHELASTIC_RESTART_COUNT"
+
+
+def _torchft() -> Any:
+    try:
+        import torchft
+    except ImportError as exc:
+        raise MisconfigurationError(
+            "strategy='ft' needs torchft, which is not installed. Install it with: "
+            "pip install 'loopbus[ft]'"
+        ) from exc
+    return torchft
+
+
+def serve_lighthouse(
+    bind: str = "[::]:29510",
+    *,
+    min_replicas: int = 1,
+    join_timeout_ms: int = 60_000,
+    quorum_tick_ms: int = 100,
+    heartbeat_timeout_ms: int = 5_000,
+) -> Any:
+    """Start a torchft Lighthouse on ``bind`` (``host:port``; port 0 picks one) and
+    return it (``.address()``, ``.shutdown()``). It forms a quorum once ``min_replicas``
+    replica groups ask, waiting up to ``join_timeout_ms`` for the others; a group that
+    has not sent a heartbeat for ``heartbeat_timeout_ms`` is left out."""
+    from torchft.coordination import LighthouseServer
+
+    _torchft()
+    return LighthouseServer(
+        bind=bind,
+        min_replicas=min_replicas,
+        join_timeout_ms=join_timeout_ms,
+        quorum_tick_ms=quorum_tick_ms,
+        heartbeat_timeout_ms=heartbeat_timeout_ms,
+    )
+
+
+def _env_or(value: Any, name: str) -> str | None:
+    if value is not None:
+        return str(value)
+    return os.environ.get(name) or None
+
+
+class FaultTolerantStrategy(Strategy):
+    """``strategy="ft"``: this process is one replica group of a fault-tolerant data
+    parallel run coordinated by a torchft Lighthouse (see the module docstring).
+
+    * ``lighthouse``: the Lighthouse's address (default: ``$TORCHFT_LIGHTHOUSE``);
+    * ``replica_group``: this group's id (default: ``$REPLICA_GROUP_ID``, else 0), unique
+      among the groups; ``replica_groups``: how many groups the run has (default:
+      ``$NUM_REPLICA_GROUPS``, else 1);
+    * ``min_replicas``: the fewest groups a step commits with; default a majority of
+      ``replica_groups``, so the global batch does not silently halve and two halves of
+      a split run cannot both train (a warning says so when set lower);
+    * ``timeout_s``: the all-reduce, commit and healing timeout; ``quorum_timeout_s``:
+      how long a quorum may take to form;
+    * ``seed``: the seed of the shuffled sample order (the same in every group);
+    * ``rejoining``: whether this process replaces a lost group (default: torchrun's
+      ``$TORCHELASTIC_RESTART_COUNT`` > 0). A rejoining group that finds neither a peer
+      with progress nor a loaded checkpoint raises instead of training from step 0.
+    """
+
+    name = "ft"
+
+    def __init__(
+        self,
+        *,
+        lighthouse: str | None = None,
+        replica_group: str | int | None = None,
+        replica_groups: int | None = None,
+        min_replicas: int | None = None,
+        timeout_s: float = 60.0,
+        quorum_timeout_s: float = 120.0,
+        seed: int = 0,
+        rejoining: bool | None = None,
+    ) -> None:
+        self.lighthouse = _env_or(lighthouse, LIGHTHOUSE_ENV)
+        self.replica_group = _env_or(replica_group, GROUP_ENV) or "0"
+        groups = int(_env_or(replica_groups, GROUPS_ENV) or 1)
+        if groups < 1:
+            raise MisconfigurationError(f"replica_groups must be >= 1, got {groups!r}.")
+        self.replica_groups = groups
+        majority = groups // 2 + 1
+        if min_replicas is None:
+            min_replicas = majority
+        elif not 1 <= min_replicas <= groups:
+            raise MisconfigurationError(
+                f"min_replicas must be between 1 and replica_groups={groups}, got {min_replicas!r}."
+            )
+        elif min_replicas < majority:
+            warnings.warn(
+                f"FaultTolerantStrategy(min_replicas={min_replicas}) is below a majority of "
+                f"the {groups} replica groups ({majority}): steps commit with as few as "
+                f"{min_replicas} group(s), so the global batch shrinks to "
+                f"{min_replicas}/{groups} of its size while groups are lost, and two halves "
+                "of a split run could both train. Leave min_replicas unset for a majority.",
+                UserWarning,
+                stacklevel=2,
+            )
+        self.min_replicas = int(min_replicas)
+        self.timeout_s = float(timeout_s)
+        self.quorum_timeout_s = float(quorum_timeout_s)
+        self.seed = int(seed)
+        if rejoining is None:
+            rejoining = int(os.environ.get(RESTART_ENV, "0") or 0) > 0
+        self.rejoining = bool(rejoining)
+        self._manager: Any = None
+        self._store: Any = None  # the group's TCPStore, kept alive with the manager
+        self._loader: CommittedCursorLoader | None = None
+        self._gate: _CommitGate | None = None
+
+    # ------------------------------------------------------------ set-up
+    def setup_environment(self, device: torch.device) -> None:
+        _torchft()
+        if not self.lighthouse:
+            raise MisconfigurationError(
+                "strategy='ft' needs the address of a torchft Lighthouse: start one with "
+                "`loopbus lighthouse` and pass FaultTolerantStrategy(lighthouse='http://"
+                f"host:port') or set ${LIGHTHOUSE_ENV}."
+            )
+        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+            raise MisconfigurationError(
+                "strategy='ft' runs replica groups of one process for now, but WORLD_SIZE="
+                f"{os.environ['WORLD_SIZE']}: launch each group as its own process (torchrun "
+                "--nproc_per_node=1, or python) with its own REPLICA_GROUP_ID."
+            )
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+
+    def prepare_train_data(self, data: Any) -> Any:
+        """The training loader as a :class:`CommittedCursorLoader` over its dataset,
+        batch size and collate function: its batches are planned after each step's
+        quorum from the committed cursor."""
+        if not isinstance(data, DataLoader) or data.batch_size is None:
+            raise MisconfigurationError(
+                "strategy='ft' plans each step's samples itself, so the training data must "
+                "be a torch DataLoader with a batch_size (and a sampler or shuffle), got "
+                f"{type(data).__name__}."
+            )
+        if data.num_workers:
+            raise MisconfigurationError(
+                f"strategy='ft' reads the training samples in this process (the loader has "
+                f"num_workers={data.num_workers}): each step's samples are known only after "
+                "its quorum, so workers cannot fetch ahead. Use num_workers=0."
+            )
+        sampler = CommittedCursor(
+            len(data.dataset),  # type: ignore[arg-type]
+            shuffle=_shuffles(data.sampler),
+            seed=self.seed,
+        )
+        self._loader = CommittedCursorLoader(
+            data.dataset, data.batch_size, data.collate_fn, sampler, self._begin_step
+        )
+        return self._loader
+
+    def step_gate(
+        self,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: Any,
+        state: RunState,
+    ) -> _CommitGate:
+        if self._loader is None:
+            raise MisconfigurationError(
+                "strategy='ft' needs its training data prepared before the step is built "
+                "(the trainer does this in fit)."
+            )
+        if self._manager is None:
+            self._manager = self._start_manager()
+        self._gate = _CommitGate(self, module, optimizers, schedulers, state, self._loader)
+        return self._gate
+
+    def _start_manager(self) -> Any:
+        torchft = _torchft()
+        store = torch.distributed.TCPStore(
+            socket.gethostname(), 0, is_master=True, wait_for_workers=False
+        )
+        timeout = timedelta(seconds=self.timeout_s)
+        manager = torchft.Manager(
+            pg=torchft.ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._load_heal_state,
+            state_dict=self._heal_state,
+            min_replica_size=self.min_replicas,
+            use_async_quorum=False,  # heal before the forward: the plan needs the cursor
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
+            connect_timeout=timeout,
+            rank=0,
+            world_size=1,
+            store_addr=socket.gethostname(),
+            store_port=store.port,
+            lighthouse_addr=self.lighthouse,
+            replica_id=f"replica_group_{self.replica_group}",
+        )
+        self._store = store
+        atexit.register(self.close)
+        return manager
+
+    @property
+    def manager(self) -> Any:
+        """This group's torchft ``Manager`` (None until fit starts)."""
+        return self._manager
+
+    def close(self) -> None:
+        """Leave the run: stop this group's manager (its server and heartbeats)."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.shutdown(wait=False)
+
+    # ------------------------------------------------------------ per step
+    def _begin_step(self) -> tuple[int, int]:
+        gate = self._gate
+        if gate is None:
+            raise RuntimeError("a fault-tolerant batch was asked for outside fit")
+        return gate.begin_step()
+
+    def average(self, tensor: torch.Tensor) -> None:
+        """Average ``tensor`` in place over the replica groups of the step's quorum (the
+        manager's fault-tolerant all-reduce). A failure is not raised: the manager
+        records it and the step does not commit."""
+        self._manager.allreduce(tensor).wait()
+
+    @property
+    def last_plan(self) -> StepPlan | None:
+        """The sample plan of the last committed step (None before the first)."""
+        return None if self._gate is None else self._gate.last_plan
+
+    # ------------------------------------------------------------ healing
+    def _fitting(self) -> tuple[_CommitGate, CommittedCursorLoader]:
+        gate, loader = self._gate, self._loader
+        if gate is None or loader is None:
+            raise RuntimeError("a replica group's state was asked for outside fit")
+        return gate, loader
+
+    def _heal_state(self) -> dict[str, Any]:
+        """What a group behind loads from this one (torchft sends it over HTTP)."""
+        gate, loader = self._fitting()
+        return {
+            "group": self.replica_group,
+            **gate.state_dict(),
+            "cursor": loader.sampler.state_dict(),
+        }
+
+    def _load_heal_state(self, state: dict[str, Any]) -> None:
+        gate, loader = self._fitting()
+        gate.load_state_dict(state)
+        loader.sampler.load_state_dict(state["cursor"])
+        gate.healed(str(state["group"]))
+
+
+class _CommitGate:
+    """The fault-tolerant step's gate (``loopbus.step._step.StepGate``) over one fit's
+    module, optimizers, schedulers and run state: quorums, the cross-group average, the
+    commit, healing, and the events of each."""
+
+    def __init__(
+        self,
+        strategy: FaultTolerantStrategy,
+        module: torch.nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        schedulers: Any,
+        state: RunState,
+        loader: CommittedCursorLoader,
+    ) -> None:
+        self.strategy = strategy
+        self.manager = strategy.manager
+        self.module = module
+        self.optimizers = optimizers
+        self.schedulers = schedulers
+        self.state = state
+        self.loader = loader
+        self.params = [p for p in module.parameters() if p.requires_grad]
+        self.participants = 0
+        self.last_plan: StepPlan | None = None
+        self._events: list[tuple[Any, dict[str, Any]]] = []
+        self._quorums = 0
+
+    def begin_step(self) -> tuple[int, int]:
+        """A new quorum for the next step (a group behind heals here); this group's
+        replica rank and the number of groups taking part."""
+        manager, state = self.manager, self.state
+        if self._quorums == 0 and state.step > manager.current_step():
+            # A checkpoint put the run ahead of the manager: the quorum compares steps.
+            manager.load_state_dict(
+                {"step": state.step, "batches_committed": manager.batches_committed()}
+            )
+        manager.start_quorum()
+        rank, participants = manager.participating_rank(), manager.num_participants()
+        if self._quorums == 0:
+            self._check_start()
+        self._quorums += 1
+        if rank is None:
+            raise RuntimeError(
+                f"replica group {self.strategy.replica_group} is not a participant of the "
+                "quorum; spare replica groups are not supported"
+            )
+        if 0 < participants < self.participants:
+            self._events.append(
+                (
+                    ReplicaLost,
+                    {"lost": self.participants - participants, "participants": participants},
+                )
+            )
+        self.participants = participants
+        return rank, participants
+
+    def _check_start(self) -> None:
+        """A rejoining group refuses to start from step 0 (see the strategy)."""
+        strategy = self.strategy
+        if strategy.rejoining and self.manager.current_step() == 0 and self.state.step == 0:
+            raise MisconfigurationError(
+                f"replica group {strategy.replica_group} rejoins the run (rejoining=True, or "
+                f"${RESTART_ENV} > 0) but found no live replica group with progress to heal "
+                "from and loaded no checkpoint: it would train from step 0 as if the run "
+                "were new. Resume it from the run's last checkpoint (fit(..., "
+                "ckpt_path=...)), relaunch the whole run, or pass rejoining=False to start "
+                "afresh on purpose."
+            )
+
+    def commit(self) -> bool:
+        """Average the gradients over the quorum's groups, then whether the step commits
+        (every group of this replica group agrees; a failure during the step says no)."""
+        params = self.params
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self.strategy.average(flat)
+        committed = bool(self.manager.should_commit())
+        if committed:
+            offset = 0
+            for p in params:
+                n = p.numel()
+                p.grad = flat[offset : offset + n].view_as(p)
+                offset += n
+        plan = self.loader.settle(committed)
+        if committed:
+            self.last_plan = plan
+        return committed
+
+    def news(self) -> list[tuple[Any, dict[str, Any]]]:
+        events, self._events = self._events, []
+        return events
+
+    def retry(self) -> Any:
+        batch = self.loader.next_batch()
+        if batch is None:
+            raise RuntimeError(
+                "the epoch ended while a fault-tolerant step was being retried: the healed "
+                "sample cursor is past the step's samples"
+            )
+        return batch
+
+    def healed(self, source: str) -> None:
+        self._events.append((ReplicaHealed, {"healed_step": self.state.step, "sources": (source,)}))
+
+    # ------------------------------------------------------------ healed state
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "module": self.module.state_dict(),
+            "optimizers": [o.state_dict() for o in self.optimizers],
+            "schedulers": [c.scheduler.state_dict() for c in self._scheduler_configs()],
+            "run": self.state.state_dict(),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run = state["run"]
+        if run["epoch"] != self.state.epoch:
+            raise RuntimeError(
+                f"replica group {self.strategy.replica_group} would heal from a peer in "
+                f"epoch {run['epoch']} while it is in epoch {self.state.epoch}; healing "
+                "across an epoch boundary is not supported yet: resume the group from the "
+                "run's last checkpoint instead."
+            )
+        self.module.load_state_dict(state["module"])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(saved)
+        for config, saved in zip(self._scheduler_configs(), state["schedulers"], strict=True):
+            config.scheduler.load_state_dict(saved)
+        self.state.load_state_dict(run)
+        resumed_at = getattr(self.schedulers, "resumed_at", None)
+        if resumed_at is not None:
+            resumed_at(self.state.step)
+
+    def _scheduler_configs(self) -> list[Any]:
+        return list(getattr(self.schedulers, "configs", ()))

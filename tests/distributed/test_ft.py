@@ -1,0 +1,235 @@
+"""Fault-tolerant data parallelism (``strategy="ft"``, torchft), with real processes:
+a Lighthouse started by ``loopbus lighthouse`` and two replica groups of one process
+each running ``ft_script.py``; one group SIGKILLed (by pid, by itself) before, during
+and after the cross-group all-reduce and restarted each time.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.distributed import ft_script
+from tests.helpers import ROOT
+
+pytest.importorskip("torchft")
+
+pytestmark = [pytest.mark.external, pytest.mark.slow, pytest.mark.timeout(150)]
+
+SCRIPT = ROOT / "tests" / "distributed" / "ft_script.py"
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    """A Lighthouse (``loopbus lighthouse``) that forms quorums of one group or more and
+    drops a group silent for a second; its address."""
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "loopbus",
+            "lighthouse",
+            "--bind",
+            "[::]:0",
+            "--min-replicas",
+            "1",
+            "--join-timeout-ms",
+            "300",
+            "--quorum-tick-ms",
+            "20",
+            "--heartbeat-timeout-ms",
+            "1000",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        proc.stdout.close()
+        assert "listening on http://" in line, line
+        yield line.split("listening on ")[1].split()[0]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def _group(
+    out: Path, lighthouse: str, group: int, *, kill: str | None = None, restarted: bool = False
+) -> subprocess.Popen[str]:
+    env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, RUST_LOG="warn")
+    env.pop("TORCHELASTIC_RESTART_COUNT", None)
+    if restarted:  # as torchrun --max-restarts tells a worker it restarted
+        env["TORCHELASTIC_RESTART_COUNT"] = "1"
+    args = [
+        sys.executable,
+        str(SCRIPT),
+        "--group",
+        str(group),
+        "--out",
+        str(out),
+        "--sleep-s",
+        "0.02",
+        "--alone-sleep-s",
+        "0.08",
+    ]
+    if kill:
+        args += ["--kill", kill]
+    with open(out / f"stderr-{group}.txt", "a") as log:
+        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def _lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _order() -> list[int]:
+    generator = torch.Generator().manual_seed(ft_script.SEED)  # epoch 0
+    return torch.randperm(ft_script.N_SAMPLES, generator=generator).tolist()
+
+
+def _slice(order: list[int], cursor: int, participants: int, rank: int) -> list[int]:
+    """A group's samples of a step: the next ``participants`` batches after the cursor,
+    one per group in rank order; the epoch's last step shares what is left evenly."""
+    size = min(len(order) - cursor, participants * ft_script.BATCH)
+    per, extra = divmod(size, participants)
+    start = cursor + rank * per + min(rank, extra)
+    return order[start : start + per + (rank < extra)]
+
+
+def _replay(ledger: list[dict[str, Any]], order: list[int]) -> dict[str, torch.Tensor]:
+    """The committed steps again in one process: each step's global batch cut into the
+    groups' slices, their gradients averaged as the all-reduce does, one optimizer and
+    one scheduler step."""
+    x, y, _ = ft_script.dataset().tensors
+    net = ft_script.network()
+    optimizer = ft_script.optimizer_of(net.parameters())
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: ft_script.DECAY**s)
+    params = list(net.parameters())
+    for entry in ledger:
+        cursor, n = entry["cursor"], entry["participants"]
+        total = None
+        for rank in range(n):
+            ids = _slice(order, cursor, n, rank)
+            net.zero_grad(set_to_none=True)
+            ft_script.loss_of(net, x[ids], y[ids]).backward()
+            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+            total = flat if total is None else total + flat
+        assert total is not None
+        total /= n
+        offset = 0
+        for p in params:
+            p.grad = total[offset : offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        optimizer.step()
+        schedule.step()
+    return net.state_dict()
+
+
+def test_a_lost_group_rejoins_and_every_sample_trains_once(tmp_path: Path, lighthouse: str) -> None:
+    survivor = _group(tmp_path, lighthouse, 0)
+    started = tmp_path / "ledger-0.jsonl"
+    deadline = time.monotonic() + 90
+    while not (started.exists() and started.read_text().strip()):  # it trains first
+        assert survivor.poll() is None
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    victim = _group(tmp_path, lighthouse, 1, kill="12:before")
+    for kill in ("12:during", "12:after", None):
+        assert victim.wait(timeout=90) == -9, (tmp_path / "stderr-1.txt").read_text()[-3000:]
+        victim = _group(tmp_path, lighthouse, 1, kill=kill, restarted=True)
+    assert victim.wait(timeout=90) == 0, (tmp_path / "stderr-1.txt").read_text()[-3000:]
+    assert survivor.wait(timeout=90) == 0, (tmp_path / "stderr-0.txt").read_text()[-3000:]
+
+    kills = _lines(tmp_path / "kills.jsonl")
+    assert [k["phase"] for k in kills] == ["before", "during", "after"]
+    ledger = _lines(tmp_path / "ledger-0.jsonl")
+    rejoined = _lines(tmp_path / "ledger-1.jsonl")
+    summary = json.loads((tmp_path / "summary-0.json").read_text())
+
+    # The survivor never stopped: one process, every step from the first to the last.
+    assert {e["pid"] for e in ledger} == {summary["pid"]}
+    assert [e["step"] for e in ledger] == list(range(1, summary["step"] + 1))
+
+    # Contiguous commits from the committed cursor: the steps' global batches cover the
+    # epoch's order exactly once.
+    batch, order = ft_script.BATCH, _order()
+    cursor = 0
+    for entry in ledger:
+        assert entry["cursor"] == cursor
+        assert entry["consumed"] == min(entry["participants"] * batch, len(order) - cursor)
+        cursor += entry["consumed"]
+    assert cursor == ft_script.N_SAMPLES
+    assert any(e["participants"] == 1 for e in ledger)
+    assert any(e["participants"] == 2 for e in ledger)
+
+    # Each group read its slice of each committed step it logged; no sample was read in
+    # two committed steps. Samples nobody logged belong to the killed group's slice of a
+    # step that committed with it counted: certainly the one it died in after the
+    # all-reduce ("after"); the one it died in during it, if its part arrived.
+    by_step = {e["step"]: e for e in ledger}
+    trained: Counter[int] = Counter()
+    for entry in ledger + rejoined:
+        plan = by_step[entry["step"]]
+        assert (entry["cursor"], entry["participants"]) == (plan["cursor"], plan["participants"])
+        assert entry["ids"] == _slice(order, entry["cursor"], entry["participants"], entry["rank"])
+        trained.update(entry["ids"])
+    assert max(trained.values()) == 1
+    missing = set(range(ft_script.N_SAMPLES)) - set(trained)
+
+    def lost_slice(kill: dict[str, Any]) -> set[int]:
+        step = by_step[kill["step"] + 1]  # the step in flight when it died
+        if step["participants"] != 2:
+            return set()
+        return set(_slice(order, step["cursor"], 2, 1 - step["rank"]))
+
+    assert lost_slice(kills[2]) <= missing <= lost_slice(kills[2]) | lost_slice(kills[1])
+    assert lost_slice(kills[2])
+
+    # The restarted group healed from the live one each time.
+    events = _lines(tmp_path / "events-1.jsonl")
+    healed = [e for e in events if e["type"] == "ReplicaHealed"]
+    assert len({e["pid"] for e in healed}) >= 3
+    assert all(e["sources"] == ["0"] and e["healed_step"] > 0 for e in healed)
+    survivor_events = _lines(tmp_path / "events-0.jsonl")
+    aborted = [e for e in survivor_events if e["type"] == "StepAborted"]
+    assert aborted
+    assert all(e["dropped_records"] == 1 for e in aborted)
+    assert sum(e["type"] == "ReplicaLost" for e in survivor_events) >= 3
+    # Aborted steps left no record: one "loss" record per committed step.
+    assert summary["loss_records"] == summary["step"]
+
+    # The LR schedule stepped once per committed step.
+    for entry in ledger + rejoined:
+        assert entry["lr"] == pytest.approx(ft_script.lr_at(entry["step"]), rel=1e-12)
+    assert summary["lr"] == json.loads((tmp_path / "summary-1.json").read_text())["lr"]
+
+    # Both groups end with the same weights, those of a one-process replay of the
+    # committed steps (to float32 rounding: atol 1e-6).
+    final = [torch.load(tmp_path / f"final-{g}.pt", weights_only=True) for g in (0, 1)]
+    replay = _replay(ledger, order)
+    for name, value in final[0].items():
+        assert torch.equal(value, final[1][name]), name
+        torch.testing.assert_close(value, replay[name], atol=1e-6, rtol=1e-5)
+
+
+def test_a_restarted_group_without_a_live_peer_refuses_to_start_afresh(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    group = _group(tmp_path, lighthouse, 1, restarted=True)
+    assert group.wait(timeout=90) != 0
+    said = (tmp_path / "stderr-1.txt").read_text()
+    assert "rejoins the run" in said, said[-3000:]
+    assert "found no live replica group" in said
+    assert not (tmp_path / "ledger-1.jsonl").read_text().strip()

@@ -1,0 +1,165 @@
+"""The pieces of fault tolerance that need no torchft process: the pure sample plan, the
+committed cursor, the commit-gated step inside a real fit (a gate that aborts chosen
+attempts), and the strategy's guards."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from loopbus import Plugin, Strategy, Trainer, on
+from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, plan_step
+from loopbus.distributed import FaultTolerantStrategy
+from loopbus.distributed._resolve import resolve_strategy
+from loopbus.events import PutRecord, ReplicaLost, StepAborted, TrainBatchStarted
+from loopbus.state._runstate import RunState
+from tests.helpers import TinyModule, make_loader
+
+
+def test_a_plan_cuts_the_next_samples_into_one_slice_per_group() -> None:
+    order = list(range(100, 120))
+    plans = [plan_step(order, 4, 3, rank, 2) for rank in (0, 1)]
+    assert [p.indices for p in plans if p] == [(104, 105, 106), (107, 108, 109)]
+    assert all(p is not None and p.consumed == 6 for p in plans)
+    # The epoch's last step shares what is left evenly; past the end there is no plan.
+    tail = [plan_step(order, 15, 3, rank, 2) for rank in (0, 1)]
+    assert [p.indices for p in tail if p] == [(115, 116, 117), (118, 119)]
+    assert plan_step(order, 20, 3, 0, 2) is None
+    with pytest.raises(ValueError, match="not among 2 participants"):
+        plan_step(order, 0, 3, 2, 2)
+
+
+def test_the_cursor_moves_only_on_commit_and_any_quorum_covers_the_epoch_once() -> None:
+    cursor = CommittedCursor(50, shuffle=True, seed=3)
+    seen: list[int] = []
+    participants = [2, 2, 1, 3, 1, 2, 2, 3, 3, 3, 3, 3, 3]
+    for step, n in enumerate(participants):
+        plans = [cursor.plan(4, rank, n) for rank in range(n)]
+        if plans[0] is None:
+            break
+        if step % 3 == 1:  # aborted: nothing moves, the same samples are planned again
+            assert cursor.plan(4, 0, n) == plans[0]
+            continue
+        seen.extend(i for p in plans if p for i in p.indices)
+        cursor.commit(plans[0])  # type: ignore[arg-type]
+    generator = torch.Generator().manual_seed(3)
+    assert seen == torch.randperm(50, generator=generator).tolist()
+    saved = cursor.state_dict()
+    other = CommittedCursor(50, shuffle=True, seed=3)
+    other.load_state_dict(saved)
+    assert other.state_dict() == saved
+    with pytest.raises(ValueError, match="seed 3 there but 4 here"):
+        CommittedCursor(50, shuffle=True, seed=4).load_state_dict(saved)
+
+
+class _FlakyGate:
+    """Aborts the attempts numbered in ``aborts`` (from 1), as a lost replica would."""
+
+    participants = 1
+
+    def __init__(self, loader: CommittedCursorLoader, aborts: set[int]) -> None:
+        self.loader, self.aborts, self.attempts = loader, aborts, 0
+
+    def commit(self) -> bool:
+        self.attempts += 1
+        committed = self.attempts not in self.aborts
+        self.loader.settle(committed)
+        return committed
+
+    def news(self) -> list[tuple[Any, dict[str, Any]]]:
+        return [(ReplicaLost, {"lost": 1, "participants": 1})] if self.attempts == 1 else []
+
+    def retry(self) -> Any:
+        return self.loader.next_batch()
+
+
+class _Flaky(Strategy):
+    def __init__(self, aborts: set[int]) -> None:
+        self.aborts = aborts
+
+    def prepare_train_data(self, data: Any) -> Any:
+        cursor = CommittedCursor(len(data.dataset), shuffle=False)
+        self.loader = CommittedCursorLoader(
+            data.dataset, data.batch_size, data.collate_fn, cursor, lambda: (0, 1)
+        )
+        return self.loader
+
+    def step_gate(
+        self, module: Any, optimizers: Any, schedulers: Any, state: RunState
+    ) -> _FlakyGate:
+        self.gate = _FlakyGate(self.loader, self.aborts)
+        return self.gate
+
+
+class _Seen(Plugin):
+    def __init__(self) -> None:
+        self.records = 0
+        self.batches = 0
+        self.events: list[Any] = []
+
+    @on(PutRecord)
+    def _record(self, record: PutRecord) -> None:
+        self.records += 1
+
+    @on(TrainBatchStarted)
+    def _batch(self, event: TrainBatchStarted) -> None:
+        self.batches += 1
+
+    @on(StepAborted)
+    @on(ReplicaLost)
+    def _event(self, event: Any) -> None:
+        self.events.append(event)
+
+
+async def test_an_aborted_step_leaves_no_trace() -> None:
+    runs = []
+    flaky = _Flaky({2, 3, 7})
+    for strategy in (None, flaky):
+        torch.manual_seed(0)
+        module, seen = TinyModule(), _Seen()
+        trainer = Trainer(max_epochs=2, plugins=[seen], strategy=strategy or "single")
+        await trainer.fit(module, make_loader(n=64, batch_size=16))
+        runs.append((module.state_dict(), trainer, seen))
+    (plain, plain_trainer, plain_seen), (gated, trainer, seen) = runs
+    assert flaky.gate.attempts == 8 + 3
+    # The same weights as a run where nothing was aborted: the aborted attempts' gradients
+    # and optimizer steps are gone, and their batches were trained again.
+    assert all(torch.equal(plain[k], gated[k]) for k in plain)
+    # Counters, batches and records count committed steps only.
+    assert trainer.global_step == plain_trainer.global_step == 8
+    assert seen.batches == plain_seen.batches == 8
+    assert seen.records == plain_seen.records == 8
+    aborted = [e for e in seen.events if isinstance(e, StepAborted)]
+    assert [(e.step, e.dropped_records) for e in aborted] == [(1, 1), (1, 1), (4, 1)]
+    assert [e.lost for e in seen.events if isinstance(e, ReplicaLost)] == [1]
+
+
+def test_min_replicas_defaults_to_a_majority_and_lowering_it_warns() -> None:
+    assert FaultTolerantStrategy(lighthouse="http://x:1", replica_groups=4).min_replicas == 3
+    with pytest.warns(UserWarning, match="below a majority of the 4 replica groups"):
+        strategy = FaultTolerantStrategy(lighthouse="http://x:1", replica_groups=4, min_replicas=2)
+    assert strategy.min_replicas == 2
+    with pytest.raises(Exception, match="min_replicas must be between 1 and replica_groups=4"):
+        FaultTolerantStrategy(replica_groups=4, min_replicas=5)
+
+
+def test_ft_is_a_strategy_name_configured_from_the_environment(monkeypatch: Any) -> None:
+    monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
+    monkeypatch.setenv("REPLICA_GROUP_ID", "3")
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "5")
+    strategy = resolve_strategy("ft", 60.0, 1.0)
+    assert isinstance(strategy, FaultTolerantStrategy)
+    assert (strategy.lighthouse, strategy.replica_group) == ("http://lighthouse:29510", "3")
+    assert (strategy.replica_groups, strategy.min_replicas) == (5, 3)
+
+
+def test_the_training_data_must_be_a_loader_read_in_this_process() -> None:
+    strategy = FaultTolerantStrategy(lighthouse="http://x:1")
+    with pytest.raises(Exception, match="num_workers=0"):
+        strategy.prepare_train_data(
+            torch.utils.data.DataLoader(range(8), batch_size=2, num_workers=1)
+        )
+    with pytest.raises(Exception, match="must be a torch DataLoader"):
+        strategy.prepare_train_data([1, 2, 3])

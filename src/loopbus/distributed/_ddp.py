@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
     from loopbus.step._module import Module
 
-__all__ = ["DDPStrategy", "DataParallel", "TrainingStepAdapter"]
+__all__ = ["DDPStrategy", "DataParallel", "TrainingStepAdapter", "shuffles"]
 
 #: The defaults of ``process_group_timeout_s`` and ``stop_check_interval_s`` (the very
 #: objects: an option left out is its default, which tells it from one passed).
@@ -194,7 +194,7 @@ class DataParallel(Strategy):
             data.dataset,
             num_replicas=self.data_parallel_size,
             rank=self.data_parallel_rank,
-            shuffle=_shuffles(data.sampler),
+            shuffle=shuffles(data.sampler),
             drop_last=data.drop_last,
         )
         # The same kind of loader: torchdata's StatefulDataLoader stays stateful (its
@@ -390,7 +390,7 @@ def _is_torchdata_loader(data: DataLoader[Any]) -> bool:
     return type(data).__module__.startswith("torchdata.")
 
 
-def _shuffles(sampler: Any) -> bool:
+def shuffles(sampler: Any) -> bool:
     """Whether a loader's sampler shuffles: torch's RandomSampler, or torchdata's (a
     class of its own, not a subclass)."""
     cls = type(sampler)

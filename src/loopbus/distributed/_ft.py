@@ -47,11 +47,12 @@ from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, StepPl
 
 from .._exceptions import MisconfigurationError
 from ..events import ReplicaHealed, ReplicaLost
-from ._ddp import _shuffles
+from ._ddp import shuffles
 from ._strategy import Strategy
 
 if TYPE_CHECKING:
     from loopbus.state._runstate import RunState
+    from loopbus.step._optim import LRSchedulers
 
 __all__ = ["FaultTolerantStrategy", "serve_lighthouse"]
 
@@ -209,7 +210,7 @@ class FaultTolerantStrategy(Strategy):
             )
         sampler = CommittedCursor(
             len(data.dataset),  # type: ignore[arg-type]
-            shuffle=_shuffles(data.sampler),
+            shuffle=shuffles(data.sampler),
             seed=self.seed,
         )
         self._loader = CommittedCursorLoader(
@@ -322,7 +323,7 @@ class _CommitGate:
         strategy: FaultTolerantStrategy,
         module: torch.nn.Module,
         optimizers: list[torch.optim.Optimizer],
-        schedulers: Any,
+        schedulers: LRSchedulers,
         state: RunState,
         loader: CommittedCursorLoader,
     ) -> None:
@@ -421,7 +422,7 @@ class _CommitGate:
         return {
             "module": self.module.state_dict(),
             "optimizers": [o.state_dict() for o in self.optimizers],
-            "schedulers": [c.scheduler.state_dict() for c in self._scheduler_configs()],
+            "schedulers": [c.scheduler.state_dict() for c in self.schedulers.configs],
             "run": self.state.state_dict(),
         }
 
@@ -437,12 +438,7 @@ class _CommitGate:
         self.module.load_state_dict(state["module"])
         for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
             optimizer.load_state_dict(saved)
-        for config, saved in zip(self._scheduler_configs(), state["schedulers"], strict=True):
+        for config, saved in zip(self.schedulers.configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         self.state.load_state_dict(run)
-        resumed_at = getattr(self.schedulers, "resumed_at", None)
-        if resumed_at is not None:
-            resumed_at(self.state.step)
-
-    def _scheduler_configs(self) -> list[Any]:
-        return list(getattr(self.schedulers, "configs", ()))
+        self.schedulers.resumed_at(self.state.step)

@@ -15,7 +15,9 @@ The figures the "fewer places to change" issue asks for, beside ``architecture.p
   of a class defined in the same module (a leading underscore is private to its module:
   a class and the functions beside it that build or inspect it are one owner), nor
   namedtuple's ``_replace``/``_asdict`` family, nor ``_metadata`` (the attribute torch's
-  ``state_dict()`` format keeps its versions in, on the dict itself) (target 0).
+  ``state_dict()`` format keeps its versions in, on the dict itself) (target 0);
+* **module names used twice**: a private module name (``_name.py``) that two packages
+  both use, so a path in a message or a traceback does not say which one (target 0).
 
     python benchmarks/couplings.py          # prints the figures and where they come from
 """
@@ -155,6 +157,15 @@ def _foreign(node: ast.AST, own: set[str], imported: set[str]) -> bool:
     return not (isinstance(root, ast.Name) and root.id in imported)
 
 
+def repeated_names(src: Path) -> dict[str, list[str]]:
+    """Private module names (``_x.py``) found in more than one package folder."""
+    seen: dict[str, list[str]] = {}
+    for path in sorted(src.rglob("_*.py")):
+        if path.name != "__init__.py" and "__pycache__" not in path.parts:
+            seen.setdefault(path.name, []).append(str(path.relative_to(src)))
+    return {name: paths for name, paths in seen.items() if len(paths) > 1}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -165,10 +176,12 @@ def main(argv: list[str] | None = None) -> int:
     branches = storage_branches(trees)
     rows = widest(trees)
     reads = private_reads(trees)
+    twice = repeated_names(args.src)
     figures = [
         ("is_url / RemotePath tests outside storage/", len(branches), "0", not branches),
         ("widest internal signature in the engine", rows[0][0], "<= 6", rows[0][0] <= 6),
         ("files that read another class's private attributes", len(reads), "0", not reads),
+        ("module names used twice", len(twice), "0", not twice),
     ]
     for label, value, target, ok in figures:
         print(f"{'ok ' if ok else 'OFF'}  {label}: {value} (target {target})")
@@ -176,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     print("     signatures over 6: " + ", ".join(f"{w} {n}" for n, w in rows if n > 6))
     for name, lines in reads.items():
         print(f"     {name}: {', '.join(lines)}")
+    for name, paths in twice.items():
+        print(f"     {name}: {', '.join(paths)}")
     return 0
 
 

@@ -260,7 +260,7 @@ async def test_round_trip_of_every_component(tmp_path: Path, loader: str) -> Non
 async def test_rng_states_round_trip() -> None:
     import numpy as np
 
-    from loopbus.checkpoint._rng import capture_rng, restore_rng
+    from loopbus.checkpoint._rng_state import capture_rng, restore_rng
 
     state = capture_rng()
     a = (random.random(), np.random.rand(), torch.rand(3))
@@ -275,7 +275,7 @@ async def test_rng_states_round_trip() -> None:
 async def test_an_epoch_snapshot_takes_what_the_loader_order_can_depend_on() -> None:
     from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
-    from loopbus.checkpoint._rng import capture_epoch_rng, epoch_rng_state, restore_epoch_rng
+    from loopbus.checkpoint._rng_state import capture_epoch_rng, epoch_rng_state, restore_epoch_rng
     from tests.ckpt_scenario import PythonAndNumpyShuffle
 
     class Stream(IterableDataset[int]):

@@ -15,7 +15,7 @@ from rich.console import Console
 
 from loopbus import Loop, Trainer
 from loopbus.plugins import ProgressBar
-from loopbus.plugins._progress import _Run, _wrap
+from loopbus.plugins._progress_bar import _Run, _wrap
 from tests.helpers import TinyModule, make_loader
 
 pytestmark = pytest.mark.anyio
@@ -178,7 +178,7 @@ async def test_a_starting_status_is_drawn_before_the_first_batch() -> None:
 
 
 def test_short_times_read_in_milliseconds() -> None:
-    from loopbus.plugins._progress import _fmt_time
+    from loopbus.plugins._progress_bar import _fmt_time
 
     assert [_fmt_time(t) for t in (0.0, 0.0128, 0.094, 0.4, 59.94, 75, 3725)] == [
         "0s",

@@ -26,7 +26,7 @@ from loopbus.stream import (
     Welcome,
 )
 from loopbus.stream._connection import Rejected, decode_client_message
-from loopbus.stream._untrusted import MAX_DEPTH, ServerFrames, check_nesting, plain
+from loopbus.stream._nesting import MAX_DEPTH, ServerFrames, check_nesting, plain
 
 encode = msgspec.msgpack.encode
 TOO_DEEP = "nests arrays and maps more than 32 levels deep"

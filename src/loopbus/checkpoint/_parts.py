@@ -51,7 +51,7 @@ from .._exceptions import CheckpointError
 from .._version import __version__
 from ._format import FORMAT, FORMAT_VERSION, check_header
 from ._registry import CheckpointRegistry
-from ._rng import (
+from ._rng_state import (
     capture_rng,
     loader_generator_states,
     restore_loader_generators,

@@ -16,10 +16,10 @@ import sys
 from collections.abc import Iterator, Mapping, Sequence
 from typing import IO, Any
 
+from ._config_sources import DEFAULT, CommandLine, Config, assemble, read_command_line
 from ._errors import ConfigError, Problem
 from ._resume import changes, saved_config
 from ._sections import Resolved, check_classes, check_shape, check_values
-from ._sources import DEFAULT, CommandLine, Config, assemble, read_command_line
 from ._sweep import sweep_main
 
 __all__ = ["COMMANDS", "add_commands", "main", "resolve"]

@@ -13,8 +13,8 @@ from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+from ._config_sources import read_file
 from ._errors import ConfigError, Problem
-from ._sources import read_file
 
 __all__ = ["changes", "saved_config"]
 

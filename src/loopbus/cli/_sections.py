@@ -19,10 +19,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from ._annotations import coerce, describe, fits
+from ._config_sources import CLASS_SECTIONS, DEFAULT, Config
 from ._errors import ConfigError, Problem, did_you_mean
-from ._sources import CLASS_SECTIONS, DEFAULT, Config
 from ._trainer_keys import KEYS, RENAMED
-from ._types import coerce, describe, fits
 
 __all__ = ["ClassSpec", "Resolved", "check_classes", "check_shape", "check_values"]
 

@@ -17,9 +17,9 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
+from ._config_sources import CommandLine, read_command_line
 from ._errors import ConfigError, Problem
 from ._sections import Resolved
-from ._sources import CommandLine, read_command_line
 
 #: How a command line is resolved and a stage run (``_main``'s, handed in).
 Resolve = Callable[[CommandLine], tuple[Resolved, object]]

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from .._exceptions import fixup_module_metadata as _fixup_module_metadata
 from ._bus import EventBus as EventBus
-from ._options import DESTINATIONS as DESTINATIONS
-from ._options import on as on
+from ._delivery import DESTINATIONS as DESTINATIONS
+from ._delivery import on as on
 from ._subscription import Subscription as Subscription
 from ._types import AdvanceCompleted as AdvanceCompleted
 from ._types import AdvanceStarted as AdvanceStarted

@@ -22,8 +22,8 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream
 
 from .._exceptions import HandlerError, StopLoop
+from ._delivery import check_count, check_options
 from ._handlers import Handler, check_event_type, check_handler, handler_error
-from ._options import check_count, check_options
 from ._subscription import Entry, Subscription
 from ._types import Event, PutRecord
 

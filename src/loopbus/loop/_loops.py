@@ -24,7 +24,7 @@ from typing import Any, Protocol
 from anyio.lowlevel import checkpoint
 from torch.autograd.profiler import record_function
 
-from loopbus.checkpoint._rng import (
+from loopbus.checkpoint._rng_state import (
     capture_epoch_rng,
     capture_rng,
     epoch_rng_state,

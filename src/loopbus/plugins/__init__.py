@@ -11,8 +11,8 @@ from ._checkpoint import Checkpoint as Checkpoint
 from ._checkpoint import CheckpointSaved as CheckpointSaved
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._lr_monitor import LearningRateMonitor as LearningRateMonitor
-from ._precision import MixedPrecision as MixedPrecision
-from ._progress import ProgressBar as ProgressBar
+from ._mixed_precision import MixedPrecision as MixedPrecision
+from ._progress_bar import ProgressBar as ProgressBar
 from ._stream import ServerStarted as ServerStarted
 from ._stream import StreamServer as StreamServer
 from ._summary import ModelSummary as ModelSummary

@@ -17,7 +17,7 @@ from anyio.abc import TaskGroup
 from loopbus.checkpoint._load import read_for_resume
 from loopbus.checkpoint._locate import resolve_resume_path
 from loopbus.checkpoint._parts import CheckpointMismatch
-from loopbus.checkpoint._rng import RngSnapshot
+from loopbus.checkpoint._rng_state import RngSnapshot
 from loopbus.distributed._strategy import Strategy
 from loopbus.loop._loop import Loop
 from loopbus.loop._loops import SanityCheckLoop

@@ -29,7 +29,7 @@ from .._exceptions import MisconfigurationError, StreamError
 from .._validate import check_number
 from ..events._types import PutRecord
 from ._address import Address, parse_address
-from ._untrusted import ServerFrames, plain
+from ._nesting import ServerFrames, plain
 from ._wire import (
     MAX_SERVER_FRAME,
     PROTOCOL_VERSION,

@@ -22,7 +22,7 @@ from ._limits import (
     UNREAD_ACKS,
     Allowance,
 )
-from ._untrusted import check_nesting, msgpack_kind
+from ._nesting import check_nesting, msgpack_kind
 from ._wire import (
     MAX_PATTERN_LENGTH,
     MAX_PATTERNS,

@@ -17,8 +17,8 @@ from loopbus.step._step import (
     StepBoundary,
     StepEvents,
     StepOptions,
+    StepParts,
     TrainStep,
-    build_train_step,
 )
 from tests.helpers import TinyModule, make_loader
 
@@ -37,26 +37,26 @@ class _Strategy(Strategy):
         raise AssertionError("no accumulation here")
 
 
-def _step(
-    options: StepOptions, *, optimizers: int = 1, per_step: bool = False
-) -> TrainStep:
+def _step(options: StepOptions, *, optimizers: int = 1, per_step: bool = False) -> TrainStep:
     module = TinyModule()
     trainer = Trainer(plugins=[])
     bus = EventBus()
     state = RunState()
     opts = [torch.optim.SGD(module.parameters(), lr=0.1) for _ in range(optimizers)]
-    return build_train_step(
-        forward=module.training_step,
-        optimizers=opts,
-        schedulers=_Schedulers(per_step),
-        precision=Precision(),
-        strategy=_Strategy(),
-        state=state,
-        events=StepEvents(bus.table, bus.deliver_sync, "train", state),
-        options=options,
-        boundary=StepBoundary(trainer.recorder, 0.0),
-        worker=None,
-        module=module,
+    return TrainStep.build(
+        StepParts(
+            forward=module.training_step,
+            optimizers=opts,
+            schedulers=_Schedulers(per_step),
+            precision=Precision(),
+            strategy=_Strategy(),
+            state=state,
+            events=StepEvents(bus.table, bus.deliver_sync, "train", state),
+            options=options,
+            boundary=StepBoundary(trainer.recorder, 0.0),
+            worker=None,
+            module=module,
+        )
     )
 
 

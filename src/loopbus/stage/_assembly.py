@@ -44,9 +44,9 @@ from loopbus.step._step import (
     StepBoundary,
     StepEvents,
     StepOptions,
+    StepParts,
     TrainStep,
     build_eval_step,
-    build_train_step,
     compiled,
 )
 
@@ -185,7 +185,7 @@ def build_host(parts: StageParts, train_loop: str = "train") -> StageHost:
     boundary = StepBoundary(recorder, options.responsiveness.yield_interval_s)
     train_step = None
     if parts.stage == "fit":
-        train_step = build_train_step(
+        step_parts = StepParts(
             forward=strategy.wrap(module, parts.state),
             optimizers=parts.optimizers,
             schedulers=parts.schedulers,
@@ -202,9 +202,8 @@ def build_host(parts: StageParts, train_loop: str = "train") -> StageHost:
             boundary=boundary,
             worker=worker,
             module=module,
-            compile=options.compile,
-            compile_optimizer=options.compile_optimizer,
         )
+        train_step = TrainStep.build(step_parts, options.compile, options.compile_optimizer)
     parts.stop.begin(strategy.stop_transport() if parts.stage == "fit" else None, parts.preemption)
     return StageHost(
         parts,

@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict, Unpack
 
 import torch
 
@@ -98,28 +98,34 @@ class OptionDeclaration:
         return self.checker(self.name, value)
 
 
+class OptionNotes(TypedDict, total=False):
+    """What an option may say beside its type, check and doc (see
+    :class:`OptionDeclaration`): its ``unit``, why it is ``fixed_because`` once the
+    trainer is built, the name it was ``renamed_from``, and more ``examples`` of valid
+    values than its default."""
+
+    unit: str | None
+    fixed_because: str | None
+    renamed_from: str | None
+    examples: tuple[Any, ...]
+
+
 def option(
-    default: Any,
-    *,
-    accepts: Any,
-    check: Check,
-    doc: str,
-    unit: str | None = None,
-    fixed_because: str | None = None,
-    renamed_from: str | None = None,
-    examples: tuple[Any, ...] = (),
+    default: Any, *, accepts: Any, check: Check, doc: str, **notes: Unpack[OptionNotes]
 ) -> Any:
     """A field of an option group that is a ``Trainer`` option (see
     :class:`OptionDeclaration`; the name and group come from the field). The field has no
     default of its own: a group is built from checked values only."""
+    if unknown := notes.keys() - OptionNotes.__annotations__.keys():
+        raise TypeError(f"option() got unknown notes {sorted(unknown)}")
     spec = {
         "type": accepts,
         "default": default,
-        "unit": unit,
+        "unit": notes.get("unit"),
         "doc": doc,
-        "fixed_because": fixed_because,
-        "renamed_from": renamed_from,
-        "examples": (default, *examples),
+        "fixed_because": notes.get("fixed_because"),
+        "renamed_from": notes.get("renamed_from"),
+        "examples": (default, *notes.get("examples", ())),
         "checker": check,
     }
     return dataclasses.field(metadata={_KEY: spec})

@@ -2,8 +2,8 @@
 one evaluation step, and :class:`StepBoundary` runs after each (the records' flush, the
 yield to other tasks).
 
-A stage builds them once, from explicit inputs (:func:`build_train_step`,
-:func:`build_eval_step`), and the loops only call them. The variant of the training step
+A stage builds them once, from explicit inputs (:meth:`TrainStep.build` from a
+:class:`StepParts`, :func:`build_eval_step`), and the loops only call them. The variant of the training step
 (plain, general, manual) is chosen at build time from the options, so the per-step path
 pays only for what is configured. A compiled step (``Trainer(compile=...)``) is chosen
 there too: the step's forward (the module's ``training_step``, the loss included) is
@@ -18,6 +18,7 @@ Per-step work here is on the hot path: no allocation or call that is not needed.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sized
 from contextlib import AbstractContextManager
@@ -46,9 +47,9 @@ __all__ = [
     "StepEvents",
     "StepGate",
     "StepOptions",
+    "StepParts",
     "TrainStep",
     "build_eval_step",
-    "build_train_step",
     "compiled",
     "optimizer_step_for",
     "run_in_worker",
@@ -299,12 +300,33 @@ class StepOptions:
     automatic: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class StepParts:
+    """What a training step is built from, assembled once per stage: the forward (the
+    module's ``training_step``, or a strategy's wrapper of it), the optimizers and the
+    schedulers' stepper, the precision, the strategy's step seam, the run's state, the
+    in-step events, the step's options, the step boundary, the worker the step runs in
+    (None: inline) and the module."""
+
+    forward: StepFn
+    optimizers: list[torch.optim.Optimizer]
+    schedulers: SchedulerStepper
+    precision: Precision
+    strategy: StepStrategy
+    state: RunState
+    events: StepEvents
+    options: StepOptions
+    boundary: StepBoundary
+    worker: anyio.CapacityLimiter | None
+    module: torch.nn.Module
+
+
 class TrainStep:
     """One optimization step: the forward under the precision's autocast, backward
     (scaled), accumulation under the strategy's gradient-sync context, clipping, the
     optimizer and per-step scheduler steps, or the module's own (manual optimization);
-    then the step boundary. Built once per stage by :func:`build_train_step`, which
-    chooses the variant; the loop calls :meth:`for_epoch` when an epoch starts and the
+    then the step boundary. Built once per stage by :meth:`build` from the stage's
+    :class:`StepParts`, which chooses the variant; the loop calls :meth:`for_epoch` when an epoch starts and the
     function it returns for each batch, then awaits :attr:`boundary`.
 
     ``worker`` is the capacity limiter of the thread steps run in (None: inline).
@@ -330,23 +352,11 @@ class TrainStep:
     )
 
     def __init__(
-        self,
-        *,
-        forward: StepFn,
-        optimizers: list[torch.optim.Optimizer],
-        schedulers: SchedulerStepper,
-        precision: Precision,
-        strategy: StepStrategy,
-        state: RunState,
-        events: StepEvents,
-        options: StepOptions,
-        boundary: StepBoundary,
-        worker: anyio.CapacityLimiter | None,
-        module: torch.nn.Module,
-        optimizer_step: Callable[[], Any] | None = None,
+        self, parts: StepParts, optimizer_step: Callable[[], Any] | None = None
     ) -> None:
+        optimizers = parts.optimizers
         self.optimizers = optimizers
-        self.schedulers = schedulers
+        self.schedulers = schedulers = parts.schedulers
         # The optimizer's step, compiled or not (automatic optimization without a grad
         # scaler calls it; see optimizer_step_for). Manual optimization never does.
         if optimizer_step is None and optimizers:
@@ -356,13 +366,15 @@ class TrainStep:
         self._zero_grad: Callable[..., Any] = (
             optimizers[0].zero_grad if optimizers else _no_optimizer_step
         )
+        precision, strategy, options = parts.precision, parts.strategy, parts.options
+        forward, module, state = parts.forward, parts.module, parts.state
         self.precision = precision
         self.strategy = strategy
         self.state = state
-        self.events = events
+        self.events = parts.events
         self.options = options
-        self.boundary = boundary
-        self.worker = worker
+        self.boundary = parts.boundary
+        self.worker = parts.worker
         self.module = module
         autocast = precision.autocast
         # The forward, under autocast only where the precision has one (the plain path
@@ -371,7 +383,7 @@ class TrainStep:
         #: The strategy's commit gate (None: every step commits; see StepGate).
         self._gate = strategy.step_gate(module, optimizers, schedulers, state)
         #: ``"plain"``, ``"general"``, ``"manual"`` or ``"gated"``: which step runs (see
-        #: build_train_step).
+        #: build).
         self.variant = _choose_variant(options, precision, schedulers, self._gate)
         self._variant: StepFn = {
             "plain": self._plain,
@@ -379,6 +391,42 @@ class TrainStep:
             "manual": self._manual,
             "gated": self._gated,
         }[self.variant]
+
+    @classmethod
+    def build(
+        cls,
+        parts: StepParts,
+        compile: Mapping[str, Any] | None = None,
+        compile_optimizer: bool | str = "auto",
+    ) -> TrainStep:
+        """The training step of a stage. ``parts.forward`` is what the step calls for the
+        forward (the module's ``training_step``, or a strategy's wrapper of it), compiled
+        with the ``compile`` options when given; with automatic optimization exactly one
+        optimizer is stepped."""
+        module, optimizers, precision = parts.module, parts.optimizers, parts.precision
+        if parts.options.automatic and len(optimizers) != 1:
+            raise MisconfigurationError(
+                f"{type(module).__name__} configures {len(optimizers)} optimizers; "
+                "automatic optimization steps exactly one. Set "
+                "`automatic_optimization = False` and step them in training_step."
+            )
+        optimizer_step = None
+        if parts.options.automatic:
+            optimizer_step = optimizer_step_for(
+                optimizers[0],
+                compile=compile,
+                policy=compile_optimizer,
+                scaler=precision.scaler,
+                schedulers=parts.schedulers,
+            )
+        elif compile is not None and compile_optimizer is True:
+            raise MisconfigurationError(
+                "compile={'optimizer': True}: the optimizer step cannot be compiled: with "
+                "automatic_optimization = False the module steps its optimizers itself "
+                "(compile that code yourself, or leave 'optimizer' out)."
+            )
+        forward = compiled(parts.forward, compile, parts.boundary.recorder)
+        return cls(dataclasses.replace(parts, forward=forward), optimizer_step)
 
     def for_epoch(self, closes_window: Callable[[int], bool]) -> StepFn:
         """The step function for an epoch: ``fn(batch, ctx) -> output``.
@@ -570,63 +618,6 @@ def _choose_variant(
 
 def _no_optimizer_step() -> None:
     """The optimizer step of a step without optimizers (manual optimization)."""
-
-
-def build_train_step(
-    *,
-    forward: StepFn,
-    optimizers: list[torch.optim.Optimizer],
-    schedulers: SchedulerStepper,
-    precision: Precision,
-    strategy: StepStrategy,
-    state: RunState,
-    events: StepEvents,
-    options: StepOptions,
-    boundary: StepBoundary,
-    worker: anyio.CapacityLimiter | None,
-    module: torch.nn.Module,
-    compile: Mapping[str, Any] | None = None,
-    compile_optimizer: bool | str = "auto",
-) -> TrainStep:
-    """The training step of a stage (see :class:`TrainStep`). ``forward`` is what the
-    step calls for the forward (the module's ``training_step``, or a strategy's wrapper
-    of it), compiled with the ``compile`` options when given; with automatic
-    optimization exactly one optimizer is stepped."""
-    if options.automatic and len(optimizers) != 1:
-        raise MisconfigurationError(
-            f"{type(module).__name__} configures {len(optimizers)} optimizers; "
-            "automatic optimization steps exactly one. Set "
-            "`automatic_optimization = False` and step them in training_step."
-        )
-    optimizer_step = None
-    if options.automatic:
-        optimizer_step = optimizer_step_for(
-            optimizers[0],
-            compile=compile,
-            policy=compile_optimizer,
-            scaler=precision.scaler,
-            schedulers=schedulers,
-        )
-    elif compile is not None and compile_optimizer is True:
-        raise MisconfigurationError(
-            "compile={'optimizer': True}: the optimizer step cannot be compiled: with "
-            "automatic_optimization = False the module steps its optimizers itself (compile "
-            "that code yourself, or leave 'optimizer' out)."
-        )
-    return TrainStep(
-        forward=compiled(forward, compile, boundary.recorder),
-        optimizers=optimizers,
-        schedulers=schedulers,
-        precision=precision,
-        strategy=strategy,
-        state=state,
-        events=events,
-        options=options,
-        boundary=boundary,
-        worker=worker,
-        module=module,
-        optimizer_step=optimizer_step,
-    )
 
 
 class EvalStep:

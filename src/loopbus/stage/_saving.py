@@ -1,6 +1,11 @@
-"""The trainer's checkpoint methods: the registry of stateful parts a checkpoint is
-composed from, the run's state as a dict and back, and saving it to a file or a sharded
-directory (on the ranks that must write, with every rank returning once it is durable).
+"""A run's checkpoints: the registry of stateful parts a checkpoint is composed from, the
+run's state as a dict and back, and saving it to a file or a sharded directory (on the
+ranks that must write, with every rank returning once it is durable).
+
+:class:`RunCheckpoints` owns what only checkpoints need (the registered objects, the
+weights saved in place of the module's, the running stage's registry, its training data
+and DataModule) and reads the rest from the trainer's parts as one value
+(:class:`StageParts`); :class:`CheckpointMethods` is the trainer's public face of it.
 """
 
 from __future__ import annotations
@@ -28,59 +33,161 @@ from ..storage import RemotePath, location
 from ._assembly import StageParts, build_registry, check_registration
 
 if TYPE_CHECKING:
-    from loopbus.distributed._strategy import Strategy
-    from loopbus.loop._loop import Loop
-    from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
-    from loopbus.records._recorder import Recorder
-    from loopbus.state._runstate import RunState
-    from loopbus.step._module import Module
-    from loopbus.step._optim import LRSchedulers
-    from loopbus.step._precision import Precision
+    from collections.abc import Callable
 
-    from ._plugin import Plugin
+__all__ = ["CheckpointMethods", "RunCheckpoints"]
 
-__all__ = ["CheckpointMethods"]
+
+class RunCheckpoints:
+    """The checkpoint verbs of one run. ``parts_now()`` is the trainer's parts as they
+    are now (outside a stage too); ``config_now()`` the run's configuration, saved with
+    each checkpoint. The trainer tells it when a stage starts (:meth:`stage_started`) and
+    ends (:meth:`stage_ended`)."""
+
+    def __init__(
+        self,
+        parts_now: Callable[[], StageParts],
+        config_now: Callable[[], Mapping[str, Any] | None],
+    ) -> None:
+        self._parts_now = parts_now
+        self._config_now = config_now
+        self._registered: dict[str, Stateful] = {}
+        #: The running stage's registry (None outside a stage: built on demand).
+        self._registry: dict[str, Any] | None = None
+        #: What checkpoints save as the module's weights, if not the module.
+        self._weights_from: torch.nn.Module | None = None
+        #: The training data of the current (or last) fit, for its loader's state.
+        self._train_data: Any = None
+        #: The DataModule of the running stage, saved with its checkpoints when stateful.
+        self._datamodule: Any = None
+
+    def stage_started(self, parts: StageParts, train_data: Any, datamodule: Any) -> None:
+        """A stage starts with ``parts``: its registry is built once, now. ``train_data``
+        is the fit's training data (None: the last fit's stays)."""
+        if train_data is not None:
+            self._train_data = train_data
+        self._datamodule = datamodule
+        self._registry = self._build(parts)
+
+    def stage_ended(self) -> None:
+        """The stage ended: its registry, its DataModule and the substitute weights go."""
+        self._registry = None
+        self._weights_from = None
+        self._datamodule = None
+
+    def register(self, name: str, obj: Stateful) -> None:
+        """See :meth:`CheckpointMethods.register_stateful`."""
+        check_registration(self._registered, name, obj, self._parts_now().state.stage)
+        self._registered[name] = obj
+
+    def weights_from(self, source: torch.nn.Module | None) -> None:
+        """See :meth:`CheckpointMethods.checkpoint_weights_from`."""
+        if source is not None and not isinstance(source, torch.nn.Module):
+            raise MisconfigurationError(
+                "checkpoint_weights_from(source) takes a torch.nn.Module holding the weights "
+                f"to save as the module's (or None), got {type(source).__name__}."
+            )
+        parts = self._parts_now()
+        if parts.state.stage is None:
+            raise RuntimeError(
+                "checkpoint_weights_from() applies to the running stage; call it while one "
+                "runs (from a plugin's setup or a handler)."
+            )
+        self._weights_from = source
+        if self._registry is not None and parts.module is not None:
+            self._registry["module"] = ModulePart(source if source is not None else parts.module)
+
+    def parts(self) -> dict[str, Stateful]:
+        """See :meth:`CheckpointMethods.stateful_parts`."""
+        if self._registry is not None:
+            return dict(self._registry)
+        return self._build(self._parts_now())
+
+    def registry(self) -> CheckpointRegistry:
+        """See :meth:`CheckpointMethods.checkpoint_registry`."""
+        now = self._parts_now()
+        return CheckpointRegistry(
+            parts=self.parts(),
+            module=now.module,
+            optimizers=now.optimizers,
+            global_step=now.state.step,
+            epoch=now.state.epoch,
+            strategy=now.strategy,
+            weights=self._weights_from,
+            config=self._config_now(),
+        )
+
+    def _build(self, parts: StageParts) -> dict[str, Any]:
+        registry = build_registry(
+            parts,
+            epoch_loop=parts.loops["fit"].epoch_loop,  # type: ignore[attr-defined]
+            train_data=self._train_data,
+            registered=self._registered,
+        )
+        if self._weights_from is not None:
+            registry["module"] = ModulePart(self._weights_from)
+        if self._datamodule is not None and stateful_datamodule(self._datamodule):
+            registry["datamodule"] = self._datamodule
+        return registry
+
+    def state_dict(self, to_host: bool = False) -> dict[str, Any]:
+        """See :meth:`CheckpointMethods.state_dict`."""
+        strategy = self._parts_now().strategy
+        if strategy.sharded_state:
+            raise no_full_state(strategy.name)
+        if RANGES.on:  # profiling_ranges(True): the capture as a profiler range
+            with record_function("loopbus.checkpoint"):
+                return collect_state(self.registry(), to_host=to_host)
+        return collect_state(self.registry(), to_host=to_host)
+
+    def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
+        """See :meth:`CheckpointMethods.load_state_dict`."""
+        return self.loaded(*load_state(self.parts(), state, strict=strict))
+
+    def loaded(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
+        """A checkpoint was loaded into the parts: the run resumes by ``plan``."""
+        now = self._parts_now()
+        now.state.plan_resume(plan)
+        now.schedulers.resumed_at(plan.step)
+        return mismatch
+
+    def save(self, path: str | os.PathLike[str]) -> Path | RemotePath:
+        """See :meth:`CheckpointMethods.save_checkpoint`."""
+        target = location(path, owner=f"save_checkpoint({str(path)!r})")
+        strategy = self._parts_now().strategy
+        if strategy.sharded_state:
+            return save_sharded(self.registry(), target)
+        state = self.state_dict()
+        if strategy.is_global_zero:
+            target = write_checkpoint(state, target)
+        strategy.barrier()
+        return target
+
+    async def save_async(self, path: str | os.PathLike[str]) -> Path | RemotePath:
+        """See :meth:`CheckpointMethods.save_checkpoint_async`."""
+        target = location(path, owner=f"save_checkpoint_async({str(path)!r})")
+        strategy = self._parts_now().strategy
+        if strategy.sharded_state:
+            return await save_sharded_async(self.registry(), target)
+        state = self.state_dict(to_host=True)
+        if strategy.is_global_zero:
+            target = await anyio.to_thread.run_sync(write_checkpoint, state, target)
+        strategy.barrier()
+        return target
 
 
 class CheckpointMethods:
-    """The trainer's checkpoint methods (a base of :class:`Trainer`, which sets the
-    attributes declared here)."""
+    """The trainer's checkpoint methods (a base of :class:`Trainer`): each hands over to
+    the run's :class:`RunCheckpoints` (``checkpoints``), which owns their state."""
 
-    state: RunState
-    strategy: Strategy
-    recorder: Recorder
-    module: Module | None
-    optimizers: list[torch.optim.Optimizer]
-    precision: Precision
-    plugins: list[Plugin]
-    fit_loop: FitLoop
-    validate_loop: EvaluationLoop
-    test_loop: EvaluationLoop
-    predict_loop: PredictionLoop
-    _schedulers: LRSchedulers
-    _registered: dict[str, Stateful]
-    _datamodule: Any
-    _parts: dict[str, Any] | None
-    _train_data: Any
-    #: What checkpoints save as the module's weights, if not the module (see
-    #: :meth:`checkpoint_weights_from`); None again when the stage ends.
-    _weights_from: torch.nn.Module | None = None
-
-    @property
-    def loops(self) -> dict[str, Loop[Any]]:
-        raise NotImplementedError  # the trainer's root loops
-
-    @property
-    def run_config(self) -> Mapping[str, Any] | None:
-        raise NotImplementedError  # the run's configuration (RunViews)
+    checkpoints: RunCheckpoints
 
     def register_stateful(self, name: str, obj: Stateful) -> None:
         """Save and restore ``obj`` (anything with ``state_dict``/``load_state_dict``: a
         data module, an EMA copy of the weights, a metric) with every checkpoint of this
         trainer, under the key ``"user/<name>"``. Register before the stage whose
         checkpoints should hold it starts; a resumed run must register the same names."""
-        check_registration(self._registered, name, obj, self.state.stage)
-        self._registered[name] = obj
+        self.checkpoints.register(name, obj)
 
     def checkpoint_weights_from(self, source: torch.nn.Module | None) -> None:
         """Save the weights of ``source`` as the checkpoint's ``"module"`` entry instead of
@@ -92,19 +199,7 @@ class CheckpointMethods:
         the run loads its ``"module"`` entry into ``source``. Every kind of checkpoint
         follows it (a file, ``state_dict()``, a sharded directory); the trainer forgets it
         when the stage ends."""
-        if source is not None and not isinstance(source, torch.nn.Module):
-            raise MisconfigurationError(
-                "checkpoint_weights_from(source) takes a torch.nn.Module holding the weights "
-                f"to save as the module's (or None), got {type(source).__name__}."
-            )
-        if self.state.stage is None:
-            raise RuntimeError(
-                "checkpoint_weights_from() applies to the running stage; call it while one "
-                "runs (from a plugin's setup or a handler)."
-            )
-        self._weights_from = source
-        if self._parts is not None and self.module is not None:
-            self._parts["module"] = ModulePart(source if source is not None else self.module)
+        self.checkpoints.weights_from(source)
 
     def stateful_parts(self) -> dict[str, Stateful]:
         """The registry a checkpoint is composed from, key -> :class:`Stateful` part:
@@ -112,65 +207,28 @@ class CheckpointMethods:
         scheduler, the precision, the loop tree, every stateful plugin, the training loader
         when it is stateful, gradients mid-accumulation, the latest records and every
         registered object. Built when a stage starts; a new dict each call."""
-        if self._parts is not None:
-            return dict(self._parts)
-        return self._build_parts()
+        return self.checkpoints.parts()
 
     def checkpoint_registry(self) -> CheckpointRegistry:
         """What a checkpoint of the run is saved from, now: the parts of
         :meth:`stateful_parts`, the module and optimizers, how far the run is, and the
         strategy whose ranks and collectives saving uses. A new value each call;
         ``ShardedCheckpointWriter.save`` takes it (or the trainer, which it asks)."""
-        return CheckpointRegistry(
-            parts=self.stateful_parts(),
-            module=self.module,
-            optimizers=self.optimizers,
-            global_step=self.state.step,
-            epoch=self.state.epoch,
-            strategy=self.strategy,
-            weights=self._weights_from,
-            config=self.run_config,
-        )
-
-    def _stage_parts(self, stage: str | None, active: list[Plugin]) -> StageParts:
-        raise NotImplementedError  # the trainer's parts now (Trainer)
-
-    def _build_parts(self) -> dict[str, Any]:
-        parts = build_registry(
-            self._stage_parts(self.state.stage, []),
-            epoch_loop=self.fit_loop.epoch_loop,
-            train_data=self._train_data,
-            registered=self._registered,
-        )
-        if self._weights_from is not None:
-            parts["module"] = ModulePart(self._weights_from)
-        if self._datamodule is not None and stateful_datamodule(self._datamodule):
-            parts["datamodule"] = self._datamodule
-        return parts
+        return self.checkpoints.registry()
 
     def state_dict(self, *, to_host: bool = False) -> dict[str, Any]:
         """The run's state as a checkpoint dict of plain tensors and Python primitives,
         one entry per part of :meth:`stateful_parts`. With ``to_host`` the tensors are
         copies in host memory (safe to write while training goes on); otherwise the live
         tensors. Under FSDP no rank holds it whole: :class:`CheckpointError`."""
-        if self.strategy.sharded_state:
-            raise no_full_state(self.strategy.name)
-        if RANGES.on:  # profiling_ranges(True): the capture as a profiler range
-            with record_function("loopbus.checkpoint"):
-                return collect_state(self.checkpoint_registry(), to_host=to_host)
-        return collect_state(self.checkpoint_registry(), to_host=to_host)
+        return self.checkpoints.state_dict(to_host)
 
     def load_state_dict(self, state: dict[str, Any], strict: bool = True) -> CheckpointMismatch:
         """Load a checkpoint dict into this run (module and optimizers must be set up:
         resume through ``fit(..., ckpt_path=...)``). With ``strict`` any part that is
         missing, unexpected or incompatible raises :class:`CheckpointError`; without,
         what matches loads and the returned :class:`CheckpointMismatch` lists the rest."""
-        return self._load(*load_state(self.stateful_parts(), state, strict=strict))
-
-    def _load(self, mismatch: CheckpointMismatch, plan: ResumePlan) -> CheckpointMismatch:
-        self.state.plan_resume(plan)
-        self._schedulers.resumed_at(plan.step)
-        return mismatch
+        return self.checkpoints.load_state_dict(state, strict)
 
     def save_checkpoint(self, path: str | os.PathLike[str]) -> Path | RemotePath:
         """Write the run's state to ``path`` atomically (temporary file, fsync, rename,
@@ -184,14 +242,7 @@ class CheckpointMethods:
         carries storage options): the object, then its completeness marker are uploaded
         (under FSDP every rank's shards, then the marker), and a ``RemotePath`` is
         returned."""
-        target = location(path, owner=f"save_checkpoint({str(path)!r})")
-        if self.strategy.sharded_state:
-            return save_sharded(self.checkpoint_registry(), target)
-        state = self.state_dict()
-        if self.strategy.is_global_zero:
-            target = write_checkpoint(state, target)
-        self.strategy.barrier()
-        return target
+        return self.checkpoints.save(path)
 
     async def save_checkpoint_async(self, path: str | os.PathLike[str]) -> Path | RemotePath:
         """Copy the run's state to host memory now, write it in a worker thread, and
@@ -199,11 +250,4 @@ class CheckpointMethods:
         :meth:`save_checkpoint`: called on every rank, written by rank 0 (under FSDP:
         every rank its shards, staged first, then written in the background). ``path``
         may be a URL, as for :meth:`save_checkpoint`."""
-        target = location(path, owner=f"save_checkpoint_async({str(path)!r})")
-        if self.strategy.sharded_state:
-            return await save_sharded_async(self.checkpoint_registry(), target)
-        state = self.state_dict(to_host=True)
-        if self.strategy.is_global_zero:
-            target = await anyio.to_thread.run_sync(write_checkpoint, state, target)
-        self.strategy.barrier()
-        return target
+        return await self.checkpoints.save_async(path)

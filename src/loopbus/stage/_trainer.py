@@ -27,7 +27,6 @@ from loopbus.loop._loops import EvaluationLoop, FitLoop, PredictionLoop
 from loopbus.records._recorder import Publication, Recorder
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import LeakCheck
-from loopbus.state._stateful import Stateful
 from loopbus.step._compile import restore_compiled
 from loopbus.step._module import Module
 from loopbus.step._optim import LRSchedulers, SchedulerConfig, parse_optimizers
@@ -41,7 +40,7 @@ from ._options import OLD_NAMES, Executor, OptionAttributes, TrainerOptions, unk
 from ._plugin import Plugin
 from ._preemption import Preemption
 from ._run import lightning_arguments, stage_method
-from ._saving import CheckpointMethods
+from ._saving import CheckpointMethods, RunCheckpoints
 from ._views import RunViews
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]
@@ -177,15 +176,13 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         self.module: Module | None = None
         self.optimizers: list[torch.optim.Optimizer] = []
         self._schedulers = LRSchedulers([], self.state, self.recorder)
-        self._registered: dict[str, Stateful] = {}
-        self._parts: dict[str, Any] | None = None
+        #: The run's checkpoints (the trainer's checkpoint methods hand over to it).
+        self.checkpoints = RunCheckpoints(
+            lambda: self._stage_parts(self.state.stage, []), lambda: self.run_config
+        )
         self._automatic = True
         self._configured_for: Module | None = None
         self._host: StageHost | None = None
-        # The training data of the current (or last) fit, for its loader's state.
-        self._train_data: Any = None
-        # The DataModule of the running stage, saved with its checkpoints when stateful.
-        self._datamodule: Any = None
 
     def __repr__(self) -> str:
         return f"<Trainer stage={self.stage!r} step={self.global_step} epoch={self.current_epoch}>"
@@ -289,7 +286,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
                     self.plugins,
                     self.strategy,
                     self.stateful_parts(),
-                    self._load,
+                    self.checkpoints.loaded,
                 )
             if val_data is not None:
                 await sanity_check(
@@ -392,10 +389,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     ) -> AsyncIterator[StageParts]:
         self.state.begin_stage(stage)  # refuses (changing nothing) if a stage runs
         try:
-            if stage == "fit":
-                self._train_data = train_data
-            self._datamodule = datamodule
-            parts = self._prepare(stage, module)
+            parts = self._prepare(stage, module, train_data, datamodule)
             active, recorder = parts.active, parts.recorder
             with subscribed(self, stage, active, module, bus=self.bus, recorder=recorder):
                 async with running_stage(
@@ -408,18 +402,19 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             restore_compiled(module)
             module.bind_recorder(None)
             module.bind_trainer(None)
-            self._parts = None
-            self._weights_from = None
+            self.checkpoints.stage_ended()
             self._schedulers.resumed_at(None)
             self._stop.end()
-            self._datamodule = None
             self.state.end_stage()
             if datamodule is not None:
                 close_datamodule(datamodule, stage)
 
-    def _prepare(self, stage: str, module: Module) -> StageParts:
+    def _prepare(
+        self, stage: str, module: Module, train_data: Any, datamodule: Any
+    ) -> StageParts:
         """Bind the module, move it, configure its optimizers (``fit``), and assemble
-        the stage's parts, what the loops run with and what a checkpoint holds."""
+        the stage's parts, what the loops run with and what a checkpoint holds (with the
+        fit's ``train_data`` and the stage's ``datamodule``)."""
         self.module = module
         module.bind_trainer(self)
         module.bind_recorder(self.recorder, type(module).__name__)
@@ -435,7 +430,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         self._host = build_host(parts, train_loop=self.fit_loop.epoch_loop.name)
         for loop in self.loops.values():
             loop.attach(host=self._host)
-        self._parts = self._build_parts()
+        self.checkpoints.stage_started(parts, train_data, datamodule)
         return parts
 
     def _stage_parts(self, stage: str | None, active: list[Plugin]) -> StageParts:

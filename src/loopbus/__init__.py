@@ -250,13 +250,26 @@ __all__ = [
 ]
 
 
+#: Engine names bound on their own first use, not with the others: the sharded
+#: checkpoint's, whose modules import ``torch.distributed.checkpoint`` (a third of the
+#: time the engine takes to import; a run without sharded state never needs it).
+_ON_FIRST_USE = frozenset({"ShardedCheckpointWriter", "ShardedSave", "consolidate_checkpoint"})
+
+
+def _bind(name: str) -> Any:
+    value = getattr(importlib.import_module(f".{_ENGINE_NAMES[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
 def _load_engine() -> None:
     """Bind the engine's names here, then import the standard plugins (written against
     those names, like user code; importing them registers the mixed precisions and the
     default progress bar)."""
     namespace = globals()
-    for name, package in _ENGINE_NAMES.items():
-        namespace[name] = getattr(importlib.import_module(f".{package}", __name__), name)
+    for name in _ENGINE_NAMES:
+        if name not in _ON_FIRST_USE:
+            _bind(name)
     _fixup_module_metadata(__name__, namespace)
     plugins = sys.modules.get(f"{__name__}.plugins")
     if plugins is not None and getattr(plugins.__spec__, "_initializing", False):
@@ -276,6 +289,10 @@ class _Package(types.ModuleType):
 
 
 def __getattr__(name: str) -> Any:
+    if name in _ON_FIRST_USE:
+        value = _bind(name)
+        _fixup_module_metadata(__name__, {"__all__": [name], name: value})
+        return value
     if name in _ENGINE_NAMES or name == "plugins":
         _load_engine()
         return globals()[name]

@@ -30,11 +30,15 @@ def _fill(store: Storage) -> None:
 
 def test_store_for_tells_a_url_from_a_path(tmp_path: Path) -> None:
     local = store_for(tmp_path)
-    assert isinstance(local, LocalStore) and isinstance(local, Storage)
-    assert local.renames and local.noun == "file"
+    assert isinstance(local, LocalStore)
+    assert isinstance(local, Storage)
+    assert local.renames
+    assert local.noun == "file"
     remote = store_for(_memory())
-    assert isinstance(remote, Store) and isinstance(remote, Storage)
-    assert not remote.renames and remote.noun == "object"
+    assert isinstance(remote, Store)
+    assert isinstance(remote, Storage)
+    assert not remote.renames
+    assert remote.noun == "object"
     store, name = located(tmp_path / "a.ckpt")
     assert (store.directory, name) == (tmp_path, "a.ckpt")
 

@@ -1,5 +1,6 @@
 """The stream client, the server and the ``loopbus`` command never import torch or the
-engine (``loopbus watch`` starts fast), and the engine's names load on first use."""
+engine (``loopbus watch`` starts fast), and the engine's names load on first use (the
+sharded checkpoint's only when read)."""
 
 from __future__ import annotations
 
@@ -52,3 +53,20 @@ def test_every_public_name_resolves() -> None:
     for name in loopbus.__all__:
         assert getattr(loopbus, name) is not None, name
     assert set(loopbus.__all__) <= set(dir(loopbus))
+
+
+@pytest.mark.external
+def test_the_sharded_checkpoint_modules_load_on_first_use() -> None:
+    """A run without sharded state never imports ``torch.distributed.checkpoint`` (a third
+    of the engine's import time): not with the engine, the plugins, a ``Checkpoint`` or a
+    trainer; the sharded names load when first read, under their public module."""
+    code = (
+        "import sys, loopbus, loopbus.plugins; "
+        "loopbus.plugins.Checkpoint(dirpath='unused'); loopbus.Trainer(); "
+        "before = 'torch.distributed.checkpoint' in sys.modules; "
+        "from loopbus import ShardedSave; "
+        "from loopbus.checkpoint import ShardedCheckpointWriter; "
+        "print(before, 'torch.distributed.checkpoint' in sys.modules, ShardedSave.__module__, "
+        "ShardedCheckpointWriter is loopbus.ShardedCheckpointWriter)"
+    )
+    assert run(code) == "False True loopbus True"

@@ -40,7 +40,6 @@ from ._format import (
 )
 from ._locate import resolve_checkpoint
 from ._parts import CheckpointMismatch, ModulePart, load_state
-from ._sharded_load import consolidate, load_sharded
 
 __all__ = ["load_checkpoint", "load_weights", "read_for_resume"]
 
@@ -72,6 +71,8 @@ def load_checkpoint(
     found = resolve_checkpoint(location(path, storage_options))
     store, name = located(found)
     if store.size(name) is None:  # a sharded checkpoint: its shards read, consolidated here
+        from ._sharded_load import consolidate  # (on first use: see the package's doc)
+
         return consolidate(found)
     with contextlib.ExitStack() as stack:
         beside = (name + MARKER_SUFFIX,) if verify else ()
@@ -139,6 +140,8 @@ async def read_for_resume(
     """Load the checkpoint ``fit(ckpt_path=...)`` resumes from into a registry's parts: a
     sharded one on every rank (:func:`load_sharded`), a file read in a worker thread."""
     if is_sharded_checkpoint(path):
+        from ._sharded_load import load_sharded  # (on first use: see the package's doc)
+
         return load_sharded(parts, path, world_size=world_size, strict=strict)
     module = parts["module"].module if "module" in parts else None
     if module is not None and has_sharded_parameters(module.parameters()):

@@ -24,8 +24,6 @@ from loopbus import (
     Event,
     MisconfigurationError,
     RemotePath,
-    ShardedCheckpointWriter,
-    ShardedSave,
     is_sharded_checkpoint,
     is_url,
     latest_checkpoint,
@@ -49,7 +47,7 @@ from ._checkpoint_uploads import Uploads
 if TYPE_CHECKING:
     from anyio.abc import TaskGroup
 
-    from loopbus import TrainerView
+    from loopbus import ShardedCheckpointWriter, ShardedSave, TrainerView
 
 __all__ = [
     "CheckpointFiles",
@@ -141,7 +139,8 @@ class CheckpointFiles:
         #: A URL's names in use (objects and prefixes), listed once a fit, then kept up
         #: to date by this plugin's own saves (None: not listed yet).
         self._names: set[str] | None = None
-        self._writer = ShardedCheckpointWriter()
+        #: The sharded writer, made at the first sharded save (its module loads then).
+        self._writer: ShardedCheckpointWriter | None = None
         self._lease: FolderLease | None = None  #: rank 0's on ``dirpath``, while a fit writes
         # Per stage: the background save in flight, its failure, and its announcement.
         self._idle: anyio.Event | None = None
@@ -424,6 +423,10 @@ class CheckpointFiles:
     ) -> None:
         """Every rank writes its shards; rank 0 completes the checkpoint once all have.
         In the background the step waits only for the staging to host memory."""
+        if self._writer is None:
+            from loopbus import ShardedCheckpointWriter  # (its module loads on first use)
+
+            self._writer = ShardedCheckpointWriter()
         pending = self._writer.save(
             trainer,
             self.dirpath / name,

@@ -21,7 +21,6 @@ from torch.autograd.profiler import record_function
 
 from loopbus.checkpoint._parts import CheckpointMismatch, ModulePart, collect_state, load_state
 from loopbus.checkpoint._registry import CheckpointRegistry
-from loopbus.checkpoint._sharded_save import no_full_state, save_sharded, save_sharded_async
 from loopbus.checkpoint._write import write_checkpoint
 from loopbus.data._datamodule import stateful_datamodule
 from loopbus.state._ranges import RANGES
@@ -134,6 +133,8 @@ class RunCheckpoints:
         """See :meth:`CheckpointMethods.state_dict`."""
         strategy = self._parts_now().strategy
         if strategy.sharded_state:
+            from loopbus.checkpoint._sharded_save import no_full_state
+
             raise no_full_state(strategy.name)
         if RANGES.on:  # profiling_ranges(True): the capture as a profiler range
             with record_function("loopbus.checkpoint"):
@@ -156,6 +157,8 @@ class RunCheckpoints:
         target = location(path, owner=f"save_checkpoint({str(path)!r})")
         strategy = self._parts_now().strategy
         if strategy.sharded_state:
+            from loopbus.checkpoint._sharded_save import save_sharded
+
             return save_sharded(self.registry(), target)
         state = self.state_dict()
         if strategy.is_global_zero:
@@ -168,6 +171,8 @@ class RunCheckpoints:
         target = location(path, owner=f"save_checkpoint_async({str(path)!r})")
         strategy = self._parts_now().strategy
         if strategy.sharded_state:
+            from loopbus.checkpoint._sharded_save import save_sharded_async
+
             return await save_sharded_async(self.registry(), target)
         state = self.state_dict(to_host=True)
         if strategy.is_global_zero:

@@ -241,7 +241,8 @@ async def test_the_per_lr_rule_is_lightning_s_and_reads_a_lower_rate() -> None:
     # Per unit of rate, on an exponential sweep, a drop at a low rate weighs more: the
     # suggestion is at most the per-step one (and each rule reads the other on demand).
     per_step = result.suggest(rule="per_step")
-    assert per_step is not None and result.suggestion <= per_step
+    assert per_step is not None
+    assert result.suggestion <= per_step
     assert LRFinderResult(lrs=result.lrs, losses=result.losses).suggestion == per_step
     with pytest.raises(MisconfigurationError, match="rule"):
         result.suggest(rule="steepest")

@@ -168,6 +168,14 @@ def _pinned() -> Any:
     return (lambda: os.sched_setaffinity(0, OTHERS)) if OTHERS else None
 
 
+def _drain(proc: subprocess.Popen[str]) -> None:
+    """Read the rest of the server's stderr in a thread of its own: a pipe nobody reads
+    fills up, and the server then blocks on its next write to it."""
+    stream = proc.stderr
+    assert stream is not None
+    threading.Thread(target=lambda: [None for _ in stream], daemon=True).start()
+
+
 def start_dashboard(address: str) -> tuple[subprocess.Popen[str], str]:
     proc = subprocess.Popen(
         [sys.executable, "-m", "loopbus", "dashboard", address],
@@ -180,6 +188,7 @@ def start_dashboard(address: str) -> tuple[subprocess.Popen[str], str]:
     if not line.startswith("loopbus dashboard: http"):
         proc.kill()
         raise SystemExit(f"the dashboard did not start: {line}{proc.stderr.read()}")
+    _drain(proc)
     return proc, line.split()[2]
 
 
@@ -403,10 +412,11 @@ def _serve_folder(folder: Path) -> tuple[subprocess.Popen[str], str]:
     line = proc.stderr.readline()
     if not line.startswith("loopbus dashboard: http"):
         raise RuntimeError(f"the dashboard did not start: {line}")
+    _drain(proc)
     return proc, line.split()[2]
 
 
-def _until(what: Any, timeout: float = 3600.0) -> float:
+def _until(what: Any, timeout: float = 900.0) -> float:
     import httpx
 
     start = time.perf_counter()
@@ -417,7 +427,14 @@ def _until(what: Any, timeout: float = 3600.0) -> float:
         except httpx.HTTPError:
             pass
         time.sleep(0.02)
-    raise TimeoutError("gave up waiting")
+    name = getattr(what, "__name__", "the condition")
+    raise TimeoutError(f"gave up waiting for {name} after {timeout:.0f} s")
+
+
+def _phase(name: str, seconds: float) -> float:
+    """Print a phase's figure as soon as it is known (a long run shows its progress)."""
+    print(f"  {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
+    return seconds
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -432,12 +449,12 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
         root = Path(tmp) / "runs"
         started = time.perf_counter()
         write_csv_runs(root, runs, names, steps)
-        written = time.perf_counter() - started
+        written = _phase("CSV files written", time.perf_counter() - started)
         size = sum(p.stat().st_size for p in root.rglob("metrics.csv"))
         started = time.perf_counter()
         proc, url = _serve_folder(root)
         try:
-            t0 = time.perf_counter() - started
+            t0 = _phase("server answering", time.perf_counter() - started)
             ids: list[str] = []
 
             def listed(httpx: Any) -> bool:
@@ -445,29 +462,32 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
                 ids[:] = [r["id"] for r in got]
                 return len(got) == runs
 
-            listed_s = t0 + _until(listed)
+            listed_s = _phase("every run listed", t0 + _until(listed))
             body = {"runs": ids, "names": ["train/m00"], "width": 800}
 
             def first_drawn(httpx: Any) -> bool:  # the chart holds a line (runs fill in)
                 got = httpx.post(url + "api/lines", json=body, timeout=60).json()
                 return len(got["runs"]) > 0
 
-            drawn_s = listed_s + _until(first_drawn)
+            drawn_s = _phase("first chart holds a line", listed_s + _until(first_drawn))
 
             def first_chart(httpx: Any) -> bool:
                 got = httpx.post(url + "api/lines", json=body, timeout=60).json()
                 return len(got["runs"]) == runs
 
-            chart_s = drawn_s + _until(first_chart)
+            chart_s = _phase("first chart holds every run", drawn_s + _until(first_chart))
 
             def everything(httpx: Any) -> bool:
                 got = httpx.get(url + "api/runs", timeout=60).json()
                 return sum(r["points"] for r in got) == runs * names * steps
 
-            all_s = chart_s + _until(everything)
-            answer = _until(lambda httpx: httpx.post(url + "api/lines", json=body, timeout=60))
-            live_s = _live_latency(root, url)
-            rss = peak_rss_mib(proc.pid)
+            all_s = _phase("every point read", chart_s + _until(everything))
+            answer = _phase(
+                "first chart again",
+                _until(lambda httpx: httpx.post(url + "api/lines", json=body, timeout=60)),
+            )
+            live_s = _phase("a live point shown (median)", _live_latency(root, url))
+            rss = _phase("server peak RSS (MiB, not s)", peak_rss_mib(proc.pid))
         finally:
             proc.terminate()
             proc.wait(timeout=30)

@@ -101,6 +101,29 @@ def test_every_cell_is_read_exactly(tmp_path: Path, parser: str) -> None:
     assert chunk.pending == set()
 
 
+def test_a_column_whose_kind_changes_far_into_a_large_file_is_read_exactly(
+    tmp_path: Path, parser: str
+) -> None:
+    """A large file is parsed in blocks side by side; a column of whole numbers in the
+    first block and fractions in a later one (or a cell left empty) is still read
+    exactly, every row."""
+    n = 60_000
+    values = [float(s) if s < n - 10 else s + 0.25 for s in range(n)]
+    cells = [str(int(v)) if v.is_integer() else repr(v) for v in values]
+    cells[-1] = ""  # an empty cell: no point at that step
+    rows = [f"{s},0,{1000.5 + s},{cell}\n" for s, cell in enumerate(cells)]
+    path = tmp_path / "metrics.csv"
+    path.write_text("step,epoch,time,train/a\n" + "".join(rows))
+    reader = CsvReader(path)
+    chunks = [reader.read()]
+    while reader.more():
+        chunks.append(reader.read())
+    got = _points(chunks)["train/a"]
+    assert got["step"] == list(range(n - 1))
+    assert got["value"] == values[: n - 1]
+    assert path.stat().st_size > 2 * (1 << 18)  # more than one block
+
+
 def test_the_columns_asked_for_are_read_first_and_the_others_after(
     tmp_path: Path, parser: str
 ) -> None:
@@ -207,6 +230,23 @@ async def test_a_page_gets_the_chart_it_asks_for_first_and_every_point_after(
             await catalog.read_first(runs, None)
         assert sum(r.info()["points"] for r in runs) == 4 * 4 * 50
         tg.cancel_scope.cancel()
+
+
+async def test_runs_not_read_within_one_look_are_read_at_the_next(tmp_path: Path) -> None:
+    """A look finds every run due; when reading them takes longer than ``poll``, the
+    catalog looks again before it has read them all, and those left are still read (a
+    look yields a run once per change of its files, so dropping them lost them)."""
+    for i in range(8):
+        _write(tmp_path / "runs" / f"run{i}", ["train/a", "train/b"], 2000, i)
+    catalog = Catalog([tmp_path / "runs"], poll=1e-4)  # a look after every read
+    catalog.scan()
+    runs = catalog.runs()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(catalog.run)
+        with anyio.fail_after(60):
+            await catalog.read_first(runs, None)
+        tg.cancel_scope.cancel()
+    assert [r.info()["points"] for r in runs] == [2 * 2000] * 8
 
 
 def test_the_first_names_follow_the_pages_order_and_what_pages_asked_for() -> None:

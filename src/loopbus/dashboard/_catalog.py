@@ -56,6 +56,8 @@ FIRST = 6
 _WANTED = 32
 #: The page's groups of charts, in its order (``dashboard.js``'s ``GROUP_ORDER``).
 GROUP_ORDER = ("train", "val", "validate", "test", "predict")
+#: Runs read at once, each in a thread of its own (two cores or more read in parallel).
+READERS = max(1, min(4, os.cpu_count() or 1))
 
 
 def _is_log(name: str) -> bool:
@@ -354,22 +356,38 @@ class Catalog:
     async def run(self) -> None:
         """Follow the runs (and find new ones), until cancelled: each run's new points
         are added as soon as they are read, the names of :meth:`first` before the
-        others; the files are looked at again every ``poll`` seconds meanwhile."""
+        others, by :data:`READERS` threads at once (parsing releases the GIL); the files
+        are looked at again every ``poll`` seconds meanwhile."""
         while True:
             queue = await anyio.to_thread.run_sync(self.look)
             looked = time.monotonic()
-            while queue and time.monotonic() - looked < self.poll:
-                followed, names = self._next(queue, self.first())
-                chunks = await anyio.to_thread.run_sync(self.read, followed, names)
-                self.apply([(followed, chunk) for chunk in chunks])
-                reader = followed.reader
-                if not (isinstance(reader, LogReader) and reader.more()) or (
-                    names is None and not any(chunks)
-                ):
-                    queue.remove(followed)
+            busy: set[int] = set()
+            async with anyio.create_task_group() as tg:
+                for _ in range(min(READERS, len(queue))):
+                    tg.start_soon(self._work, queue, busy, looked)
             self.apply([])
             if not queue:
                 await anyio.sleep(self.poll)
+
+    async def _work(self, queue: list[_Followed], busy: set[int], looked: float) -> None:
+        """Read runs of ``queue`` that no other worker reads, until it is empty or
+        ``poll`` seconds after ``looked``."""
+        while time.monotonic() - looked < self.poll:
+            free = [f for f in queue if id(f) not in busy]
+            if not free:
+                return
+            followed, names = self._next(free, self.first())
+            busy.add(id(followed))
+            try:
+                chunks = await anyio.to_thread.run_sync(self.read, followed, names)
+            finally:
+                busy.discard(id(followed))
+            self.apply([(followed, chunk) for chunk in chunks])
+            reader = followed.reader
+            if not (isinstance(reader, LogReader) and reader.more()) or (
+                names is None and not any(chunks)
+            ):
+                queue.remove(followed)
 
 
 def page_order(name: str) -> tuple[str, str]:

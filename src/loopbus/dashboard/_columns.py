@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import csv
 import io
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,13 @@ def _epochs(steps: np.ndarray, epochs: np.ndarray, times: np.ndarray) -> dict[in
     return {int(epochs[i]): (int(steps[i]), float(times[i])) for i in ends}
 
 
+#: The cores a file's blocks are parsed on, and the smallest block worth a thread.
+_CORES = max(
+    1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+)
+_MIN_BLOCK = 1 << 18
+
+
 def _arrow(lines: bytes, width: int, columns: dict[str, int]) -> Rows | None:
     """pyarrow's reader (None when the step, epoch or time column is not whole numbers,
     or a row has another length)."""
@@ -88,8 +96,12 @@ def _arrow(lines: bytes, width: int, columns: dict[str, int]) -> Rows | None:
     try:
         table = pa_csv.read_csv(
             io.BytesIO(lines),
+            # One block per core (of 256 KiB at least), parsed side by side: a run's
+            # file is read in a worker thread, and pyarrow releases the GIL.
             read_options=pa_csv.ReadOptions(
-                column_names=labels, use_threads=False, block_size=len(lines) + 1
+                column_names=labels,
+                use_threads=True,
+                block_size=max(_MIN_BLOCK, len(lines) // _CORES + 1),
             ),
             convert_options=pa_csv.ConvertOptions(
                 include_columns=[*labels[:3], *(labels[i] for i in set(columns.values()))],

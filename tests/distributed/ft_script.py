@@ -7,6 +7,11 @@ the plan's cursor, participants and replica rank, the sample ids it trained, the
 ``events-<group>.jsonl`` (StepAborted, ReplicaLost, ReplicaHealed), ``kills.jsonl`` and,
 at the end, ``final-<group>.pt`` (the weights) and ``summary-<group>.json``.
 
+With ``--ckpt DIR`` the group saves a checkpoint every ``--every`` committed steps into
+``DIR/group-<group>`` (each group its own folder); ``--resume`` resumes from the newest
+checkpoint there (``fit(ckpt_path="last")``); ``--samples`` trains on the dataset's
+first samples only.
+
 ``--kill AFTER:PHASE`` is the test-only hook: the process SIGKILLs itself in the step
 ``AFTER`` committed steps past the first step it trains, ``before`` the cross-group
 all-reduce (after backward), ``during`` it (once issued) or ``after`` it (the step
@@ -38,6 +43,7 @@ from loopbus.events import (
     StepAborted,
     TrainBatchCompleted,
 )
+from loopbus.plugins import Checkpoint
 
 N_SAMPLES = 3200
 FEATURES = 6
@@ -47,11 +53,12 @@ DECAY = 0.995
 SEED = 0
 
 
-def dataset() -> TensorDataset:
+def dataset(samples: int = N_SAMPLES) -> TensorDataset:
+    """The first ``samples`` of the dataset (the same ones whatever the number)."""
     g = torch.Generator().manual_seed(1)
     x = torch.randn(N_SAMPLES, FEATURES, generator=g)
     y = x.sum(dim=1, keepdim=True) + 0.1 * torch.randn(N_SAMPLES, 1, generator=g)
-    return TensorDataset(x, y, torch.arange(N_SAMPLES))
+    return TensorDataset(x[:samples], y[:samples], torch.arange(samples))
 
 
 def network() -> torch.nn.Module:
@@ -192,6 +199,10 @@ def main() -> None:
     parser.add_argument("--kill", default=None)
     parser.add_argument("--sleep-s", type=float, default=0.0)
     parser.add_argument("--alone-sleep-s", type=float, default=0.0)
+    parser.add_argument("--ckpt", type=Path, default=None)
+    parser.add_argument("--every", type=int, default=20)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--samples", type=int, default=N_SAMPLES)
     args = parser.parse_args()
     killer = Killer(args.kill, args.out, args.group)
     strategy = KillingStrategy(
@@ -204,11 +215,15 @@ def main() -> None:
     )
     strategy.alone_sleep_s = args.alone_sleep_s
     ledger = Ledger(args.out, args.group, killer)
-    trainer = Trainer(max_epochs=1, strategy=strategy, plugins=[ledger], enable_model_summary=False)
+    plugins: list[Plugin] = [ledger]
+    if args.ckpt is not None:
+        folder = args.ckpt / f"group-{args.group}"
+        plugins.append(Checkpoint(folder, every_n_steps=args.every))
+    trainer = Trainer(max_epochs=1, strategy=strategy, plugins=plugins, enable_model_summary=False)
     strategy.killer, strategy.trainer, ledger.trainer = killer, trainer, trainer
     module = Net(args.sleep_s)
-    data = DataLoader(dataset(), batch_size=BATCH, shuffle=True)
-    loopbus.run(trainer.fit, module, data)
+    data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=True)
+    loopbus.run(trainer.fit, module, data, ckpt_path="last" if args.resume else None)
     torch.save(
         {k: v.clone() for k, v in module.net.state_dict().items()},
         args.out / f"final-{args.group}.pt",

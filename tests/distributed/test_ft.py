@@ -1,13 +1,16 @@
 """Fault-tolerant data parallelism (``strategy="ft"``, torchft), with real processes:
 a Lighthouse started by ``loopbus lighthouse`` and two replica groups of one process
 each running ``ft_script.py``; one group SIGKILLed (by pid, by itself) before, during
-and after the cross-group all-reduce and restarted each time.
+and after the cross-group all-reduce and restarted each time; a restarted group with no
+live peer; and the whole job (both groups) SIGKILLed and relaunched from its newest
+checkpoints.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -66,7 +69,13 @@ def lighthouse() -> Iterator[str]:
 
 
 def _group(
-    out: Path, lighthouse: str, group: int, *, kill: str | None = None, restarted: bool = False
+    out: Path,
+    lighthouse: str,
+    group: int,
+    *,
+    kill: str | None = None,
+    restarted: bool = False,
+    extra: tuple[str, ...] = (),
 ) -> subprocess.Popen[str]:
     env = dict(os.environ, TORCHFT_LIGHTHOUSE=lighthouse, RUST_LOG="warn")
     env.pop("TORCHELASTIC_RESTART_COUNT", None)
@@ -86,6 +95,7 @@ def _group(
     ]
     if kill:
         args += ["--kill", kill]
+    args += extra  # later flags win
     with open(out / f"stderr-{group}.txt", "a") as log:
         return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -94,9 +104,9 @@ def _lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def _order() -> list[int]:
+def _order(samples: int = ft_script.N_SAMPLES) -> list[int]:
     generator = torch.Generator().manual_seed(ft_script.SEED)  # epoch 0
-    return torch.randperm(ft_script.N_SAMPLES, generator=generator).tolist()
+    return torch.randperm(samples, generator=generator).tolist()
 
 
 def _slice(order: list[int], cursor: int, participants: int, rank: int) -> list[int]:
@@ -227,9 +237,112 @@ def test_a_lost_group_rejoins_and_every_sample_trains_once(tmp_path: Path, light
 def test_a_restarted_group_without_a_live_peer_refuses_to_start_afresh(
     tmp_path: Path, lighthouse: str
 ) -> None:
-    group = _group(tmp_path, lighthouse, 1, restarted=True)
+    # Asked to resume from the newest checkpoint (ckpt_path="last"), none saved: nothing
+    # loaded, as with no ckpt_path (with one it resumes, see the whole-job test below).
+    extra = ("--ckpt", str(tmp_path / "ckpt"), "--resume")
+    group = _group(tmp_path, lighthouse, 1, restarted=True, extra=extra)
     assert group.wait(timeout=90) != 0
     said = (tmp_path / "stderr-1.txt").read_text()
     assert "rejoins the run" in said, said[-3000:]
     assert "found no live replica group" in said
+    assert "ckpt_path='last'" in said
     assert not (tmp_path / "ledger-1.jsonl").read_text().strip()
+
+
+def _newest_step(folder: Path) -> int:
+    """The step of the newest complete checkpoint (one with its marker) in a group's
+    folder (0: none)."""
+    markers = folder.glob("*step=*.complete")
+    steps = [int(p.name.split("step=")[1].split(".")[0]) for p in markers]
+    return max(steps, default=0)
+
+
+def _plans(out: Path, steps: range) -> dict[int, dict[str, Any]]:
+    """Each committed step's plan (cursor, participants) in ``steps``, as the groups
+    logged it in ``out`` (they agree)."""
+    plans: dict[int, dict[str, Any]] = {}
+    for group in (0, 1):
+        for entry in _lines(out / f"ledger-{group}.jsonl"):
+            if entry["step"] in steps:
+                plan = {k: entry[k] for k in ("step", "cursor", "participants", "consumed")}
+                assert plans.setdefault(entry["step"], plan) == plan
+    return plans
+
+
+def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
+    first.mkdir()
+    second.mkdir()
+    samples = 1600  # 200 steps with both groups
+    saving = ("--ckpt", str(ckpt), "--every", "20", "--sleep-s", "0.02", "--samples", str(samples))
+    groups = [_group(first, lighthouse, g, extra=saving) for g in (0, 1)]
+    deadline = time.monotonic() + 90
+    # Both groups saved (step 40 or later) and trained on: kill -9 every group, by pid.
+    while min(_newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 40:
+        assert all(g.poll() is None for g in groups), (first / "stderr-0.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    for group in groups:
+        os.kill(group.pid, signal.SIGKILL)
+    assert [g.wait(timeout=30) for g in groups] == [-9, -9]
+    saved = max(_newest_step(ckpt / f"group-{g}") for g in (0, 1))
+
+    # The relaunch: every group restarted (as torchrun tells a restarted worker), none
+    # with a live peer; each loads its newest checkpoint, the one behind heals from the
+    # other, and a step commits only with both (min_replicas=2).
+    resuming = (*saving, "--resume", "--min-replicas", "2", "--sleep-s", "0")
+    groups = [_group(second, lighthouse, g, restarted=True, extra=resuming) for g in (0, 1)]
+    for g, group in enumerate(groups):
+        assert group.wait(timeout=90) == 0, (second / f"stderr-{g}.txt").read_text()[-3000:]
+    summary = json.loads((second / "summary-0.json").read_text())
+    end = summary["step"]
+
+    # Steps 1..saved from the killed run, saved+1..end from the relaunch: contiguous
+    # commits whose global batches cover the epoch's order exactly once.
+    before, after = _plans(first, range(1, saved + 1)), _plans(second, range(saved + 1, end + 1))
+    assert sorted(before) == list(range(1, saved + 1))
+    assert sorted(after) == list(range(saved + 1, end + 1))
+    assert min(e["step"] for e in _lines(second / "ledger-0.jsonl")) == saved + 1
+    ledger = [{**before, **after}[s] for s in range(1, end + 1)]
+    batch, order, cursor = ft_script.BATCH, _order(samples), 0
+    for entry in ledger:
+        assert entry["cursor"] == cursor
+        assert entry["consumed"] == min(entry["participants"] * batch, len(order) - cursor)
+        cursor += entry["consumed"]
+    assert cursor == samples
+
+    # The samples the groups logged: each its step's slice, none twice; those missing
+    # are the slices of the checkpoint's step a group was killed before logging.
+    trained: Counter[int] = Counter()
+    logged: set[tuple[int, int]] = set()
+    for out, plans in ((first, before), (second, after)):
+        for group in (0, 1):
+            for entry in _lines(out / f"ledger-{group}.jsonl"):
+                if entry["step"] not in plans:
+                    continue
+                plan = plans[entry["step"]]
+                ids = _slice(order, plan["cursor"], plan["participants"], entry["rank"])
+                assert entry["ids"] == ids
+                assert entry["lr"] == pytest.approx(ft_script.lr_at(entry["step"]), rel=1e-12)
+                trained.update(ids)
+                logged.add((entry["step"], entry["rank"]))
+    assert max(trained.values()) == 1
+    last = before[saved]
+    unlogged = {
+        i
+        for rank in range(last["participants"])
+        if (saved, rank) not in logged
+        for i in _slice(order, last["cursor"], last["participants"], rank)
+    }
+    assert set(range(samples)) - set(trained) == unlogged
+
+    # The LR schedule stepped once per committed step; both groups end with the weights
+    # of a one-process replay of the committed steps (to float32 rounding: atol 1e-6).
+    assert summary["lr"] == pytest.approx(ft_script.lr_at(end), rel=1e-12)
+    final = [torch.load(second / f"final-{g}.pt", weights_only=True) for g in (0, 1)]
+    replay = _replay(ledger, order)
+    for name, value in final[0].items():
+        assert torch.equal(value, final[1][name]), name
+        torch.testing.assert_close(value, replay[name], atol=1e-6, rtol=1e-5)

@@ -163,3 +163,46 @@ def test_the_training_data_must_be_a_loader_read_in_this_process() -> None:
         )
     with pytest.raises(Exception, match="must be a torch DataLoader"):
         strategy.prepare_train_data([1, 2, 3])
+
+
+class _FakeManager:
+    def __init__(self, step: int, batches: int) -> None:
+        self.state = {"step": step, "batches_committed": batches}
+
+    def current_step(self) -> int:
+        return self.state["step"]
+
+    def batches_committed(self) -> int:
+        return self.state["batches_committed"]
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.state = dict(state)
+
+
+def test_a_checkpoint_holds_the_committed_cursor_and_the_managers_count() -> None:
+    from loopbus.distributed._ft import _Commits
+
+    commits = _Commits()
+    sampler = CommittedCursor(10, shuffle=False)
+    loader = CommittedCursorLoader(range(10), 2, list, sampler, lambda: (0, 1), commits=commits)
+    assert next(iter(loader)) == [0, 1]
+    assert loader.state_dict()["cursor"]["cursor"] == 0  # in flight: not yet committed
+    loader.settle(True)
+    commits.manager = _FakeManager(7, 13)
+    saved = loader.state_dict()
+    assert saved["cursor"]["cursor"] == 2
+    assert saved["commits"] == {"step": 7, "batches_committed": 13}
+
+    # Resumed: the cursor at once; the manager's count at its first quorum, where the
+    # run's step (loaded from the same checkpoint) puts a fresh manager ahead.
+    resumed = _Commits()
+    other = CommittedCursorLoader(
+        range(10), 2, list, CommittedCursor(10, shuffle=False), lambda: (0, 1), commits=resumed
+    )
+    other.load_state_dict(saved)
+    assert other.sampler.cursor == 2
+    manager = _FakeManager(0, 0)
+    resumed.resume(manager, 7)
+    assert manager.state == {"step": 7, "batches_committed": 13}
+    resumed.resume(manager, 7)  # later quorums: nothing to apply
+    assert manager.state == {"step": 7, "batches_committed": 13}

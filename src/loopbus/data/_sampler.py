@@ -15,11 +15,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 import torch
 from torch.utils.data import DistributedSampler
+
+if TYPE_CHECKING:
+    from loopbus.state._stateful import Stateful
 
 __all__ = [
     "CommittedCursor",
@@ -280,7 +283,11 @@ class CommittedCursorLoader:
     asks for it, after the step's quorum (``begin_step()`` returns this group's
     ``(replica_rank, participants)``), from the committed cursor, and read from
     ``dataset`` with ``collate_fn`` in this process. :attr:`plan` is the plan of the step
-    in flight; :meth:`next_batch` plans (and reads) it again after an abort."""
+    in flight; :meth:`next_batch` plans (and reads) it again after an abort.
+
+    It is Stateful, so a checkpoint holds it as the training loader's position: the
+    committed cursor and, under ``"commits"``, the state of ``commits`` (the strategy's
+    count of committed steps)."""
 
     def __init__(
         self,
@@ -289,12 +296,14 @@ class CommittedCursorLoader:
         collate_fn: Callable[[list[Any]], Any],
         sampler: CommittedCursor,
         begin_step: Callable[[], tuple[int, int]],
+        commits: Stateful | None = None,
     ) -> None:
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.collate_fn = collate_fn
         self.sampler = sampler
         self.begin_step = begin_step
+        self.commits = commits
         #: The plan of the step in flight (None between steps).
         self.plan: StepPlan | None = None
 
@@ -333,3 +342,20 @@ class CommittedCursorLoader:
     def __iter__(self) -> Iterator[Any]:
         while (batch := self.next_batch()) is not None:
             yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """The committed cursor and the commit state (see the class docstring). A step
+        in flight has not committed: its samples are not counted, so a resumed run
+        plans them again."""
+        state: dict[str, Any] = {"cursor": self.sampler.state_dict()}
+        if self.commits is not None:
+            state["commits"] = self.commits.state_dict()
+        return state
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from :meth:`state_dict`: the cursor now, the commit state through
+        ``commits``."""
+        self.sampler.load_state_dict(state["cursor"])
+        self.plan = None
+        if self.commits is not None and state.get("commits") is not None:
+            self.commits.load_state_dict(state["commits"])

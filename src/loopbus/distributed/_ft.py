@@ -22,6 +22,12 @@ What loopbus adds (see ``docs/distributed.md``, "Fault tolerance"):
   (:class:`~loopbus.data._sampler.CommittedCursorLoader`), made after the step's quorum;
   the cursor moves only on commit and travels in the healed state, so an aborted step's
   samples are read again and a step that committed with a lost group counted keeps them;
+* **checkpoints**: the training loader (the committed cursor) is Stateful, so a
+  checkpoint saved through the normal path (the ``Checkpoint`` plugin,
+  ``trainer.save_checkpoint``) holds the cursor and the manager's step and committed
+  batches (:class:`_Commits`) beside the module, optimizers, schedulers and run state; a
+  whole run killed and relaunched with ``fit(..., ckpt_path="last")`` resumes from it
+  (a group whose checkpoint is older heals from one whose checkpoint is newer);
 * **guards**: ``min_replicas`` defaults to a majority of the replica groups (a warning
   when lowered), and a restarted group that finds neither a live peer with progress nor
   a loaded checkpoint refuses to start from step 0.
@@ -123,6 +129,10 @@ class FaultTolerantStrategy(Strategy):
     * ``rejoining``: whether this process replaces a lost group (default: torchrun's
       ``$TORCHELASTIC_RESTART_COUNT`` > 0). A rejoining group that finds neither a peer
       with progress nor a loaded checkpoint raises instead of training from step 0.
+
+    Every group is rank 0 of its own process, so every group's ``Checkpoint`` plugin
+    writes: give each group its own folder. A checkpoint holds the committed cursor and
+    the manager's count of commits; ``fit(..., ckpt_path="last")`` resumes from it.
     """
 
     name = "ft"
@@ -173,6 +183,7 @@ class FaultTolerantStrategy(Strategy):
         self._store: Any = None  # the group's TCPStore, kept alive with the manager
         self._loader: CommittedCursorLoader | None = None
         self._gate: _CommitGate | None = None
+        self._commits = _Commits()
 
     # ------------------------------------------------------------ set-up
     def setup_environment(self, device: torch.device) -> None:
@@ -214,7 +225,12 @@ class FaultTolerantStrategy(Strategy):
             seed=self.seed,
         )
         self._loader = CommittedCursorLoader(
-            data.dataset, data.batch_size, data.collate_fn, sampler, self._begin_step
+            data.dataset,
+            data.batch_size,
+            data.collate_fn,
+            sampler,
+            self._begin_step,
+            commits=self._commits,
         )
         return self._loader
 
@@ -232,7 +248,10 @@ class FaultTolerantStrategy(Strategy):
             )
         if self._manager is None:
             self._manager = self._start_manager()
-        self._gate = _CommitGate(self, module, optimizers, schedulers, state, self._loader)
+        self._commits.manager = self._manager
+        self._gate = _CommitGate(
+            self, module, optimizers, schedulers, state, self._loader, self._commits
+        )
         return self._gate
 
     def _start_manager(self) -> Any:
@@ -269,6 +288,7 @@ class FaultTolerantStrategy(Strategy):
     def close(self) -> None:
         """Leave the run: stop this group's manager (its server and heartbeats)."""
         manager, self._manager = self._manager, None
+        self._commits.manager = None
         if manager is not None:
             manager.shutdown(wait=False)
 
@@ -326,8 +346,10 @@ class _CommitGate:
         schedulers: LRSchedulers,
         state: RunState,
         loader: CommittedCursorLoader,
+        commits: _Commits,
     ) -> None:
         self.strategy = strategy
+        self.commits = commits
         self.manager = strategy.manager
         self.module = module
         self.optimizers = optimizers
@@ -344,11 +366,8 @@ class _CommitGate:
         """A new quorum for the next step (a group behind heals here); this group's
         replica rank and the number of groups taking part."""
         manager, state = self.manager, self.state
-        if self._quorums == 0 and state.step > manager.current_step():
-            # A checkpoint put the run ahead of the manager: the quorum compares steps.
-            manager.load_state_dict(
-                {"step": state.step, "batches_committed": manager.batches_committed()}
-            )
+        if self._quorums == 0:
+            self.commits.resume(manager, state.step)
         manager.start_quorum()
         rank, participants = manager.participating_rank(), manager.num_participants()
         if self._quorums == 0:
@@ -377,9 +396,9 @@ class _CommitGate:
                 f"replica group {strategy.replica_group} rejoins the run (rejoining=True, or "
                 f"${RESTART_ENV} > 0) but found no live replica group with progress to heal "
                 "from and loaded no checkpoint: it would train from step 0 as if the run "
-                "were new. Resume it from the run's last checkpoint (fit(..., "
-                "ckpt_path=...)), relaunch the whole run, or pass rejoining=False to start "
-                "afresh on purpose."
+                "were new. Resume it from the run's newest checkpoint (fit(..., "
+                "ckpt_path='last') with the run's Checkpoint plugin, or ckpt_path=<file>), "
+                "or pass rejoining=False to start afresh on purpose."
             )
 
     def commit(self) -> bool:
@@ -442,3 +461,39 @@ class _CommitGate:
             config.scheduler.load_state_dict(saved)
         self.state.load_state_dict(run)
         self.schedulers.resumed_at(self.state.step)
+
+
+class _Commits:
+    """The commit state a checkpoint holds (in the training loader's state, see
+    :class:`~loopbus.data._sampler.CommittedCursorLoader`): the manager's step and its
+    count of committed batches. A checkpoint loads before the manager's first quorum;
+    :meth:`resume` applies it there, since the quorum compares the groups' steps."""
+
+    def __init__(self) -> None:
+        self.manager: Any = None
+        self.pending: dict[str, int] | None = None
+
+    def state_dict(self) -> dict[str, int]:
+        manager = self.manager
+        if manager is None:
+            return dict(self.pending or {"step": 0, "batches_committed": 0})
+        return {
+            "step": int(manager.current_step()),
+            "batches_committed": int(manager.batches_committed()),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.pending = {
+            "step": int(state["step"]),
+            "batches_committed": int(state["batches_committed"]),
+        }
+
+    def resume(self, manager: Any, step: int) -> None:
+        """Before the first quorum: put ``manager`` at the run's ``step`` (as loaded from
+        a checkpoint) with the loaded count of committed batches."""
+        pending, self.pending = self.pending, None
+        if step > manager.current_step():
+            batches = (
+                manager.batches_committed() if pending is None else pending["batches_committed"]
+            )
+            manager.load_state_dict({"step": step, "batches_committed": batches})

@@ -333,6 +333,7 @@ class TrainStep:
     """
 
     __slots__ = (
+        "_accumulators",
         "_forward",
         "_gate",
         "_step_optimizer",
@@ -380,6 +381,10 @@ class TrainStep:
         # The forward, under autocast only where the precision has one (the plain path
         # calls the module's step directly).
         self._forward: StepFn = forward if autocast is None else _under(autocast, forward)
+        #: Each parameter's gradient accumulator node, held for the stage: autograd
+        #: keeps a parameter's only weakly, so a step whose graph is gone by the next
+        #: forward (the scopes free it) would have them all made again, every step.
+        self._accumulators = _accumulators(module)
         #: The strategy's commit gate (None: every step commits; see StepGate).
         self._gate = strategy.step_gate(module, optimizers, schedulers, state)
         #: ``"plain"``, ``"general"``, ``"manual"`` or ``"gated"``: which step runs (see
@@ -614,6 +619,20 @@ def _choose_variant(
     ):
         return "plain"
     return "general"
+
+
+def _accumulators(module: torch.nn.Module) -> list[Any]:
+    """The gradient accumulator node of each plain parameter of ``module`` that takes
+    gradients (found through a view of it, as DDP once did). Parameters of a tensor
+    subclass (DTensor's) are left to their own machinery."""
+    held = []
+    with torch.enable_grad():
+        for param in module.parameters():
+            if type(param) is torch.nn.Parameter and param.requires_grad:
+                node = param.view_as(param).grad_fn
+                if node is not None:
+                    held.append(node.next_functions[0][0])
+    return held
 
 
 def _no_optimizer_step() -> None:

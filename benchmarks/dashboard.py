@@ -28,20 +28,26 @@ dashboard (a separate process) starts on the folder, and the figures are the sec
 until ``GET /api/runs`` lists every run, until the first chart's ``POST /api/lines``
 (one record name, every run, 800 pixel columns: what the page asks to draw it) answers
 with a line in it (``first_chart_drawn_s``: the chart is drawn, its runs filling in as
-they are read) and with every run in it (``first_chart_s``), and until every point of
+they are read) and with every run in it (``first_chart_s``), asked every 150 ms as the
+page's chart asks again while its runs change (``REFRESH_MS``), and until every point of
 every run is read;
-the dashboard's peak resident memory (``VmHWM``); and, with a run still being written,
+the dashboard's CPU time until the first chart held every run (what does not depend on
+other work on the machine); its peak resident memory (``VmHWM``); and, with a run still being written,
 the seconds from a line appended to its file to the point in ``/api/lines``.
 
 ``--only tensorboard`` writes ``--tb-runs`` x ``--names`` x ``--tb-steps`` scalars as
 TensorBoard event files, then times, on the same files, ``loopbus dashboard`` (until
 ``/api/scalars`` answers every series of every run, every point) and ``tensorboard
 --logdir`` (until its scalars API, ``/data/plugin/scalars/scalars``, answers every
-series of every run, with its own sampling).
+series of every run, with its own sampling). ``--only logs`` runs both, one after the
+other. Each phase's figure is printed (to stderr) as soon as it is known, and a phase
+that takes longer than ``--timeout`` seconds stops the benchmark with a message naming
+it.
 
     python benchmarks/dashboard.py                  # cost and pages, about two minutes
     python benchmarks/dashboard.py --only scale --runs 200 --names 20 --steps 10000
     python benchmarks/dashboard.py --only tensorboard --tb-runs 10 --tb-steps 1000
+    python benchmarks/dashboard.py --only logs      # scale, then tensorboard
     python benchmarks/dashboard.py --only cost --steps 4000 --repeats 9 --no-pin
     python benchmarks/dashboard.py --only pages --history 1000000 --pages 30
 """
@@ -77,6 +83,8 @@ torch.set_num_threads(1)
 ROOT = Path(__file__).resolve().parents[1]
 #: CPUs for the dashboard and the readers when pinning (the training gets the first).
 OTHERS: set[int] = set()
+#: Seconds a phase of ``--only scale`` or ``--only tensorboard`` may take (``--timeout``).
+PHASE_TIMEOUT = [300.0]
 
 
 # ---------------------------------------------------------------- reader process
@@ -416,9 +424,12 @@ def _serve_folder(folder: Path) -> tuple[subprocess.Popen[str], str]:
     return proc, line.split()[2]
 
 
-def _until(what: Any, timeout: float = 900.0) -> float:
+def _until(what: Any, timeout: float | None = None, every: float = 0.02) -> float:
+    """Seconds until ``what(httpx)`` holds; TimeoutError (naming it) after ``timeout``
+    (``--timeout``) seconds; asked every ``every`` seconds."""
     import httpx
 
+    timeout = PHASE_TIMEOUT[0] if timeout is None else timeout
     start = time.perf_counter()
     while time.perf_counter() - start < timeout:
         try:
@@ -426,15 +437,22 @@ def _until(what: Any, timeout: float = 900.0) -> float:
                 return time.perf_counter() - start
         except httpx.HTTPError:
             pass
-        time.sleep(0.02)
+        time.sleep(every)
     name = getattr(what, "__name__", "the condition")
-    raise TimeoutError(f"gave up waiting for {name} after {timeout:.0f} s")
+    raise TimeoutError(f"gave up waiting for {name} after {timeout:.0f} s (--timeout)")
 
 
-def _phase(name: str, seconds: float) -> float:
+def _phase(name: str, figure: float, unit: str = "s") -> float:
     """Print a phase's figure as soon as it is known (a long run shows its progress)."""
-    print(f"  {name}: {seconds:.2f} s", file=sys.stderr, flush=True)
-    return seconds
+    print(f"  {name}: {figure:.2f} {unit}", file=sys.stderr, flush=True)
+    return figure
+
+
+def cpu_s(pid: int) -> float:
+    """The CPU time (user and system) process ``pid`` used so far, in seconds (Linux):
+    the figure that does not depend on what else runs on the machine."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def peak_rss_mib(pid: int) -> float:
@@ -455,6 +473,7 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
         proc, url = _serve_folder(root)
         try:
             t0 = _phase("server answering", time.perf_counter() - started)
+            start_cpu = _phase("  the server's CPU time until then", cpu_s(proc.pid))
             ids: list[str] = []
 
             def listed(httpx: Any) -> bool:
@@ -469,13 +488,17 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
                 got = httpx.post(url + "api/lines", json=body, timeout=60).json()
                 return len(got["runs"]) > 0
 
-            drawn_s = _phase("first chart holds a line", listed_s + _until(first_drawn))
+            # A chart asks again at most every REFRESH_MS (150 ms) while its runs change.
+            drawn_s = _phase("first chart holds a line", listed_s + _until(first_drawn, every=0.15))
 
             def first_chart(httpx: Any) -> bool:
                 got = httpx.post(url + "api/lines", json=body, timeout=60).json()
                 return len(got["runs"]) == runs
 
-            chart_s = _phase("first chart holds every run", drawn_s + _until(first_chart))
+            chart_s = _phase(
+                "first chart holds every run", drawn_s + _until(first_chart, every=0.15)
+            )
+            chart_cpu = _phase("  the server's CPU time until then", cpu_s(proc.pid))
 
             def everything(httpx: Any) -> bool:
                 got = httpx.get(url + "api/runs", timeout=60).json()
@@ -487,7 +510,7 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
                 _until(lambda httpx: httpx.post(url + "api/lines", json=body, timeout=60)),
             )
             live_s = _phase("a live point shown (median)", _live_latency(root, url))
-            rss = _phase("server peak RSS (MiB, not s)", peak_rss_mib(proc.pid))
+            rss = _phase("server peak RSS", peak_rss_mib(proc.pid), "MiB")
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -502,6 +525,8 @@ def bench_scale(runs: int, names: int, steps: int) -> dict[str, Any]:
         "listed_s": round(listed_s, 2),
         "first_chart_drawn_s": round(drawn_s, 2),
         "first_chart_s": round(chart_s, 2),
+        "started_server_cpu_s": round(start_cpu, 2),
+        "first_chart_server_cpu_s": round(chart_cpu, 2),
         "all_points_s": round(all_s, 2),
         "first_chart_again_s": round(answer, 3),
         "live_point_s": live_s,
@@ -557,7 +582,9 @@ def write_event_runs(root: Path, runs: int, names: int, steps: int) -> None:
 def bench_tensorboard(runs: int, names: int, steps: int) -> dict[str, Any]:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "tb"
+        started = time.perf_counter()
         write_event_runs(root, runs, names, steps)
+        _phase("event files written", time.perf_counter() - started)
         tags = [f"train/m{j:02d}" for j in range(names)]
         started = time.perf_counter()
         proc, url = _serve_folder(root)
@@ -576,7 +603,10 @@ def bench_tensorboard(runs: int, names: int, steps: int) -> dict[str, Any]:
                             return False
                 return True
 
-            loopbus_s = (time.perf_counter() - started) + _until(ours)
+            loopbus_s = _phase(
+                "loopbus dashboard: every point of every series",
+                (time.perf_counter() - started) + _until(ours),
+            )
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -619,7 +649,10 @@ def bench_tensorboard(runs: int, names: int, steps: int) -> dict[str, Any]:
                             return False
                 return True
 
-            tensorboard_s = _until(theirs)
+            tensorboard_s = _phase(
+                "tensorboard: its scalars API answers every series",
+                (time.perf_counter() - started) + _until(theirs),
+            )
             sample = len(
                 __import__("httpx")
                 .get(base + "/plugin/scalars/scalars", params={"run": "run000", "tag": tags[0]})
@@ -643,8 +676,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--only",
-        choices=("cost", "pages", "scale", "tensorboard"),
-        help="one section (default: cost and pages)",
+        choices=("cost", "pages", "scale", "tensorboard", "logs"),
+        help="one section (default: cost and pages; logs: scale, then tensorboard)",
     )
     parser.add_argument("--runs", type=int, default=200, help="runs (scale)")
     parser.add_argument("--names", type=int, default=20, help="record names (scale, tensorboard)")
@@ -656,18 +689,28 @@ def main() -> None:
     parser.add_argument("--no-pin", dest="pin", action="store_false")
     parser.add_argument("--history", type=int, default=1_000_000, help="records (pages)")
     parser.add_argument("--pages", type=int, default=30, help="pages that never read")
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="seconds a phase may take (scale, tensorboard)"
+    )
     parser.add_argument("--read", metavar="URL", help=argparse.SUPPRESS)
     parser.add_argument("--clients", type=int, default=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.read:
         read_events(args.read, args.clients)
         return
-    if args.only == "scale":
+    PHASE_TIMEOUT[0] = args.timeout
+    if args.only in ("scale", "logs"):
         steps = args.steps if args.steps != 3000 else 10_000
+        print(f"scale: {args.runs} runs x {args.names} names x {steps} steps", file=sys.stderr)
         print(json.dumps(bench_scale(args.runs, args.names, steps), indent=1), flush=True)
-        return
-    if args.only == "tensorboard":
-        print(json.dumps(bench_tensorboard(args.tb_runs, args.names, args.tb_steps), indent=1))
+    if args.only in ("tensorboard", "logs"):
+        print(
+            f"tensorboard: {args.tb_runs} runs x {args.names} names x {args.tb_steps} steps",
+            file=sys.stderr,
+        )
+        tb = bench_tensorboard(args.tb_runs, args.names, args.tb_steps)
+        print(json.dumps(tb, indent=1), flush=True)
+    if args.only in ("scale", "tensorboard", "logs"):
         return
     if args.only in (None, "pages"):
         pages = bench_pages(args.history, args.pages)

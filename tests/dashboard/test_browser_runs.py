@@ -206,6 +206,18 @@ def test_the_exported_report_opens_offline_and_draws(tmp_path: Path) -> None:
             )
             points = int(page.get_attribute(".chart[data-name='train/loss']", "data-points") or 0)
             assert points == sum(len(v) for v in _logged(runs).values()) + 8  # + the TB run's
+            # Smoothing: of every point of each run, offline too.
+            page.eval_on_selector(
+                "#smoothing", "e => { e.value = 0.6; e.dispatchEvent(new Event('input')); }"
+            )
+            page.wait_for_function(
+                "(() => { const a = loopbusDashboard.state.charts.get('train/loss').answer;"
+                " return a.smoothing === 0.6 && a.s.length === 3"
+                " && a.s.every((s, i) => s.length === a.y[i].length); })()",
+                timeout=30_000,
+            )
+            legend = page.locator(".chart[data-name='train/loss'] .u-legend").inner_text()
+            assert "(raw)" in legend
         finally:
             browser.close()
     assert requests == [report.as_uri() + "#names=loss"] or all(

@@ -18,9 +18,10 @@ import pytest
 from starlette.applications import Starlette
 
 from loopbus import PutRecord
-from loopbus.dashboard import Catalog, Dashboard, Hub, routes
+from loopbus.dashboard import Catalog, Dashboard, Hub, Series, export_live, routes
+from loopbus.dashboard._series import lines, x_of
 from loopbus.plugins.loggers import read_csv, read_jsonl
-from loopbus.stream import Server, StageStarted
+from loopbus.stream import Server, StageEnded, StageStarted
 from tests.dashboard.runs import KINDS, write_runs
 
 
@@ -146,6 +147,54 @@ async def test_lines_keep_every_spike_and_count_every_point(tmp_path: Path) -> N
     assert relative["x"][0] == 0.0
     assert bad.status_code == 400
     assert "x must be one of step, relative, wall" in bad.text
+
+
+async def test_smoothed_lines_average_every_point_not_the_drawn_ones(tmp_path: Path) -> None:
+    """The smoothed line of a zoomed chart is the same as of the whole chart: the moving
+    average runs over every logged point, then is reduced to the chart's columns."""
+    folder = tmp_path / "runs" / "noisy"
+    folder.mkdir(parents=True)
+    values = [float((i * 7919) % 101) for i in range(5000)]
+    values[10] = math.nan  # not a point of the average: it carries on past it
+    _write_jsonl(
+        folder / "records.jsonl", [("loss", i, 1000.0 + i, v) for i, v in enumerate(values)]
+    )
+    expected, last, n = [], 0.0, 0
+    for v in values:
+        if math.isfinite(v):
+            last, n = last * 0.9 + 0.1 * v, n + 1
+        expected.append(last / (1 - 0.9**n))
+    catalog = Catalog([tmp_path / "runs"])
+    catalog.load()
+    async with _client(catalog) as client:
+        body = {"runs": ["runs/noisy"], "names": ["loss"], "width": 50, "smoothing": 0.9}
+        whole = (await client.post("/api/lines", json=body)).json()
+        zoomed = (await client.post("/api/lines", json={**body, "lo": 4000, "hi": 4020})).json()
+        got = (
+            await client.get(
+                "/api/lines",
+                params={
+                    "run": "runs/noisy",
+                    "name": "loss",
+                    "lo": 4000,
+                    "hi": 4020,
+                    "smoothing": 0.9,
+                },
+            )
+        ).json()
+        plain = (await client.post("/api/lines", json={**body, "smoothing": 0})).json()
+        bad = await client.post("/api/lines", json={**body, "smoothing": 1.0})
+    assert whole["smoothing"] == 0.9
+    assert len(whole["s"][0]) == len(whole["y"][0]) == len(whole["x"])
+    assert zoomed["x"] == [float(s) for s in range(4000, 4021)]
+    assert zoomed["s"][0] == pytest.approx(expected[4000:4021], rel=1e-12)
+    assert got["s"] == zoomed["s"]
+    # Each column's smoothed values lie on the smoothed line of every point.
+    line = np.array(expected)
+    assert max(np.abs(line - v).min() for v in whole["s"][0]) < 1e-9
+    assert "s" not in plain
+    assert bad.status_code == 400
+    assert "smoothing must be at least 0 and below 1" in bad.text
 
 
 def _write_jsonl(path: Path, records: list[tuple[str, int, float, Any]], mode: str = "wb") -> None:
@@ -308,3 +357,68 @@ async def test_a_live_runs_history_before_the_page_opened_is_there(tmp_path: Pat
     listed = feed.run.info()
     assert listed["source"] == f"unix://{socket}"
     assert listed["state"] == "live"
+
+
+async def test_an_export_holds_what_live_jobs_put_until_then(tmp_path: Path) -> None:
+    """``--export`` with a job's address: the report holds the job's history from its run
+    folder and what it streamed until the export, beside the runs read from files."""
+    folder = tmp_path / "job" / "version_0"
+    folder.mkdir(parents=True)
+    log = folder / "records.jsonl"
+    start = time.time() - 100
+    _write_jsonl(log, [("train/loss", s, start + s, 1.0 / s) for s in range(1, 21)])
+    (tmp_path / "runs" / "old").mkdir(parents=True)
+    _write_jsonl(tmp_path / "runs" / "old" / "records.jsonl", [("train/loss", 1, start, 9.0)])
+    socket = tmp_path / "job.sock"
+    report = tmp_path / "report.html"
+    async with Server(host=None, path=socket, flush_interval=0) as server:
+        server.run_dir = str(folder)
+        server.publish_event(StageStarted(stage="fit", step=20, epoch=2, time=time.time()))
+        async with anyio.create_task_group() as tg:
+            done: list[Any] = []
+
+            async def export() -> None:
+                done.append(
+                    await export_live(
+                        [tmp_path / "runs"],
+                        [f"unix://{socket}"],
+                        report,
+                        labels=["job"],
+                        settle_s=60,  # left at once: the job's stage ends
+                    )
+                )
+
+            tg.start_soon(export)
+            with anyio.fail_after(30):
+                while server.subscribers < 1:  # noqa: ASYNC110
+                    await anyio.sleep(0.02)
+            for s in range(21, 41):  # streamed only: the log does not have them
+                server.publish_record(
+                    PutRecord(name="train/loss", value=1.0 / s, step=s, time=time.time())
+                )
+            server.publish_event(
+                StageEnded(stage="fit", reason="completed", step=40, epoch=4, time=time.time())
+            )
+    [(written, silent)] = done
+    assert written == report
+    assert silent == []
+    html = report.read_text()
+    data = msgspec.json.decode(html.split('type="application/json">')[1].split("</script>")[0])
+    assert [r["id"] for r in data["runs"]] == ["runs/old", "job"]
+    assert data["scalars"]["job"]["train/loss"]["step"] == list(range(1, 41))
+    assert data["scalars"]["runs/old"]["train/loss"]["value"] == [9.0]
+
+
+def test_a_smoothed_line_is_kept_until_its_series_changes_and_fits_any_x_order() -> None:
+    series = Series()
+    series.extend([1, 2, 3, 2, 3, 4], [1.0, 2.0, 3.0, 4.0, 5.0, 6.0], [1.0, 2.0, 3.0, 4.0, 5, 6])
+    line = series.smoother(0.5)()
+    assert series.smoother(0.5)() is line
+    assert series.smoother(0.25)() is not line
+    # A resumed run's steps go back: the columns are still the same as the raw line's.
+    got = lines([x_of(series, "step", None)], None, None, 16, [series.smoother(0.5)()])
+    assert len(got["s"][0]) == len(got["y"][0]) == len(got["x"])
+    later = series.smoother(0.5)
+    series.add(5, 7.0, 7.0)  # after the call: not in the line it returns
+    assert len(later()) == 6
+    assert len(series.smoother(0.5)()) == 7

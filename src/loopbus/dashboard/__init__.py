@@ -26,6 +26,7 @@ from ._app import page as page
 from ._app import routes as routes
 from ._catalog import Catalog as Catalog
 from ._export import export as export
+from ._export import export_live as export_live
 from ._hub import CHUNK_BYTES as CHUNK_BYTES
 from ._hub import MESSAGE_POINTS as MESSAGE_POINTS
 from ._hub import Hub as Hub
@@ -48,6 +49,7 @@ __all__ = [
     "RunFeed",
     "Series",
     "export",
+    "export_live",
     "follow",
     "page",
     "routes",

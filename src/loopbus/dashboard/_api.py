@@ -15,10 +15,11 @@ from __future__ import annotations
 import csv
 import io
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import msgspec
 from sse_starlette import EventSourceResponse
 from starlette.requests import Request
@@ -49,6 +50,9 @@ _LIGHT = (
     "live",
     "reason",
 )
+#: Series whose pixel columns are kept for the next chart, at most (beyond those the
+#: last chart used).
+_CACHED = 2048
 #: Seconds a request for every point waits for columns not read yet.
 READING = 60.0
 
@@ -62,6 +66,7 @@ class _Query(msgspec.Struct, forbid_unknown_fields=True):
     lo: float | None = None
     hi: float | None = None
     width: int = 800
+    smoothing: float = 0.0
 
 
 class BadRequest(Exception):
@@ -113,10 +118,13 @@ async def _query(request: Request) -> _Query:
             lo=_number(params.get("lo"), "lo"),
             hi=_number(params.get("hi"), "hi"),
             width=int(_number(params.get("width"), "width") or 800),
+            smoothing=_number(params.get("smoothing"), "smoothing") or 0.0,
         )
     if query.x not in X_MODES:
         raise BadRequest(f"x must be one of {', '.join(X_MODES)}, got {query.x[:40]!r}.")
     query.width = min(max(query.width, _WIDTHS[0]), _WIDTHS[1])
+    if not 0 <= query.smoothing < 1:
+        raise BadRequest(f"smoothing must be at least 0 and below 1, got {query.smoothing!r}.")
     return query
 
 
@@ -127,19 +135,35 @@ def _run(catalog: Catalog, run_id: str) -> Run:
     return run
 
 
+def _runs(catalog: Catalog, ids: list[str]) -> list[Run]:
+    """The runs of ``ids`` (404 when one is not there), looked up at once."""
+    shown = {run.id: run for run in catalog.runs()}
+    for run_id in ids:
+        if run_id not in shown:
+            _run(catalog, run_id)
+    return [shown[run_id] for run_id in ids]
+
+
 def light(run: Run) -> dict[str, Any]:
     """What changes while a run is written, for the page's updates."""
     info = run.info()
     return {key: info[key] for key in _LIGHT}
 
 
-def _lines(catalog: Catalog, query: _Query) -> dict[str, Any]:
+def _lines(
+    catalog: Catalog, query: _Query, cache: dict[Any, Any] | None = None
+) -> Callable[[], dict[str, Any]]:
+    """What a chart asks for: the runs' arrays are gathered now (in the event loop's
+    thread, where the runs change); the function returned computes the answer from them
+    alone (in a worker thread, the event loop free meanwhile, one at a time), keeping in
+    ``cache`` each series' pixel columns for the next chart (a series is a key of its
+    own, with its length: its points are only ever added to)."""
     if len(query.names) != 1:
         raise BadRequest("lines are asked for one record name at a time (one name).")
     name = query.names[0]
-    runs = [_run(catalog, run_id) for run_id in query.runs]
+    runs = _runs(catalog, query.runs)
     catalog.want(name)
-    shown, data, markers, pending = [], [], [], []
+    shown, data, markers, pending, smoothed, keys = [], [], [], [], [], []
     for run in runs:
         series = run.series.get(name)
         if not run.loaded or name in run.pending:
@@ -150,13 +174,26 @@ def _lines(catalog: Catalog, query: _Query) -> dict[str, Any]:
         origin = run.origin()
         shown.append(run.id)
         data.append(x_of(series, query.x, origin))
+        keys.append((series, len(series), query.x, origin, query.lo, query.hi))
+        if query.smoothing > 0:
+            smoothed.append(series.smoother(query.smoothing))
         markers.extend(_markers(run, query.x, origin))
-    result = lines(data, query.lo, query.hi, query.width)
-    result["runs"] = shown
-    result["pending"] = pending
-    result["total"] = sum(len(x) for x, _ in data)
-    result["markers"] = markers
-    return result
+
+    def compute() -> dict[str, Any]:
+        lines_of = [f() for f in smoothed] if query.smoothing else None
+        result = lines(data, query.lo, query.hi, query.width, lines_of, keys, cache)
+        if cache is not None and len(cache) > _CACHED:  # keep what this chart used
+            used = set(keys)
+            for key in [k for k in cache if k[0] not in used]:
+                del cache[key]
+        result["smoothing"] = query.smoothing
+        result["runs"] = shown
+        result["pending"] = pending
+        result["total"] = sum(len(x) for x, _ in data)
+        result["markers"] = markers
+        return result
+
+    return compute
 
 
 def _markers(run: Run, mode: str, origin: float | None) -> list[dict[str, Any]]:
@@ -242,12 +279,19 @@ def api_routes(catalog: Catalog) -> list[BaseRoute]:
             raise BadRequest(f"run {run.id!r} has no record {name[:200]!r}.", 404)
         return _json(scalars(found))
 
+    drawing: list[anyio.CapacityLimiter] = []  # made in the event loop, on first use
+    columns: dict[Any, Any] = {}  # the series' pixel columns of the last charts
+
     async def chart(request: Request) -> Response:
-        return _json(_lines(catalog, await _query(request)))
+        compute = _lines(catalog, await _query(request), columns)
+        if not drawing:  # one chart computed at a time: reading the runs keeps a core
+            drawing.append(anyio.CapacityLimiter(1))
+        body = await anyio.to_thread.run_sync(lambda: _encode(compute()), limiter=drawing[0])
+        return Response(body, media_type="application/json")
 
     async def table(request: Request) -> Response:
         query = await _query(request)
-        runs = [_run(catalog, run_id) for run_id in query.runs] or catalog.runs()
+        runs = _runs(catalog, query.runs) or catalog.runs()
         await _read(catalog, runs, query.names or None)
         text = _csv(runs, query)
         return Response(

@@ -92,6 +92,7 @@ class _Followed:
         self.folder = folder
         self.seen: tuple[tuple[int, int, int], ...] = ()
         self.facts_seen: tuple[tuple[int, int, int], ...] = ()
+        self.started = False  # whether its files were read at all yet
 
     def files(self) -> list[Path]:
         reader = self.reader
@@ -233,13 +234,18 @@ class Catalog:
 
     # ------------------------------------------------------------ reading them
     def _due(self) -> Iterator[_Followed]:
-        """The followed runs whose files changed since they were last read."""
+        """The followed runs not read yet, and those whose files changed since they were
+        last read or hold more than was read of them."""
         for followed in [*self._followed.values(), *self._attached.values()]:
             if followed.reader is None:
                 continue
             seen = _signature(followed.files())
             reader = followed.reader
-            if seen != followed.seen or (isinstance(reader, LogReader) and reader.more()):
+            if (
+                seen != followed.seen
+                or not followed.started
+                or (isinstance(reader, LogReader) and reader.more())
+            ):
                 followed.seen = seen
                 yield followed
 
@@ -305,10 +311,16 @@ class Catalog:
 
     def _next(self, queue: list[_Followed], first: list[str]) -> tuple[_Followed, list[str] | None]:
         """The run to read next and the names to read (None: every name): a run not read
-        yet, or one without some of the ``first`` names, before the others."""
+        yet, or one without the first of the ``first`` names, before the others (every
+        run's first chart fills in first), then one without some of the other ``first``
+        names."""
+        for group in (first[:1], first[1:]):
+            for followed in queue:
+                run = followed.run
+                if group and (not run.loaded or run.pending.intersection(group)):
+                    return followed, group
         for followed in queue:
-            run = followed.run
-            if not run.loaded or run.pending.intersection(first):
+            if not followed.run.loaded:
                 return followed, first
         return queue[0], None
 
@@ -319,6 +331,7 @@ class Catalog:
         name."""
         reader = followed.reader
         assert reader is not None
+        followed.started = True
         chunks = [reader.read(names)]
         while chunks[-1] and isinstance(reader, LogReader) and reader.more(names):
             chunks.append(reader.read(names))
@@ -342,7 +355,12 @@ class Catalog:
             waiting, self._waiting = self._waiting, []
             for event in waiting:
                 event.set()
-        for followed in self._followed.values():
+        # The runs just read; every run when nothing was (once a look, at most: a run
+        # goes from live to finished without a read).
+        checked = {id(f): f for f, _ in found} if found else self._followed
+        for followed in checked.values():
+            if self._followed.get(followed.run.id) is not followed:
+                continue  # a live run's folder: its state is its feed's
             newest = max((mtime for mtime in _mtimes(followed.files())), default=0.0)
             state = "live" if now - newest < self.idle else "finished"
             if state != followed.run.state:
@@ -352,6 +370,7 @@ class Catalog:
     def load(self) -> None:
         """Find and read every run once, now (what :meth:`run` does at every look)."""
         self.apply(self.refresh())
+        self.apply([])
 
     async def run(self) -> None:
         """Follow the runs (and find new ones), until cancelled: each run's new points
@@ -371,8 +390,8 @@ class Catalog:
 
     async def _work(self, queue: list[_Followed], busy: set[int], looked: float) -> None:
         """Read runs of ``queue`` that no other worker reads, until it is empty or
-        ``poll`` seconds after ``looked``."""
-        while time.monotonic() - looked < self.poll:
+        ``poll`` seconds after ``looked`` (one run at least)."""
+        while True:
             free = [f for f in queue if id(f) not in busy]
             if not free:
                 return
@@ -388,6 +407,8 @@ class Catalog:
                 names is None and not any(chunks)
             ):
                 queue.remove(followed)
+            if time.monotonic() - looked >= self.poll:
+                return
 
 
 def page_order(name: str) -> tuple[str, str]:

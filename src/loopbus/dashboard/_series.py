@@ -12,12 +12,12 @@ Imports numpy and the base layer only.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["X_MODES", "Series", "lines", "scalars"]
+__all__ = ["X_MODES", "Series", "lines", "scalars", "smooth"]
 
 #: What the x axis can show: the step, seconds since the run's first point, or the wall
 #: clock (seconds since the Unix epoch).
@@ -43,6 +43,7 @@ class Series:
         "_new_steps",
         "_new_times",
         "_new_values",
+        "_smoothed",
         "_sort",
         "_steps",
         "_times",
@@ -57,6 +58,8 @@ class Series:
         self._new_times: list[float] = []
         self._new_values: list[Any] = []
         self._sort = False
+        # (the values it was computed from, weight, the smoothed line), see smoother().
+        self._smoothed: tuple[np.ndarray, float, np.ndarray] | None = None
 
     def __len__(self) -> int:
         return len(self._steps) + len(self._new_steps)
@@ -119,6 +122,24 @@ class Series:
         steps, times, values = self.arrays()
         self._steps, self._times, self._values = steps[mask], times[mask], values[mask]
 
+    def smoother(self, weight: float) -> Callable[[], np.ndarray]:
+        """A function that returns :func:`smooth` of the values the series holds now
+        (float64, in the order of :meth:`arrays`), in any thread (it reads nothing the
+        series changes); the line is kept until the series changes (a chart asks again on
+        every zoom)."""
+        values = self.arrays()[2]
+        cached = self._smoothed
+        if cached is not None and cached[0] is values and cached[1] == weight:
+            line = cached[2]
+            return lambda: line
+
+        def compute() -> np.ndarray:
+            line = smooth(values.astype(np.float64), weight)
+            self._smoothed = (values, weight, line)  # one assignment: whole or not at all
+            return line
+
+        return compute
+
     def first_time(self) -> float | None:
         """The wall time of the first point, if any."""
         if len(self._times):
@@ -155,6 +176,33 @@ def x_of(series: Series, mode: str, origin: float | None) -> tuple[np.ndarray, n
     return times, y
 
 
+def smooth(y: np.ndarray, weight: float) -> np.ndarray:
+    """The debiased exponential moving average of ``y`` (float64, in the order logged)
+    with ``weight`` (``0 <= weight < 1``; what TensorBoard calls smoothing): over its
+    finite values, NaN where ``y`` is not finite. Every point counts, not only those a
+    chart draws, so a smoothed line does not change with the zoom or the chart's width."""
+    out = np.full(len(y), np.nan)
+    finite = np.flatnonzero(np.isfinite(y))
+    values = y[finite]
+    if weight <= 0 or not len(values):
+        out[finite] = values
+        return out
+    # s[j] = w**j * (w * carry + (1 - w) * cumsum(v[i] * w**-i)) within a block short
+    # enough that w**-i stays far from overflowing.
+    block = max(1, int(200 / -math.log(weight)))
+    smoothed = np.empty(len(values))
+    carry = 0.0
+    for start in range(0, len(values), block):
+        part = values[start : start + block]
+        k = np.arange(len(part), dtype=np.float64)
+        got = weight**k * (weight * carry + (1 - weight) * np.cumsum(part * weight**-k))
+        smoothed[start : start + len(part)] = got
+        carry = float(got[-1])
+    smoothed /= 1 - weight ** np.arange(1, len(values) + 1, dtype=np.float64)
+    out[finite] = smoothed
+    return out
+
+
 def _extremes(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per bin (``0 <= bins < n``): the first-logged and the second-logged of its smallest
     and largest value (NaN where a bin has none, the second NaN where they are one)."""
@@ -175,54 +223,155 @@ def _extremes(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.n
     return first, second
 
 
-def lines(
+def _in_range(
     data: Sequence[tuple[np.ndarray, np.ndarray]],
     lo: float | None,
     hi: float | None,
-    width: int,
-) -> dict[str, Any]:
-    """What a chart draws of several series (``(x, y)`` each) over ``[lo, hi]`` (None:
-    all), ``width`` pixel columns wide: one shared x column and, per series, its smallest
-    and largest value in each column in the order they were logged, so every spike and
-    dip of every series stays visible at any zoom. Where the series have no more distinct
-    x values in the range than two per column, each distinct x is a column of its own
-    (exact positions). Also the points in the range, and their 1st and 99th percentile."""
-    kept = []
-    for x, y in data:
+    lines: Sequence[np.ndarray] | None,
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
+    """The finite points of each series in ``[lo, hi]``, and their values on the series'
+    smoothed ``lines`` (if any)."""
+    kept, smoothed = [], []
+    for i, (x, y) in enumerate(data):
         mask = np.isfinite(y)
         if lo is not None:
             mask &= x >= lo
         if hi is not None:
             mask &= x <= hi
         kept.append((x[mask], y[mask]))
+        if lines is not None:
+            smoothed.append(lines[i][mask])
+    return kept, smoothed
+
+
+def _ends(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per bin: the first and the last value of a smoothed line in it (NaN where a bin
+    has none, the second NaN where it has one point, as :func:`_extremes`); a smoothed
+    line barely moves within a pixel column, and this needs no sort when the points are
+    in the order of their x."""
+    if len(bins) > 1 and not (bins[1:] >= bins[:-1]).all():
+        return _extremes(bins, y, n)
+    first = np.full(n, np.nan)
+    second = np.full(n, np.nan)
+    if not len(y):
+        return first, second
+    starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+    ends = np.r_[starts[1:], len(bins)] - 1
+    where = bins[starts]
+    first[where] = y[starts]
+    second[where] = np.where(ends > starts, y[ends], np.nan)
+    return first, second
+
+
+def _distinct(xs: list[np.ndarray], most: int) -> np.ndarray | None:
+    """The distinct values of the arrays ``xs``, sorted; None when there are more than
+    ``most`` (one sorted array with that many is enough to tell, without sorting them
+    all together)."""
+    for x in xs:
+        if len(x) > most and bool((x[1:] >= x[:-1]).all()):
+            if np.count_nonzero(x[1:] != x[:-1]) + 1 > most:
+                return None
+    distinct = np.unique(np.concatenate(xs))
+    return distinct if len(distinct) <= most else None
+
+
+def _column(first: np.ndarray, second: np.ndarray, keep: np.ndarray) -> list[float | None]:
+    """A series' values of the shared x column: per bin its first value and, where
+    ``keep`` says, its second; NaN as None."""
+    both = np.column_stack([first, second]).ravel()[keep]
+    listed: list[float | None] = both.tolist()
+    for i in np.flatnonzero(np.isnan(both)).tolist():
+        listed[i] = None
+    return listed
+
+
+def _edges(
+    kept: list[tuple[np.ndarray, np.ndarray]], lo: float | None, hi: float | None, width: int
+) -> tuple[np.ndarray, tuple[float, float] | None]:
+    """The pixel columns' left edges: each distinct x where there are no more than two
+    per column (then None), else ``width`` equal columns over the range (then its start
+    and stop)."""
+    distinct = _distinct([x for x, _ in kept], 2 * width)
+    if distinct is not None:
+        return distinct, None
+    start = float(lo if lo is not None else min(x.min() for x, _ in kept if len(x)))
+    stop = float(hi if hi is not None else max(x.max() for x, _ in kept if len(x)))
+    return np.linspace(start, stop, width + 1)[:-1], (start, stop)
+
+
+def _reduce(
+    kept: list[tuple[np.ndarray, np.ndarray]],
+    edges: np.ndarray,
+    on_line: Sequence[np.ndarray] | None,
+    keys: Sequence[Any] | None,
+    cache: MutableMapping[Any, tuple[np.ndarray, np.ndarray]] | None,
+    span: tuple[float, float] | None,
+) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
+    """Per series, its first and second value of each column (:func:`_extremes`), and
+    those of its smoothed line (``on_line``) when given. Equal columns (``span``) of a
+    series whose key is in ``cache`` are taken from there, computed once."""
+    n = len(edges)
+    firsts, seconds, smooth_pairs = [], [], []
+    for i, (x, y) in enumerate(kept):
+        key = None if keys is None or span is None else (keys[i], *span, n)
+        found = cache.get(key) if cache is not None and key is not None else None
+        if found is None or on_line is not None:
+            bins = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, n - 1)
+            found = _extremes(bins, y, n)
+            if cache is not None and key is not None:
+                cache[key] = found
+            if on_line is not None:  # a bin has a second value of both or of neither
+                smooth_pairs.append(_ends(bins, on_line[i], n))
+        firsts.append(found[0])
+        seconds.append(found[1])
+    return firsts, seconds, smooth_pairs
+
+
+def lines(
+    data: Sequence[tuple[np.ndarray, np.ndarray]],
+    lo: float | None,
+    hi: float | None,
+    width: int,
+    smoothed: Sequence[np.ndarray] | None = None,
+    keys: Sequence[Any] | None = None,
+    cache: MutableMapping[Any, tuple[np.ndarray, np.ndarray]] | None = None,
+) -> dict[str, Any]:
+    """What a chart draws of several series (``(x, y)`` each) over ``[lo, hi]`` (None:
+    all), ``width`` pixel columns wide: one shared x column and, per series, its smallest
+    and largest value in each column in the order they were logged, so every spike and
+    dip of every series stays visible at any zoom. Where the series have no more distinct
+    x values in the range than two per column, each distinct x is a column of its own
+    (exact positions). Also the points in the range, and their 1st and 99th percentile.
+    With ``smoothed`` (per series, its :func:`smooth` line over every point, the range
+    aside: :meth:`Series.smoother`), also ``s``: those lines reduced to the same
+    columns. ``keys`` (per series, a key that changes when its points change) and
+    ``cache`` keep each series' reduction to pixel columns for the next chart with the
+    same columns."""
+    kept, on_line = _in_range(data, lo, hi, smoothed)
     points = sum(len(x) for x, _ in kept)
     if points == 0:
-        return {"x": [], "y": [[] for _ in data], "points": 0, "p": None}
-    every = np.concatenate([x for x, _ in kept])
-    distinct = np.unique(every)
-    if len(distinct) <= 2 * width:
-        edges, xs = distinct, distinct
-    else:
-        start = float(lo if lo is not None else distinct[0])
-        stop = float(hi if hi is not None else distinct[-1])
-        edges = np.linspace(start, stop, width + 1)[:-1]
-        xs = edges
-    n = len(edges)
-    firsts, seconds = [], []
-    for x, y in kept:
-        bins = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, n - 1)
-        first, second = _extremes(bins, y, n)
-        firsts.append(first)
-        seconds.append(second)
+        empty: dict[str, Any] = {"x": [], "y": [[] for _ in data], "points": 0, "p": None}
+        if smoothed is not None:
+            empty["s"] = [[] for _ in data]
+        return empty
+    xs, span = _edges(kept, lo, hi, width)
+    n = len(xs)
+    firsts, seconds, smooth_pairs = _reduce(
+        kept, xs, on_line if smoothed is not None else None, keys, cache, span
+    )
     pair = np.column_stack([*seconds]) if seconds else np.empty((n, 0))
     has_second = ~np.isnan(pair).all(axis=1)
-    step = (xs[1] - xs[0]) / 2 if n > 1 and not np.array_equal(edges, distinct) else 0.0
+    step = (xs[1] - xs[0]) / 2 if n > 1 and span is not None else 0.0
     x_out = np.column_stack([xs, xs + step]).ravel()
     keep = np.column_stack([np.ones(n, bool), has_second]).ravel()
-    ys = []
-    for first, second in zip(firsts, seconds, strict=True):
-        column = np.column_stack([first, second]).ravel()[keep]
-        ys.append([None if math.isnan(v) else v for v in column.tolist()])
-    finite = np.concatenate([y for _, y in kept])
-    p1, p99 = np.percentile(finite, [1, 99]).tolist()
-    return {"x": x_out[keep].tolist(), "y": ys, "points": points, "p": [p1, p99]}
+    finite = np.concatenate([y for _, y in kept])  # a copy of its own: sorted in place
+    p1, p99 = np.percentile(finite, [1, 99], overwrite_input=True).tolist()
+    out = {
+        "x": x_out[keep].tolist(),
+        "y": [_column(f, s, keep) for f, s in zip(firsts, seconds, strict=True)],
+        "points": points,
+        "p": [p1, p99],
+    }
+    if smoothed is not None:
+        out["s"] = [_column(f, s, keep) for f, s in smooth_pairs]
+    return out

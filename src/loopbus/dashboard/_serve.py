@@ -9,14 +9,17 @@ import socket
 import sys
 import webbrowser
 from collections.abc import Sequence
+from functools import partial
 from typing import IO, Any
+
+import anyio
 
 from .._exceptions import MisconfigurationError
 from .._validate import check_int
 from ..stream import is_loopback, parse_address
 from ._app import Dashboard, new_token
 from ._catalog import Catalog
-from ._export import export
+from ._export import export, export_live
 
 __all__ = ["bind", "serve", "split_sources"]
 
@@ -68,13 +71,31 @@ def url_of(sock: socket.socket, host: str, token: str | None) -> str:
     return f"http://{shown}:{port}/" + (f"?token={token}" if token else "")
 
 
-def _export(paths: list[str], export_to: str | os.PathLike[str], out: IO[str]) -> None:
-    if not paths:
+def _export(
+    paths: list[str],
+    addresses: list[str],
+    export_to: str | os.PathLike[str],
+    out: IO[str],
+    **jobs: Any,
+) -> None:
+    """Write the report of the runs of ``paths`` and, as they are now, of the live jobs
+    at ``addresses`` (``jobs``: their ``labels`` and stream ``token``)."""
+    if not paths and not addresses:
         raise MisconfigurationError(
-            "--export writes the runs read from files: name a run folder, a folder of "
-            "runs or a log file (loopbus dashboard runs --export report.html)."
+            "--export writes the runs read from files and live jobs: name a run folder, a "
+            "folder of runs, a log file or a job's address (loopbus dashboard runs --export "
+            "report.html)."
         )
-    written = export(Catalog(paths), export_to)
+    if not addresses:
+        written = export(Catalog(paths), export_to)
+    else:
+        written, silent = anyio.run(partial(export_live, paths, addresses, export_to, **jobs))
+        for address in silent:
+            print(
+                f"loopbus dashboard: the job at {address} did not answer; it is in the "
+                "report without points.",
+                file=out,
+            )
     print(f"loopbus dashboard: wrote {written} ({written.stat().st_size:,} bytes)", file=out)
 
 
@@ -110,7 +131,7 @@ def serve(
     out = out if out is not None else sys.stderr
     paths, addresses = split_sources(sources)
     if export_to is not None:
-        _export(paths, export_to, out)
+        _export(paths, addresses, export_to, out, labels=labels, token=token)
         return
     if not isinstance(host, str) or not host:
         raise MisconfigurationError(f"the dashboard's host must be a host name, got {host!r}.")

@@ -3,7 +3,8 @@
 //
 // It reads the dashboard's JSON API (docs/dashboard.md): GET api/runs, POST api/lines
 // (what a chart draws: the smallest and largest value per pixel column of the visible
-// range, recomputed on zoom), POST api/csv (the exact points), and the Server-Sent Events
+// range, recomputed on zoom; with smoothing, also the smoothed line of every point in the
+// same columns), POST api/csv (the exact points), and the Server-Sent Events
 // of api/updates (runs that changed). An exported report carries the same data in the page
 // (<script id="loopbus-data">) and answers the same questions here, offline.
 //
@@ -113,18 +114,20 @@ function decimate(q) {  // what POST api/lines answers, from the embedded points
       if (x != null) markers.push({ run: id, kind: m.kind, x, label: m.label });
     }
   }
+  const w = q.smoothing || 0;
   const kept = data.map(([xs, ys]) => {
-    const kx = [], ky = [];
+    const kx = [], ky = [], ks = [], sm = w > 0 ? ema(ys, w) : null;  // of every point
     for (let i = 0; i < xs.length; i++) {
       const x = xs[i], y = ys[i];
       if (!Number.isFinite(y) || (q.lo != null && x < q.lo) || (q.hi != null && x > q.hi)) continue;
       kx.push(x); ky.push(y);
+      if (sm) ks.push(sm[i]);
     }
-    return [kx, ky];
+    return [kx, ky, ks];
   });
   const points = kept.reduce((n, [kx]) => n + kx.length, 0);
   const total = data.reduce((n, [xs]) => n + xs.length, 0);
-  if (!points) return { x: [], y: shown.map(() => []), runs: shown, points: 0, total, p: null, markers };
+  if (!points) return { x: [], y: shown.map(() => []), s: shown.map(() => []), smoothing: w, runs: shown, points: 0, total, p: null, markers };
   const distinct = [...new Set(kept.flatMap(([kx]) => kx))].sort((a, b) => a - b);
   let edges, exact = distinct.length <= 2 * q.width;
   if (exact) edges = distinct;
@@ -138,7 +141,7 @@ function decimate(q) {  // what POST api/lines answers, from the embedded points
     while (a < b) { const m = (a + b + 1) >> 1; if (edges[m] <= x) a = m; else b = m - 1; }
     return a;
   };
-  const pairs = kept.map(([kx, ky]) => {
+  const extremes = (kx, ky) => {  // per column: its smallest and largest value, in order
     const lo = new Array(n).fill(-1), hi = new Array(n).fill(-1);
     for (let i = 0; i < kx.length; i++) {
       const b = bin(kx[i]);
@@ -152,19 +155,23 @@ function decimate(q) {  // what POST api/lines answers, from the embedded points
       first.push(ky[a]); second.push(a === c || ky[a] === ky[c] && lo[b] === hi[b] ? null : ky[c]);
     }
     return [first, second];
-  });
-  const x = [], y = pairs.map(() => []);
+  };
+  const pairs = kept.map(([kx, ky]) => extremes(kx, ky));
+  const smooth = w > 0 ? kept.map(([kx, , ks]) => extremes(kx, ks)) : [];
+  const x = [], y = pairs.map(() => []), s = smooth.map(() => []);
   for (let b = 0; b < n; b++) {
     x.push(edges[b]);
     pairs.forEach(([f], i) => y[i].push(f[b]));
-    if (pairs.some(([, s]) => s[b] != null)) {
+    smooth.forEach(([f], i) => s[i].push(f[b]));
+    if (pairs.some(([, second]) => second[b] != null)) {
       x.push(edges[b] + half);
-      pairs.forEach(([, s], i) => y[i].push(s[b]));
+      pairs.forEach(([, second], i) => y[i].push(second[b]));
+      smooth.forEach(([f, second], i) => s[i].push(second[b] != null ? second[b] : f[b]));
     }
   }
   const all = kept.flatMap(([, ky]) => ky).sort((a, b) => a - b);
   const pct = (p) => { const r = (all.length - 1) * p, i = Math.floor(r); return all[i] + (all[Math.min(i + 1, all.length - 1)] - all[i]) * (r - i); };
-  return { x, y, runs: shown, points, total, p: [pct(0.01), pct(0.99)], markers };
+  return { x, y, s, smoothing: w, runs: shown, points, total, p: [pct(0.01), pct(0.99)], markers };
 }
 
 function csvLocal(q) {
@@ -448,6 +455,7 @@ class Chart {
     try {
       const q = { runs: this.runs(), names: [this.name], x: view.x, width: Math.max(64, Math.round(this.width() - 60)) };
       if (this.zoom) [q.lo, q.hi] = this.zoom;
+      if (view.smoothing > 0) q.smoothing = view.smoothing;  // of every point, not the drawn ones
       const answer = await api.lines(q);
       this.answer = answer;
       this.markers = answer.markers;
@@ -468,22 +476,26 @@ class Chart {
   data(series) {
     const a = this.answer, index = new Map(a.runs.map((id, i) => [id, i]));
     const clean = (ys) => (view.log ? ys.map((v) => (v > 0 ? v : null)) : ys);
+    // The smoothed lines of every point, when the answer has them for this smoothing (a
+    // moving average of the drawn points meanwhile: the page asks again).
+    const full = view.smoothing > 0 && a.s && a.smoothing === view.smoothing;
     const columns = [a.x];
     for (const s of series) {
       const ys = s.ids.map((id) => clean(a.y[index.get(id)]));
+      const ss = full ? s.ids.map((id) => clean(a.s[index.get(id)])) : null;
       if (ys.length === 1) {
         columns.push(ys[0]);
-        if (view.smoothing > 0) columns.push(ema(ys[0], view.smoothing));
+        if (view.smoothing > 0) columns.push(full ? ss[0] : ema(ys[0], view.smoothing));
         continue;
       }
-      const lo = [], hi = [], mid = [];
+      const lo = [], hi = [], mid = [], mean = (vs) => (vs.length ? vs.reduce((t, v) => t + v, 0) / vs.length : null);
       for (let i = 0; i < a.x.length; i++) {
         const vs = ys.map((y) => y[i]).filter((v) => v != null);
         lo.push(vs.length ? Math.min(...vs) : null);
         hi.push(vs.length ? Math.max(...vs) : null);
-        mid.push(vs.length ? vs.reduce((t, v) => t + v, 0) / vs.length : null);
+        mid.push(mean(full ? ss.map((y) => y[i]).filter((v) => v != null) : vs));
       }
-      columns.push(view.smoothing > 0 ? ema(mid, view.smoothing) : mid, lo, hi);
+      columns.push(view.smoothing > 0 && !full ? ema(mid, view.smoothing) : mid, lo, hi);
     }
     return columns;
   }
@@ -714,7 +726,11 @@ function options() {
   on("run-filter", "input", (e) => { view.runs = e.target.value; changed(true); });
   on("filter", "input", (e) => { view.names = e.target.value; changed(false); });
   on("x-axis", "change", (e) => { view.x = e.target.value; changed(true); });
-  on("smoothing", "input", (e) => { view.smoothing = Number(e.target.value); changed(false); });
+  on("smoothing", "input", (e) => {  // the smoothed lines are asked for again, the zoom kept
+    view.smoothing = Number(e.target.value);
+    for (const chart of state.charts.values()) chart.stale = true;
+    changed(false);
+  });
   on("log-scale", "change", (e) => { view.log = e.target.checked; changed(false); });
   on("clip", "change", (e) => { view.clip = e.target.checked; changed(false); });
   on("group-seeds", "change", (e) => { view.group = e.target.checked; changed(false); });

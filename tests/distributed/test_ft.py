@@ -275,12 +275,12 @@ def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
     first, second, ckpt = tmp_path / "first", tmp_path / "second", tmp_path / "ckpt"
     first.mkdir()
     second.mkdir()
-    samples = 1600  # 200 steps with both groups
-    saving = ("--ckpt", str(ckpt), "--every", "20", "--sleep-s", "0.02", "--samples", str(samples))
+    samples = 800  # 100 steps with both groups
+    saving = ("--ckpt", str(ckpt), "--every", "10", "--sleep-s", "0.05", "--samples", str(samples))
     groups = [_group(first, lighthouse, g, extra=saving) for g in (0, 1)]
     deadline = time.monotonic() + 90
-    # Both groups saved (step 40 or later) and trained on: kill -9 every group, by pid.
-    while min(_newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 40:
+    # Both groups saved (step 20 or later) and trained on: kill -9 every group, by pid.
+    while min(_newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 20:
         assert all(g.poll() is None for g in groups), (first / "stderr-0.txt").read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)

@@ -249,9 +249,7 @@ class FaultTolerantStrategy(Strategy):
         if self._manager is None:
             self._manager = self._start_manager()
         self._commits.manager = self._manager
-        self._gate = _CommitGate(
-            self, module, optimizers, schedulers, state, self._loader, self._commits
-        )
+        self._gate = _CommitGate(self, module, optimizers, schedulers, state)
         return self._gate
 
     def _start_manager(self) -> Any:
@@ -336,7 +334,8 @@ class FaultTolerantStrategy(Strategy):
 class _CommitGate:
     """The fault-tolerant step's gate (``loopbus.step._step.StepGate``) over one fit's
     module, optimizers, schedulers and run state: quorums, the cross-group average, the
-    commit, healing, and the events of each."""
+    commit, healing, and the events of each. The strategy's fit-long parts (its training
+    loader and the count of commits) are read from it: one module, one owner."""
 
     def __init__(
         self,
@@ -345,11 +344,11 @@ class _CommitGate:
         optimizers: list[torch.optim.Optimizer],
         schedulers: LRSchedulers,
         state: RunState,
-        loader: CommittedCursorLoader,
-        commits: _Commits,
     ) -> None:
+        loader = strategy._loader
+        assert loader is not None  # (step_gate checked it)
         self.strategy = strategy
-        self.commits = commits
+        self.commits = strategy._commits
         self.manager = strategy.manager
         self.module = module
         self.optimizers = optimizers

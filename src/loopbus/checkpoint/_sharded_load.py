@@ -33,7 +33,6 @@ from torch.distributed.checkpoint.default_planner import (
     DefaultLoadPlanner,
     _EmptyStateDictLoadPlanner,
 )
-from torch.distributed.checkpoint.filesystem import FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import ReadItem
 from torch.distributed.checkpoint.state_dict import (
@@ -48,7 +47,6 @@ from loopbus.step._params import own_class
 
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
-from .._validate import check_local_path
 from ..storage import RemotePath, Store, is_url, located, location, remote_path
 from ._diagnose import _refusal, check_loaded
 from ._format import (
@@ -199,21 +197,11 @@ class _SafeIndex:
         return metadata
 
 
-class _SafeReader(_SafeIndex, FileSystemReader):
-    """DCP's file reader, reading the shard index with :class:`_IndexUnpickler`."""
-
-
 def _reader(path: Path | RemotePath) -> Any:
     """A safe DCP reader of the sharded checkpoint at ``path``: a local directory, or a
     URL's prefix read through DCP's fsspec reader with the URL's storage options."""
-    if isinstance(path, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        class _SafeFsspecReader(_SafeIndex, FsspecReader):
-            pass
-
-        return _SafeFsspecReader(path.url, **path.storage_options)
-    return _SafeReader(path)
+    store, name = located(path)
+    return store.dcp_reader(name, mixin=_SafeIndex)
 
 
 def _shard_error(path: Path | RemotePath, exc: BaseException) -> CheckpointError:
@@ -315,7 +303,9 @@ def _verify_remote(target: RemotePath) -> dict[str, Any]:
             "checkpoint, for example the previous one in its directory."
         )
     if info.layout != LAYOUT:
-        raise CheckpointError(f"the completeness marker {target / SHARDED_MARKER} is not a sharded checkpoint's.")
+        raise CheckpointError(
+            f"the completeness marker {target / SHARDED_MARKER} is not a sharded checkpoint's."
+        )
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
 
 
@@ -589,16 +579,9 @@ def consolidate_checkpoint(
     Either may be a URL (``s3://bucket/run/epoch=0-step=10.ckpt``; a
     :class:`~loopbus.RemotePath` carries storage options): the shards are read from the
     store, and a URL ``out`` is uploaded with its marker (returned as a ``RemotePath``)."""
-    if not is_url(path):
-        check_local_path("path", path, owner="consolidate_checkpoint")
-    target = location(out)
-    if isinstance(target, RemotePath):
-        store = Store(target.parent)
-        taken = store.size(target.name) is not None or target.name in store.contents()[1]
-    else:
-        check_local_path("out", out, owner="consolidate_checkpoint")
-        taken = target.exists()
-    if taken:
+    store, name = located(out)
+    target = store.path(name)
+    if store.exists(name):
         raise CheckpointError(
             f"will not overwrite {target} with the consolidated checkpoint of {path}: it "
             "exists. Pass a new file name."

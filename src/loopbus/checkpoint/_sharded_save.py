@@ -43,7 +43,6 @@ import anyio.to_thread
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.filesystem import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
@@ -55,9 +54,8 @@ from ..storage import (
     LocalStore,
     RemotePath,
     Store,
-    is_url,
-    remote_path,
-    require_backend,
+    located,
+    location,
     temporary_for,
 )
 from ._clean import remove_remote_tree
@@ -128,7 +126,7 @@ def _shards_failed(target: Path | RemotePath, exc: BaseException) -> CheckpointE
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
         shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
         cause = f"{type(shown).__name__}: {shown}"
-    if isinstance(target, RemotePath):
+    if not located(target)[0].renames:  # written in place: no marker, no reader
         return CheckpointError(
             f"could not write the shards of the sharded checkpoint {target}: {cause}. It "
             "was not completed (it has no marker, so no reader takes it), what was written "
@@ -145,11 +143,9 @@ def _shards_failed(target: Path | RemotePath, exc: BaseException) -> CheckpointE
 def _discard(temp: Path | RemotePath) -> None:
     """Remove what was written of a checkpoint that will not be completed: its temporary
     directory, or under a URL its prefix (marker first; the store may be what failed)."""
-    if isinstance(temp, RemotePath):
-        with contextlib.suppress(Exception):  # one try: what is left is never complete
-            remove_remote_tree(Store(temp.parent, retries=0), temp.name)
-    else:
-        shutil.rmtree(temp, ignore_errors=True)
+    with contextlib.suppress(Exception):  # one try: what is left is never complete
+        store, name = located(temp, retries=0)
+        remove_remote_tree(store, name)
 
 
 class ShardedSave:
@@ -199,9 +195,9 @@ class ShardedSave:
                     _discard(self.temp)
                 raise _shards_failed(self.path, exc) from exc
         if self.writer_rank:
-            if isinstance(self.path, RemotePath):
-                self._complete_remote(self.path)
-            else:
+            if self.temp == self.path:  # written in place: its marker completes it
+                self._complete_remote(self.path)  # type: ignore[arg-type]
+            else:  # staged: renamed into place once complete
                 self._complete()
         self._finished = True
         return self.path
@@ -315,11 +311,8 @@ class ShardedSave:
 def _storage_writer(where: Path | RemotePath) -> Any:
     """DCP's writer for ``where``: its file-system writer, or for a URL its fsspec writer
     with the URL's storage options (no fsync: an object is whole once written)."""
-    if isinstance(where, RemotePath):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(where.url, sync_files=False, **where.storage_options)
-    return FileSystemWriter(where)
+    store, name = located(where)
+    return store.dcp_writer(name)
 
 
 def _write_shards(
@@ -391,16 +384,15 @@ class ShardedCheckpointWriter:
         zero = strategy.is_global_zero
         target: Path | RemotePath
         temp: Path | RemotePath
-        if is_url(path):
-            target = temp = remote_path(path)
-            require_backend(target, owner=f"a sharded checkpoint to {target.url}")
-            if not fresh:  # an object store has no rename: the old one goes first
-                if zero:
-                    remove_remote_tree(Store(target.parent, retries=retries), target.name)
-                strategy.barrier()  # and no rank writes before it is gone
-        else:
-            target = Path(os.fspath(path))
-            temp = Path(strategy.broadcast_object(str(temporary_for(target)) if zero else None))
+        where = location(path, owner=f"a sharded checkpoint to {os.fspath(path)}")
+        store, name = located(where, retries=retries)
+        target = store.path(name)
+        staged = strategy.broadcast_object(store.staging_name(name) if zero else None)
+        temp = store.path(staged)
+        if staged == name and not fresh:  # written in place: the old one goes first
+            if zero:
+                remove_remote_tree(store, name)
+            strategy.barrier()  # and no rank writes before it is gone
         module = registry.module
         if module is None:
             raise CheckpointError("there is no module to save yet: fit has not started.")

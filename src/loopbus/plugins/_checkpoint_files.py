@@ -25,21 +25,22 @@ from loopbus import (
     MisconfigurationError,
     RemotePath,
     is_sharded_checkpoint,
-    is_url,
     latest_checkpoint,
     profiling_ranges,
     remove_checkpoint,
     remove_incomplete_checkpoints,
-    remove_stale_temporaries,
     write_checkpoint,
 )
 from loopbus.storage import (
     FolderLease,
+    Storage,
     StoreDeadlines,
     StoreHealth,
     folder_lease,
+    location,
     remote_path,
     require_backend,
+    store_for,
 )
 
 from ._checkpoint_uploads import Uploads
@@ -142,6 +143,7 @@ class CheckpointFiles:
         #: The sharded writer, made at the first sharded save (its module loads then).
         self._writer: ShardedCheckpointWriter | None = None
         self._lease: FolderLease | None = None  #: rank 0's on ``dirpath``, while a fit writes
+        self._stored: tuple[object, Storage] | None = None  #: ``dirpath`` and its store
         # Per stage: the background save in flight, its failure, and its announcement.
         self._idle: anyio.Event | None = None
         self._error: BaseException | None = None
@@ -153,8 +155,15 @@ class CheckpointFiles:
         self._idle = None
         self.unannounced = None
         self._names = None
-        remote = isinstance(self.dirpath, RemotePath)
-        self._uploads = Uploads(self.dirpath, self.retries) if remote else None  # type: ignore[arg-type]
+        # A store that uploads (no rename) has its saves retried and waited for.
+        self._uploads = Uploads(self.dirpath, self.retries) if self.remote else None  # type: ignore[arg-type]
+
+    def _store(self) -> Storage:
+        """The store of ``dirpath`` (made again when ``dirpath`` changes)."""
+        if self._stored is None or self._stored[0] is not self.dirpath:
+            assert self.dirpath is not None
+            self._stored = (self.dirpath, store_for(self.dirpath))
+        return self._stored[1]
 
     @property
     def unremoved(self) -> list[str]:
@@ -170,8 +179,9 @@ class CheckpointFiles:
 
     @property
     def remote(self) -> bool:
-        """Whether ``dirpath`` is a URL (an object store)."""
-        return isinstance(self.dirpath, RemotePath)
+        """Whether ``dirpath``'s store uploads its entries rather than renaming them into
+        place (a URL: an object store)."""
+        return self.dirpath is not None and not self._store().renames
 
     def _taken(self) -> set[str]:
         """The names in use in the remote ``dirpath``: listed at the fit's first look
@@ -188,37 +198,32 @@ class CheckpointFiles:
         return self._names
 
     def _contents(self) -> tuple[dict[str, int], set[str]]:
-        """The remote ``dirpath``'s objects (name -> size) and prefixes (sharded
-        checkpoints are prefixes)."""
-        from loopbus.storage import Store
-
-        assert isinstance(self.dirpath, RemotePath)
-        return Store(self.dirpath).contents()
+        """``dirpath``'s entries (name -> size) and subdirectories (sharded checkpoints
+        are subdirectories, prefixes in an object store)."""
+        return self._store().contents()
 
     def prepare(self) -> None:
         """Create the directory and remove the temporaries that dead writers left in it.
         Rank 0 alone writes, so it alone calls this; a temporary written on another host
         (a shared directory) is left alone, its writer's pid means nothing here."""
-        if isinstance(self.dirpath, RemotePath):
-            # An object store needs no directory and has no temporaries; the names in
-            # use are listed now, off the training step.
-            self._names = None
-            self._taken()
-            return
+        store = self._store()
         try:
-            self.dirpath.mkdir(parents=True, exist_ok=True)
+            store.make_directory()  # an object store needs none
         except OSError as exc:
             raise CheckpointError(
                 f"Checkpoint cannot create its directory {self.dirpath}: {exc}"
             ) from exc
-        remove_stale_temporaries(self.dirpath)
+        store.remove_stale_temporaries()  # an object store has none
+        if self.remote:  # the names in use are listed now, off the training step
+            self._names = None
+            self._taken()
 
     def remove_stale(self) -> None:
         """Remove the temporaries that dead writers left in ``dirpath``, if it exists (a
         stage's start, on rank 0, before anything is decided about the folder: they were
         never checkpoints)."""
-        if isinstance(self.dirpath, Path) and self.dirpath.is_dir():
-            remove_stale_temporaries(self.dirpath)
+        if self.dirpath is not None:
+            self._store().remove_stale_temporaries()  # none in a missing directory
 
     def claim(self, trainer: TrainerView, *, resumes_here: bool, exist_ok: bool) -> None:
         """Before this plugin first writes into ``dirpath``: take its lease (held until
@@ -227,7 +232,7 @@ class CheckpointFiles:
         ``exist_ok``; then :meth:`prepare`. Rank 0 looks; every rank raises the same."""
         refusal: str | None = None
         if trainer.is_global_zero:  # rank 0 alone holds the lease: its job's one writer
-            self._lease, refusal = _leased(self.dirpath, self.retries)
+            self._lease, refusal = _leased(self.dirpath, self._store().shown, self.retries)
             if refusal is None and not (resumes_here or exist_ok):
                 refusal = self._refusal()  # a refused fit releases the lease as it ends
         if trainer.world_size > 1:
@@ -260,45 +265,39 @@ class CheckpointFiles:
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` (a checkpoint file or sharded directory) is in ``dirpath``."""
-        if isinstance(self.dirpath, RemotePath):
-            return is_url(path) and remote_path(path).parent == self.dirpath
-        try:
-            return Path(os.fspath(path)).resolve().parent == self.dirpath.resolve()
-        except (OSError, ValueError):
-            return False
+        return self._store().holds(path)
 
     def has(self, names: set[str]) -> bool:
         """Whether ``dirpath`` holds a checkpoint of one of these ``names``."""
-        if self.remote:
-            objects, prefixes = self._contents()
-            return bool(names & (set(objects) | prefixes))
-        return any(os.path.lexists(self.dirpath / name) for name in names)
+        objects, prefixes = self._contents()
+        return bool(names & (set(objects) | prefixes))
 
     def found(self) -> list[Path]:
         """The checkpoints (files, sharded directories, ``last.json``) in ``dirpath``."""
-        if isinstance(self.dirpath, RemotePath):
-            objects, prefixes = self._contents()
-            return [
-                Path(name)  # a name, for the message
-                for name in sorted(set(objects) | prefixes)
-                if not name.startswith(".")
-                and not name.endswith(_MARKER)
-                and (name == _POINTER or name.endswith(_SUFFIXES) or name + _MARKER in objects)
-            ]
+        store = self._store()
         try:
-            entries = sorted(self.dirpath.iterdir())
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+            objects, prefixes = store.contents()
         except OSError as exc:
             raise CheckpointError(f"Checkpoint cannot list {self.dirpath}: {exc}") from exc
-        return [e for e in entries if not e.name.startswith(".") and _is_checkpoint(e)]
+        return [
+            Path(name)  # a name, for the message
+            for name in sorted(set(objects) | prefixes)
+            if not name.startswith(".") and _is_checkpoint(store, name, objects, prefixes)
+        ]
+
+    def _mtime(self, name: str) -> float:
+        """When the entry ``name`` was last modified, where the store says so cheaply."""
+        try:
+            return self._store().modified(name) or 0.0
+        except OSError:
+            return 0.0
 
     def _refusal(self) -> str | None:
         found = self.found()
         if not found:
             return None
         checkpoints = [p for p in found if p.name != _POINTER] or found
-        newest = max(checkpoints, key=_mtime if not self.remote else str).name
+        newest = max(checkpoints, key=lambda p: (self._mtime(p.name), str(p))).name
         d = str(self.dirpath)
         return (
             f"Checkpoint({d!r}) will not start: {d} already holds {len(checkpoints)} "
@@ -316,12 +315,13 @@ class CheckpointFiles:
         name: str | None = None
         lost = _lost(self._lease) if trainer.is_global_zero else None
         if trainer.is_global_zero:
+            # An object store's names are listed once a fit (each call costs); a
+            # directory's are looked at each time.
             taken = self._taken() if self.remote else None
+            exists = taken.__contains__ if taken is not None else self._store().exists
             name = f"{stem}.ckpt"
             version = 0
-            while name in known or (
-                name in taken if taken is not None else os.path.lexists(self.dirpath / name)
-            ):
+            while name in known or exists(name):
                 version += 1
                 name = f"{stem}-v{version}.ckpt"
             if self._names is not None:
@@ -345,8 +345,9 @@ class CheckpointFiles:
         """The fit ends: if the store is in an outage now, the upload in flight stops
         retrying (``fit`` does not wait through the tries of a store that is down; the
         outage's warning says the last save was lost)."""
-        if isinstance(self.dirpath, RemotePath) and self.dirpath.health is not None:
-            self.dirpath.health.give_up()
+        health = None if self.dirpath is None else self._store().health
+        if health is not None:
+            health.give_up()
 
     async def wait_idle(self) -> None:
         """Wait for the save in flight; raise its failure, if it failed."""
@@ -504,10 +505,9 @@ class CheckpointFiles:
             done.set()
 
 
-def _leased(dirpath: Path | RemotePath, retries: int) -> tuple[FolderLease, str | None]:
-    """The lease on ``dirpath`` (see ``loopbus.storage.folder_lease``), taken, and None;
-    or, when another run holds it, the refusal that names that run."""
-    shown = dirpath.public_url if isinstance(dirpath, RemotePath) else str(dirpath)
+def _leased(dirpath: Path | RemotePath, shown: str, retries: int) -> tuple[FolderLease, str | None]:
+    """The lease on ``dirpath`` (shown as ``shown``; see ``loopbus.storage.folder_lease``),
+    taken, and None; or, when another run holds it, the refusal that names that run."""
     lease = folder_lease(dirpath, owner=f"Checkpoint({shown!r})", retries=retries)
     try:
         lease.acquire()
@@ -534,7 +534,7 @@ def remote_directory(
 ) -> RemotePath:
     """A URL ``dirpath`` with its storage options and deadlines, its scheme's package
     checked now."""
-    if not is_url(dirpath):
+    if isinstance(location(dirpath), Path):  # not a URL
         option = "storage_options" if storage_options is not None else "store_deadlines"
         raise MisconfigurationError(
             f"Checkpoint({option}=...) applies to a URL dirpath such as "
@@ -555,22 +555,16 @@ def remote_directory(
     return remote
 
 
-def _is_checkpoint(entry: Path) -> bool:
-    name = entry.name
+def _is_checkpoint(store: Storage, name: str, objects: dict[str, int], prefixes: set[str]) -> bool:
+    """Whether the entry ``name`` of ``store`` (of these ``objects`` and ``prefixes``) is a
+    checkpoint: a file of a checkpoint's name, the pointer, or one with its completeness
+    marker; a directory that a rename published (it is there whole) and that holds a
+    sharded checkpoint (in an object store, a prefix needs its marker)."""
     if name.endswith(_MARKER):
         return False
-    if entry.is_dir():
-        return is_sharded_checkpoint(entry)
-    if name == _POINTER or entry.suffix in _SUFFIXES:
-        return True
-    return entry.with_name(name + _MARKER).exists()
-
-
-def _mtime(path: Path) -> float:
-    try:
-        return path.lstat().st_mtime
-    except OSError:
-        return 0.0
+    if name in prefixes and store.renames:
+        return is_sharded_checkpoint(store.path(name))
+    return name == _POINTER or name.endswith(_SUFFIXES) or name + _MARKER in objects
 
 
 class _CallablePath(type(Path())):  # type: ignore[misc]
@@ -588,4 +582,4 @@ class _CallablePath(type(Path())):  # type: ignore[misc]
 
 def callable_path(path: Path | RemotePath | None) -> Path | RemotePath | None:
     """``path``, a local one callable as ``last_checkpoint_path()`` was (deprecated)."""
-    return path if path is None or isinstance(path, RemotePath) else _CallablePath(path)
+    return _CallablePath(path) if isinstance(path, Path) else path

@@ -29,6 +29,7 @@ from typing import IO, Any, Protocol, TypeVar, runtime_checkable
 
 from .._durable import replace_atomically
 from .._untrusted import read_small
+from ._health import StoreHealth
 from ._store import RemotePath, Store, is_url, remote_path, require_backend
 
 _T = TypeVar("_T")
@@ -142,6 +143,50 @@ class Storage(Protocol):
         not staged in the directory (an object store uploads under the final name)."""
         ...
 
+    @property
+    def shown(self) -> str:
+        """The directory as messages show it (a URL without its user name or password)."""
+        ...
+
+    @property
+    def health(self) -> StoreHealth | None:
+        """What the calls to the store have met lately (None: not watched, or a local
+        directory, whose calls are the file system's own)."""
+        ...
+
+    def make_directory(self) -> None:
+        """Create the directory (and its parents) if it is missing; nothing for an object
+        store, where a directory is only a prefix of names. Raises ``OSError``."""
+        ...
+
+    def exists(self, name: str) -> bool:
+        """Whether the directory holds an entry or a subdirectory called ``name`` (a local
+        link counts, even to nothing)."""
+        ...
+
+    def holds(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` names an entry directly in this directory."""
+        ...
+
+    def staging_name(self, name: str) -> str:
+        """The name the entry (or directory) ``name`` is staged under before it is
+        published: a temporary name (see :func:`temporary_for`) where a rename publishes
+        it; ``name`` itself in an object store, where it is written in place and only a
+        completeness marker says it is whole."""
+        ...
+
+    def dcp_writer(self, name: str) -> Any:
+        """``torch.distributed.checkpoint``'s writer of the directory ``name``: its file
+        system writer, or an object store's fsspec writer with the store's options (no
+        fsync: an object is whole once written)."""
+        ...
+
+    def dcp_reader(self, name: str, *, mixin: type | None = None) -> Any:
+        """``torch.distributed.checkpoint``'s reader of the directory ``name`` (its file
+        system reader, or an object store's fsspec reader), of a class that derives from
+        ``mixin`` first, when given."""
+        ...
+
 
 def crc32_of(file: str | os.PathLike[str]) -> int:
     """The CRC-32 of the local file ``file`` (as a completeness marker records it), read
@@ -160,6 +205,7 @@ class LocalStore:
 
     noun = "file"
     renames = True
+    health = None  # the file system's own calls: not watched
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
         self._directory = Path(os.fspath(directory))
@@ -247,6 +293,35 @@ class LocalStore:
             (target / first).unlink(missing_ok=True)
         shutil.rmtree(target, ignore_errors=True)
 
+    @property
+    def shown(self) -> str:
+        return str(self._directory)
+
+    def make_directory(self) -> None:
+        self._directory.mkdir(parents=True, exist_ok=True)
+
+    def exists(self, name: str) -> bool:
+        return os.path.lexists(self.path(name))
+
+    def holds(self, path: str | os.PathLike[str]) -> bool:
+        try:
+            return Path(os.fspath(path)).resolve().parent == self._directory.resolve()
+        except (OSError, ValueError):
+            return False
+
+    def staging_name(self, name: str) -> str:
+        return temporary_for(self.path(name)).name
+
+    def dcp_writer(self, name: str) -> Any:
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+        return FileSystemWriter(self.path(name))
+
+    def dcp_reader(self, name: str, *, mixin: type | None = None) -> Any:
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+        return _derived(FileSystemReader, mixin)(self.path(name))
+
     def remove_stale_temporaries(self) -> list[Path]:
         """A temporary's name holds its writer's process id and host name (see
         :func:`temporary_for`). It is removed when it was written on this host by a
@@ -274,6 +349,11 @@ class LocalStore:
                     entry.unlink()
                 removed.append(entry)
         return removed
+
+
+def _derived(base: type, mixin: type | None) -> type:
+    """``base``, or a class that derives from ``mixin`` and then ``base``."""
+    return base if mixin is None else type(base.__name__, (mixin, base), {})
 
 
 def temporary_for(target: Path) -> Path:

@@ -531,6 +531,41 @@ class Store:
         own name, never staged in the store."""
         return []
 
+    @property
+    def shown(self) -> str:
+        return self.directory.public_url
+
+    @property
+    def health(self) -> StoreHealth | None:
+        return self.directory.health
+
+    def make_directory(self) -> None:
+        """Nothing: an object store's directory is only a prefix of names."""
+
+    def exists(self, name: str) -> bool:
+        objects, prefixes = self.contents()
+        return name in objects or name in prefixes
+
+    def holds(self, path: str | os.PathLike[str]) -> bool:
+        return is_url(path) and remote_path(path).parent == self.directory
+
+    def staging_name(self, name: str) -> str:
+        """``name``: an object is uploaded under its own name."""
+        return name
+
+    def dcp_writer(self, name: str) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        where = self.url(name)
+        return FsspecWriter(where.url, sync_files=False, **where.storage_options)
+
+    def dcp_reader(self, name: str, *, mixin: type | None = None) -> Any:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        where = self.url(name)
+        reader = FsspecReader if mixin is None else type("FsspecReader", (mixin, FsspecReader), {})
+        return reader(where.url, **where.storage_options)
+
     def remove(self, name: str) -> None:
         """Delete the object ``name``; a missing one is ignored."""
 

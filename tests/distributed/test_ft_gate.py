@@ -182,20 +182,21 @@ class _FakeManager:
 def test_a_checkpoint_holds_the_committed_cursor_and_the_managers_count() -> None:
     from loopbus.distributed._ft import _Commits
 
-    commits = _Commits()
+    managers: list[_FakeManager] = []  # the strategy's manager, once started
+    commits = _Commits(lambda: managers[0] if managers else None)
     sampler = CommittedCursor(10, shuffle=False)
     loader = CommittedCursorLoader(range(10), 2, list, sampler, lambda: (0, 1), commits=commits)
     assert next(iter(loader)) == [0, 1]
     assert loader.state_dict()["cursor"]["cursor"] == 0  # in flight: not yet committed
     loader.settle(True)
-    commits.manager = _FakeManager(7, 13)
+    managers.append(_FakeManager(7, 13))
     saved = loader.state_dict()
     assert saved["cursor"]["cursor"] == 2
     assert saved["commits"] == {"step": 7, "batches_committed": 13}
 
     # Resumed: the cursor at once; the manager's count at its first quorum, where the
     # run's step (loaded from the same checkpoint) puts a fresh manager ahead.
-    resumed = _Commits()
+    resumed = _Commits(lambda: None)
     other = CommittedCursorLoader(
         range(10), 2, list, CommittedCursor(10, shuffle=False), lambda: (0, 1), commits=resumed
     )

@@ -24,6 +24,7 @@ import anyio
 import anyio.to_thread
 
 from .._validate import check_number
+from ._columns import CORES
 from ._logs import (
     CSV,
     JSONL,
@@ -57,7 +58,7 @@ _WANTED = 32
 #: The page's groups of charts, in its order (``dashboard.js``'s ``GROUP_ORDER``).
 GROUP_ORDER = ("train", "val", "validate", "test", "predict")
 #: Runs read at once, each in a thread of its own (two cores or more read in parallel).
-READERS = max(1, min(4, os.cpu_count() or 1))
+READERS = min(4, CORES)
 
 
 def _is_log(name: str) -> bool:

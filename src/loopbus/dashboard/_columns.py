@@ -29,7 +29,7 @@ try:
 except ImportError:  # pragma: no cover - depends on the installation
     pa = pa_csv = None
 
-__all__ = ["Rows", "cell", "header", "parse"]
+__all__ = ["CORES", "Rows", "cell", "header", "parse"]
 
 #: Integers a float64 holds exactly; a column with a larger one keeps Python ints.
 _EXACT = 2**53
@@ -81,8 +81,9 @@ def _epochs(steps: np.ndarray, epochs: np.ndarray, times: np.ndarray) -> dict[in
     return {int(epochs[i]): (int(steps[i]), float(times[i])) for i in ends}
 
 
-#: The cores a file's blocks are parsed on, and the smallest block worth a thread.
-_CORES = max(
+#: The cores this process may run on (a file's blocks are parsed on each), and the
+#: smallest block worth a thread.
+CORES = max(
     1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 )
 _MIN_BLOCK = 1 << 18
@@ -101,7 +102,7 @@ def _arrow(lines: bytes, width: int, columns: dict[str, int]) -> Rows | None:
             read_options=pa_csv.ReadOptions(
                 column_names=labels,
                 use_threads=True,
-                block_size=max(_MIN_BLOCK, len(lines) // _CORES + 1),
+                block_size=max(_MIN_BLOCK, len(lines) // CORES + 1),
             ),
             convert_options=pa_csv.ConvertOptions(
                 include_columns=[*labels[:3], *(labels[i] for i in set(columns.values()))],

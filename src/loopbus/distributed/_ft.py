@@ -43,6 +43,7 @@ import atexit
 import os
 import socket
 import warnings
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -183,7 +184,7 @@ class FaultTolerantStrategy(Strategy):
         self._store: Any = None  # the group's TCPStore, kept alive with the manager
         self._loader: CommittedCursorLoader | None = None
         self._gate: _CommitGate | None = None
-        self._commits = _Commits()
+        self._commits = _Commits(lambda: self._manager)
 
     # ------------------------------------------------------------ set-up
     def setup_environment(self, device: torch.device) -> None:
@@ -248,7 +249,6 @@ class FaultTolerantStrategy(Strategy):
             )
         if self._manager is None:
             self._manager = self._start_manager()
-        self._commits.manager = self._manager
         self._gate = _CommitGate(self, module, optimizers, schedulers, state)
         return self._gate
 
@@ -286,7 +286,6 @@ class FaultTolerantStrategy(Strategy):
     def close(self) -> None:
         """Leave the run: stop this group's manager (its server and heartbeats)."""
         manager, self._manager = self._manager, None
-        self._commits.manager = None
         if manager is not None:
             manager.shutdown(wait=False)
 
@@ -468,12 +467,12 @@ class _Commits:
     count of committed batches. A checkpoint loads before the manager's first quorum;
     :meth:`resume` applies it there, since the quorum compares the groups' steps."""
 
-    def __init__(self) -> None:
-        self.manager: Any = None
+    def __init__(self, manager: Callable[[], Any]) -> None:
+        self._manager = manager  # the strategy's manager now (None before it starts)
         self.pending: dict[str, int] | None = None
 
     def state_dict(self) -> dict[str, int]:
-        manager = self.manager
+        manager = self._manager()
         if manager is None:
             return dict(self.pending or {"step": 0, "batches_committed": 0})
         return {

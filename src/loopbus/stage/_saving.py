@@ -106,7 +106,7 @@ class RunCheckpoints:
         """See :meth:`CheckpointMethods.checkpoint_registry`."""
         now = self._parts_now()
         return CheckpointRegistry(
-            parts=self.parts(),
+            parts=dict(self._registry) if self._registry is not None else self._build(now),
             module=now.module,
             optimizers=now.optimizers,
             global_step=now.state.step,

@@ -16,6 +16,13 @@ first samples only.
 ``AFTER`` committed steps past the first step it trains, ``before`` the cross-group
 all-reduce (after backward), ``during`` it (once issued) or ``after`` it (the step
 committed, before the optimizer step).
+
+Launched by ``torchrun --nproc_per_node=N``, a group is N processes sharding the module
+with FSDP2 (HSDP): each process writes ``ledger-<group>.<rank>.jsonl``,
+``events-<group>.<rank>.jsonl`` and ``summary-<group>.<rank>.json``, and rank 0 the
+whole ``final-<group>.pt``. ``--kill-per-restart SPEC,SPEC,...`` gives torchrun's
+incarnations of the group their kills in turn (``$TORCHELASTIC_RESTART_COUNT`` picks;
+empty: none), each ``AFTER:PHASE:RANK``, done by that group rank only.
 """
 
 from __future__ import annotations
@@ -104,7 +111,10 @@ class Killer:
     """When and where this process kills itself (see the module docstring)."""
 
     def __init__(self, spec: str | None, out: Path, group: str) -> None:
-        self.after, self.phase = (int(spec.split(":")[0]), spec.split(":")[1]) if spec else (-1, "")
+        fields = spec.split(":") if spec else []
+        if len(fields) == 3 and int(fields[2]) != int(os.environ.get("RANK", "0")):
+            fields = []  # another rank of the group dies
+        self.after, self.phase = (int(fields[0]), fields[1]) if fields else (-1, "")
         self.first: int | None = None
         self.out, self.group = out, group
 
@@ -115,7 +125,8 @@ class Killer:
 
     def kill(self, step: int) -> None:
         with open(self.out / "kills.jsonl", "a") as f:
-            f.write(json.dumps({"group": self.group, "phase": self.phase, "step": step}) + "\n")
+            entry = {"group": self.group, "phase": self.phase, "step": step, "pid": os.getpid()}
+            f.write(json.dumps(entry) + "\n")
         os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -172,6 +183,8 @@ class Ledger(Plugin):
             "cursor": plan.cursor,
             "participants": plan.participants,
             "rank": plan.replica_rank,
+            "group_rank": plan.group_rank,
+            "group_size": plan.group_size,
             "consumed": plan.consumed,
             "ids": event.ctx.batch[2].tolist(),
             "lr": trainer.optimizers[0].param_groups[0]["lr"],
@@ -197,6 +210,7 @@ def main() -> None:
     parser.add_argument("--min-replicas", type=int, default=1)
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--kill", default=None)
+    parser.add_argument("--kill-per-restart", default=None)
     parser.add_argument("--sleep-s", type=float, default=0.0)
     parser.add_argument("--alone-sleep-s", type=float, default=0.0)
     parser.add_argument("--ckpt", type=Path, default=None)
@@ -204,7 +218,13 @@ def main() -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--samples", type=int, default=N_SAMPLES)
     args = parser.parse_args()
-    killer = Killer(args.kill, args.out, args.group)
+    kill, rank = args.kill, int(os.environ.get("RANK", "0"))
+    if args.kill_per_restart is not None:
+        kills = args.kill_per_restart.split(",")
+        restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+        kill = (kills[restart] if restart < len(kills) else "") or None
+    tag = args.group if int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"{args.group}.{rank}"
+    killer = Killer(kill, args.out, args.group)
     strategy = KillingStrategy(
         replica_group=args.group,
         replica_groups=args.groups,
@@ -214,7 +234,7 @@ def main() -> None:
         seed=SEED,
     )
     strategy.alone_sleep_s = args.alone_sleep_s
-    ledger = Ledger(args.out, args.group, killer)
+    ledger = Ledger(args.out, tag, killer)
     plugins: list[Plugin] = [ledger]
     if args.ckpt is not None:
         folder = args.ckpt / f"group-{args.group}"
@@ -224,17 +244,21 @@ def main() -> None:
     module = Net(args.sleep_s)
     data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=True)
     loopbus.run(trainer.fit, module, data, ckpt_path="last" if args.resume else None)
-    torch.save(
-        {k: v.clone() for k, v in module.net.state_dict().items()},
-        args.out / f"final-{args.group}.pt",
-    )
+    from torch.distributed.tensor import DTensor
+
+    weights = {  # whole (gathered over the group's processes when sharded)
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).clone()
+        for k, v in module.net.state_dict().items()
+    }
+    if rank == 0:
+        torch.save(weights, args.out / f"final-{args.group}.pt")
     summary = {
         "pid": os.getpid(),
         "step": trainer.global_step,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "loss_records": ledger.records,
     }
-    (args.out / f"summary-{args.group}.json").write_text(json.dumps(summary))
+    (args.out / f"summary-{tag}.json").write_text(json.dumps(summary))
     strategy.close()
 
 

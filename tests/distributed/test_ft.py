@@ -24,6 +24,7 @@ import torch
 
 from tests.distributed import ft_script
 from tests.helpers import ROOT
+from tests.torchrun import env, torchrun
 
 pytest.importorskip("torchft")
 
@@ -109,19 +110,28 @@ def _order(samples: int = ft_script.N_SAMPLES) -> list[int]:
     return torch.randperm(samples, generator=generator).tolist()
 
 
-def _slice(order: list[int], cursor: int, participants: int, rank: int) -> list[int]:
-    """A group's samples of a step: the next ``participants`` batches after the cursor,
-    one per group in rank order; the epoch's last step shares what is left evenly."""
-    size = min(len(order) - cursor, participants * ft_script.BATCH)
-    per, extra = divmod(size, participants)
-    start = cursor + rank * per + min(rank, extra)
-    return order[start : start + per + (rank < extra)]
+def _slice(
+    order: list[int], cursor: int, participants: int, rank: int, group: int = 1, at: int = 0
+) -> list[int]:
+    """A process's samples of a step: the next ``participants * group`` batches after
+    the cursor, one per process of the step in order (group by group, each group's
+    ``group`` processes by rank); this one is group rank ``at`` of replica rank ``rank``.
+    The epoch's last step shares what is left evenly."""
+    workers, worker = participants * group, rank * group + at
+    size = min(len(order) - cursor, workers * ft_script.BATCH)
+    per, extra = divmod(size, workers)
+    start = cursor + worker * per + min(worker, extra)
+    return order[start : start + per + (worker < extra)]
 
 
-def _replay(ledger: list[dict[str, Any]], order: list[int]) -> dict[str, torch.Tensor]:
+def _replay(
+    ledger: list[dict[str, Any]], order: list[int], group: int = 1
+) -> dict[str, torch.Tensor]:
     """The committed steps again in one process: each step's global batch cut into the
-    groups' slices, their gradients averaged as the all-reduce does, one optimizer and
-    one scheduler step."""
+    processes' slices, their gradients averaged in the order the all-reduces do (FSDP's
+    within each group, then the manager's across the groups), one optimizer and one
+    scheduler step. The order matters: a few hundred SGD steps with momentum turn the
+    last-bit difference of another order into 1e-4."""
     x, y, _ = ft_script.dataset().tensors
     net = ft_script.network()
     optimizer = ft_script.optimizer_of(net.parameters())
@@ -131,11 +141,16 @@ def _replay(ledger: list[dict[str, Any]], order: list[int]) -> dict[str, torch.T
         cursor, n = entry["cursor"], entry["participants"]
         total = None
         for rank in range(n):
-            ids = _slice(order, cursor, n, rank)
-            net.zero_grad(set_to_none=True)
-            ft_script.loss_of(net, x[ids], y[ids]).backward()
-            flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
-            total = flat if total is None else total + flat
+            within = None
+            for at in range(group):
+                ids = _slice(order, cursor, n, rank, group, at)
+                net.zero_grad(set_to_none=True)
+                ft_script.loss_of(net, x[ids], y[ids]).backward()
+                flat = torch.cat([p.grad.reshape(-1) for p in params])  # type: ignore[union-attr]
+                within = flat if within is None else within + flat
+            assert within is not None
+            within = within / group if group > 1 else within
+            total = within if total is None else total + within
         assert total is not None
         total /= n
         offset = 0
@@ -343,6 +358,128 @@ def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
     assert summary["lr"] == pytest.approx(ft_script.lr_at(end), rel=1e-12)
     final = [torch.load(second / f"final-{g}.pt", weights_only=True) for g in (0, 1)]
     replay = _replay(ledger, order)
+    for name, value in final[0].items():
+        assert torch.equal(value, final[1][name]), name
+        torch.testing.assert_close(value, replay[name], atol=1e-6, rtol=1e-5)
+
+
+def _hsdp_group(
+    out: Path, lighthouse: str, group: int, *, kills: tuple[str, ...] = ()
+) -> subprocess.Popen[str]:
+    """A replica group of two processes sharding the module with FSDP2 (HSDP), launched
+    by torchrun; with ``kills``, torchrun restarts it after each (``AFTER:PHASE:RANK``),
+    as a job's launcher replaces a lost group."""
+    variables = dict(env(), TORCHFT_LIGHTHOUSE=lighthouse, RUST_LOG="warn")
+    variables.pop("TORCHELASTIC_RESTART_COUNT", None)
+    launcher = torchrun(
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={len(kills)}",
+        "--monitor-interval=0.2",
+    )
+    args = [*launcher, str(SCRIPT), "--group", str(group), "--out", str(out)]
+    args += ["--sleep-s", "0.02", "--alone-sleep-s", "0.4"]
+    if kills:
+        args += ["--kill-per-restart", ",".join(kills)]
+    with open(out / f"stderr-{group}.txt", "a") as log:
+        return subprocess.Popen(
+            args, env=variables, stdout=log, stderr=subprocess.STDOUT, text=True
+        )
+
+
+@pytest.mark.timeout(400)
+def test_a_lost_hsdp_group_rejoins_and_every_sample_trains_once(
+    tmp_path: Path, lighthouse: str
+) -> None:
+    """Two replica groups of two FSDP processes; one process of group 1 SIGKILLed before,
+    during and after the cross-group all-reduce (rank 1, rank 0, rank 1), torchrun
+    restarting the group each time."""
+    survivor = _hsdp_group(tmp_path, lighthouse, 0)
+    started = tmp_path / "ledger-0.0.jsonl"
+    deadline = time.monotonic() + 120
+    while not (started.exists() and started.read_text().strip()):  # it trains first
+        assert survivor.poll() is None, (tmp_path / "stderr-0.txt").read_text()[-3000:]
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    victim = _hsdp_group(
+        tmp_path, lighthouse, 1, kills=("12:before:1", "12:during:0", "12:after:1")
+    )
+    assert victim.wait(timeout=300) == 0, (tmp_path / "stderr-1.txt").read_text()[-3000:]
+    assert survivor.wait(timeout=120) == 0, (tmp_path / "stderr-0.txt").read_text()[-3000:]
+
+    kills = _lines(tmp_path / "kills.jsonl")
+    assert [k["phase"] for k in kills] == ["before", "during", "after"]
+    ledgers = {(g, r): _lines(tmp_path / f"ledger-{g}.{r}.jsonl") for g in (0, 1) for r in (0, 1)}
+    summary = json.loads((tmp_path / "summary-0.0.json").read_text())
+
+    # The survivor's processes never stopped and agree on every committed step's plan.
+    plans = ledgers[0, 0]
+    for r in (0, 1):
+        assert len({e["pid"] for e in ledgers[0, r]}) == 1
+        assert [e["step"] for e in ledgers[0, r]] == list(range(1, summary["step"] + 1))
+        assert [(e["cursor"], e["participants"]) for e in ledgers[0, r]] == [
+            (e["cursor"], e["participants"]) for e in plans
+        ]
+
+    # Contiguous commits covering the epoch's order once; each process read its slice.
+    batch, order, cursor = ft_script.BATCH, _order(), 0
+    for entry in plans:
+        assert entry["cursor"] == cursor
+        assert entry["consumed"] == min(entry["participants"] * 2 * batch, len(order) - cursor)
+        cursor += entry["consumed"]
+    assert cursor == ft_script.N_SAMPLES
+    assert {e["participants"] for e in plans} == {1, 2}
+    by_step = {e["step"]: e for e in plans}
+    trained: Counter[int] = Counter()
+    for (_, r), ledger in ledgers.items():
+        for entry in ledger:
+            plan = by_step[entry["step"]]
+            assert (entry["cursor"], entry["participants"]) == (
+                plan["cursor"],
+                plan["participants"],
+            )
+            assert (entry["group_rank"], entry["group_size"]) == (r, 2)
+            ids = _slice(order, plan["cursor"], plan["participants"], entry["rank"], 2, r)
+            assert entry["ids"] == ids
+            trained.update(ids)
+    assert max(trained.values()) == 1
+
+    # Samples nobody logged: group 1's slices of a step that committed with it counted
+    # while one of its processes died (certainly the killed rank's, after the all-reduce).
+    def lost(kill: dict[str, Any], ranks: tuple[int, ...] = (0, 1)) -> set[int]:
+        step = by_step[kill["step"] + 1]
+        if step["participants"] != 2:
+            return set()
+        rank = 1 - step["rank"]
+        return {i for r in ranks for i in _slice(order, step["cursor"], 2, rank, 2, r)}
+
+    missing = set(range(ft_script.N_SAMPLES)) - set(trained)
+    assert lost(kills[2], (1,)) <= missing <= lost(kills[1]) | lost(kills[2])
+    assert lost(kills[2], (1,))
+
+    # Every restart healed from the live group, each process from its peer of the same
+    # group rank; the survivor saw the losses and aborted steps without their records.
+    for r in (0, 1):
+        healed = [
+            e for e in _lines(tmp_path / f"events-1.{r}.jsonl") if e["type"] == "ReplicaHealed"
+        ]
+        assert len({e["pid"] for e in healed}) >= 3
+        assert all(e["sources"] == ["0"] and e["healed_step"] > 0 for e in healed)
+        events = _lines(tmp_path / f"events-0.{r}.jsonl")
+        assert [e for e in events if e["type"] == "StepAborted"]
+        assert sum(e["type"] == "ReplicaLost" for e in events) >= 3
+        assert (
+            json.loads((tmp_path / f"summary-0.{r}.json").read_text())["loss_records"]
+            == (summary["step"])
+        )
+    for ledger in ledgers.values():
+        for entry in ledger:
+            assert entry["lr"] == pytest.approx(ft_script.lr_at(entry["step"]), rel=1e-12)
+
+    # Both groups end with the same weights, those of a one-process replay of the
+    # committed steps (bit for bit here; atol 1e-6 allows another platform's rounding).
+    final = [torch.load(tmp_path / f"final-{g}.pt", weights_only=True) for g in (0, 1)]
+    replay = _replay(plans, order, group=2)
     for name, value in final[0].items():
         assert torch.equal(value, final[1][name]), name
         torch.testing.assert_close(value, replay[name], atol=1e-6, rtol=1e-5)

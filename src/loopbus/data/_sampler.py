@@ -163,7 +163,8 @@ class SamplerPart:
 class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     """The samples of one fault-tolerant step, planned after its quorum: the epoch and
     the committed global ``cursor`` it starts from, the ``participants`` (replica groups)
-    and this group's ``replica_rank`` among them, and the dataset ``indices`` this group
+    and this group's ``replica_rank`` among them, this process's ``group_rank`` among the
+    ``group_size`` processes of its group, and the dataset ``indices`` this process
     reads. The step consumes ``consumed`` samples of the epoch's order if it commits."""
 
     epoch: int
@@ -172,27 +173,40 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     replica_rank: int
     consumed: int
     indices: tuple[int, ...]
+    group_rank: int = 0
+    group_size: int = 1
 
 
 def plan_step(
-    order: list[int], cursor: int, batch_size: int, replica_rank: int, participants: int
+    order: list[int],
+    cursor: int,
+    batch_size: int,
+    replica_rank: int,
+    participants: int,
+    group_rank: int = 0,
+    group_size: int = 1,
 ) -> StepPlan | None:
-    """A pure plan: the next ``participants * batch_size`` samples of ``order`` after the
-    committed ``cursor``, cut into contiguous slices of ``batch_size``, one per replica
-    group in rank order; this group's slice is ``replica_rank``'s. The epoch's last step
-    shares what is left evenly (the first groups one more); a group left with nothing
-    reads the order's first sample (padding, as ``DistributedSampler`` pads), which the
-    step counts as consumed by nobody. None: the epoch is over."""
+    """A pure plan: the next ``participants * group_size * batch_size`` samples of
+    ``order`` after the committed ``cursor``, cut into contiguous slices of
+    ``batch_size``, one per process of the step in order (replica group by replica group,
+    each group's processes by group rank); this process's slice is that of
+    ``replica_rank * group_size + group_rank``. The epoch's last step shares what is left
+    evenly (the first processes one more); a process left with nothing reads the order's
+    first sample (padding, as ``DistributedSampler`` pads), which the step counts as
+    consumed by nobody. None: the epoch is over."""
     left = len(order) - cursor
     if left <= 0:
         return None
     if not 0 <= replica_rank < participants:
         raise ValueError(f"replica rank {replica_rank} is not among {participants} participants")
-    per, extra = divmod(min(left, participants * batch_size), participants)
-    start = cursor + replica_rank * per + min(replica_rank, extra)
-    size = per + (1 if replica_rank < extra else 0)
+    if not 0 <= group_rank < group_size:
+        raise ValueError(f"group rank {group_rank} is not among the group's {group_size}")
+    workers, worker = participants * group_size, replica_rank * group_size + group_rank
+    consumed = min(left, workers * batch_size)
+    per, extra = divmod(consumed, workers)
+    start = cursor + worker * per + min(worker, extra)
+    size = per + (1 if worker < extra else 0)
     indices = tuple(order[start : start + size]) if size else (order[0],)
-    consumed = min(left, participants * batch_size)
     return StepPlan(
         epoch=-1,
         cursor=cursor,
@@ -200,6 +214,8 @@ def plan_step(
         replica_rank=replica_rank,
         consumed=consumed,
         indices=indices,
+        group_rank=group_rank,
+        group_size=group_size,
     )
 
 
@@ -238,8 +254,23 @@ class CommittedCursor:
                 self._order = list(range(self.size))
         return self._order
 
-    def plan(self, batch_size: int, replica_rank: int, participants: int) -> StepPlan | None:
-        plan = plan_step(self.order(), self.cursor, batch_size, replica_rank, participants)
+    def plan(
+        self,
+        batch_size: int,
+        replica_rank: int,
+        participants: int,
+        group_rank: int = 0,
+        group_size: int = 1,
+    ) -> StepPlan | None:
+        plan = plan_step(
+            self.order(),
+            self.cursor,
+            batch_size,
+            replica_rank,
+            participants,
+            group_rank,
+            group_size,
+        )
         return None if plan is None else msgspec.structs.replace(plan, epoch=self.epoch)
 
     def commit(self, plan: StepPlan) -> None:
@@ -282,8 +313,10 @@ class CommittedCursorLoader:
     """The training data of a fault-tolerant run: each batch is planned when the step
     asks for it, after the step's quorum (``begin_step()`` returns this group's
     ``(replica_rank, participants)``), from the committed cursor, and read from
-    ``dataset`` with ``collate_fn`` in this process. :attr:`plan` is the plan of the step
-    in flight; :meth:`next_batch` plans (and reads) it again after an abort.
+    ``dataset`` with ``collate_fn`` in this process; a group of several processes
+    (``group_rank`` of ``group_size``) cuts its slice between them. :attr:`plan` is the
+    plan of the step in flight; :meth:`next_batch` plans (and reads) it again after an
+    abort.
 
     It is Stateful, so a checkpoint holds it as the training loader's position: the
     committed cursor and, under ``"commits"``, the state of ``commits`` (the strategy's
@@ -297,8 +330,12 @@ class CommittedCursorLoader:
         sampler: CommittedCursor,
         begin_step: Callable[[], tuple[int, int]],
         commits: Stateful | None = None,
+        *,
+        group_rank: int = 0,
+        group_size: int = 1,
     ) -> None:
         self.dataset = dataset
+        self.group_rank, self.group_size = int(group_rank), int(group_size)
         self.batch_size = int(batch_size)
         self.collate_fn = collate_fn
         self.sampler = sampler
@@ -309,7 +346,8 @@ class CommittedCursorLoader:
 
     def __len__(self) -> int:
         """Batches of ``batch_size`` left in the epoch (with one replica group)."""
-        return math.ceil((self.sampler.size - self.sampler.cursor) / self.batch_size)
+        per_step = self.batch_size * self.group_size
+        return math.ceil((self.sampler.size - self.sampler.cursor) / per_step)
 
     def next_batch(self) -> Any:
         """The batch of the next step (None: the epoch is over): a quorum, then the plan."""
@@ -322,7 +360,9 @@ class CommittedCursorLoader:
         if self.sampler.cursor >= self.sampler.size:
             return None
         rank, participants = self.begin_step()
-        plan = self.sampler.plan(self.batch_size, rank, participants)
+        plan = self.sampler.plan(
+            self.batch_size, rank, participants, self.group_rank, self.group_size
+        )
         if plan is None:  # a healed state put the cursor at the epoch's end
             return None
         self.plan = plan

@@ -214,7 +214,6 @@ class ThreadedBatchSource(BatchSource):
         self.next = _END
 
 
-
 class MovingSource:
     """Wraps a source: each batch moves to ``device`` (``non_blocking``) as the loop takes
     it, on the current (compute) stream. For a device without side-stream prefetch."""

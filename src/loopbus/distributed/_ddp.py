@@ -157,9 +157,11 @@ class DataParallel(Strategy):
             )
         if device.type == "cuda":
             torch.cuda.set_device(device)
+        timeout = datetime.timedelta(seconds=self.process_group_timeout)
         dist.init_process_group(
             backend="nccl" if device.type == "cuda" else "gloo",
-            timeout=datetime.timedelta(seconds=self.process_group_timeout),
+            timeout=timeout,
+            **_attempt_store(timeout),
         )
         # Created here, so left here: a group still alive when the interpreter tears
         # down its modules can abort the process on exit (gloo).
@@ -379,6 +381,27 @@ def _leave_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         gc.collect()  # drop DDP reducers that still refer to the group
         dist.destroy_process_group()
+
+
+def _attempt_store(timeout: datetime.timedelta) -> dict[str, Any]:
+    """The store this attempt's process group meets in, when torchrun's agent serves it:
+    torchrun restarts its workers with the same agent store, which still holds the keys
+    the lost attempt wrote (its ranks' addresses), so a rank that starts first would
+    connect to a dead peer. Each attempt (``$TORCHELASTIC_RESTART_COUNT``) gets keys of
+    its own. Empty (the launcher's ``env://`` store as it is) otherwise."""
+    env = os.environ
+    attempt = env.get("TORCHELASTIC_RESTART_COUNT")
+    if attempt is None or env.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
+        return {}
+    rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    store = dist.TCPStore(
+        env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False, timeout=timeout
+    )
+    return {
+        "store": dist.PrefixStore(f"loopbus/attempt_{attempt}", store),
+        "rank": rank,
+        "world_size": world,
+    }
 
 
 def _env_int(name: str, default: int) -> int:

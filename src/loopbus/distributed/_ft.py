@@ -32,7 +32,12 @@ What loopbus adds (see ``docs/distributed.md``, "Fault tolerance"):
   when lowered), and a restarted group that finds neither a live peer with progress nor
   a loaded checkpoint refuses to start from step 0.
 
-A replica group is one process for now (in-group DDP or FSDP is a later step).
+A replica group is one process, or several sharding the module with FSDP2 (HSDP:
+``torchrun --nproc_per_node=N`` per group; the group's own strategy, an
+:class:`~loopbus.distributed.FSDPStrategy`, does everything inside the group). Each
+process of a group averages its gradient shard with the processes of the same group rank
+in the other groups, heals its shard from the same rank of a live peer group, and reads
+its own slice of the group's samples.
 
 Imports ``loopbus.data``, ``loopbus.state`` and the base layer; torchft only when used.
 """
@@ -43,9 +48,10 @@ import atexit
 import os
 import socket
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from torch.utils.data import DataLoader
@@ -55,11 +61,16 @@ from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, StepPl
 from .._exceptions import MisconfigurationError
 from ..events import ReplicaHealed, ReplicaLost
 from ._ddp import shuffles
-from ._strategy import Strategy
+from ._fsdp import FSDPStrategy
+from ._shards import local_part, optimizer_part, optimizer_whole
+from ._strategy import SingleProcess, Strategy, launched_distributed
 
 if TYPE_CHECKING:
+    from loopbus.distributed._stopping import StopTransport
     from loopbus.state._runstate import RunState
+    from loopbus.step._module import Module
     from loopbus.step._optim import LRSchedulers
+    from loopbus.step._precision import Precision
 
 __all__ = ["FaultTolerantStrategy", "serve_lighthouse"]
 
@@ -107,6 +118,24 @@ def serve_lighthouse(
     )
 
 
+def _group_strategy(choice: Any) -> Strategy:
+    """The strategy inside a replica group: one process, or FSDP2 over the group's
+    processes (the default when a launcher starts several)."""
+    if choice is None:
+        choice = "fsdp" if launched_distributed() else "single"
+    if choice == "single":
+        return SingleProcess()
+    if choice == "fsdp":
+        return FSDPStrategy()
+    if isinstance(choice, FSDPStrategy):
+        return choice
+    raise MisconfigurationError(
+        "FaultTolerantStrategy(group_strategy=...) takes 'fsdp' or an FSDPStrategy(...) "
+        "(a replica group of several processes sharding the module: HSDP), or 'single' "
+        f"(a group of one process), got {choice!r}. In-group DDP is not supported."
+    )
+
+
 def _env_or(value: Any, name: str) -> str | None:
     if value is not None:
         return str(value)
@@ -129,10 +158,14 @@ class FaultTolerantStrategy(Strategy):
     * ``seed``: the seed of the shuffled sample order (the same in every group);
     * ``rejoining``: whether this process replaces a lost group (default: torchrun's
       ``$TORCHELASTIC_RESTART_COUNT`` > 0). A rejoining group that finds neither a peer
-      with progress nor a loaded checkpoint raises instead of training from step 0.
+      with progress nor a loaded checkpoint raises instead of training from step 0;
+    * ``group_strategy``: what runs inside a group: ``"single"`` (one process, the
+      default without a launcher), or ``"fsdp"``/an :class:`FSDPStrategy` (the default
+      when torchrun starts several processes per group: the module sharded over them,
+      HSDP). The group's world, ranks, collectives and checkpoints are its strategy's.
 
-    Every group is rank 0 of its own process, so every group's ``Checkpoint`` plugin
-    writes: give each group its own folder. A checkpoint holds the committed cursor and
+    Every group has its own rank 0, so every group's ``Checkpoint`` plugin writes: give
+    each group its own folder. A checkpoint holds the committed cursor and
     the manager's count of commits; ``fit(..., ckpt_path="last")`` resumes from it.
     """
 
@@ -149,7 +182,9 @@ class FaultTolerantStrategy(Strategy):
         quorum_timeout_s: float = 120.0,
         seed: int = 0,
         rejoining: bool | None = None,
+        group_strategy: Literal["single", "fsdp"] | FSDPStrategy | None = None,
     ) -> None:
+        self.group = _group_strategy(group_strategy)
         self.lighthouse = _env_or(lighthouse, LIGHTHOUSE_ENV)
         self.replica_group = _env_or(replica_group, GROUP_ENV) or "0"
         groups = int(_env_or(replica_groups, GROUPS_ENV) or 1)
@@ -195,14 +230,89 @@ class FaultTolerantStrategy(Strategy):
                 "`loopbus lighthouse` and pass FaultTolerantStrategy(lighthouse='http://"
                 f"host:port') or set ${LIGHTHOUSE_ENV}."
             )
-        if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        if launched_distributed() and isinstance(self.group, SingleProcess):
             raise MisconfigurationError(
-                "strategy='ft' runs replica groups of one process for now, but WORLD_SIZE="
-                f"{os.environ['WORLD_SIZE']}: launch each group as its own process (torchrun "
-                "--nproc_per_node=1, or python) with its own REPLICA_GROUP_ID."
+                "FaultTolerantStrategy(group_strategy='single') runs replica groups of one "
+                f"process, but WORLD_SIZE={os.environ['WORLD_SIZE']}: launch each group as "
+                "one process, or let the group's processes shard the module "
+                "(group_strategy='fsdp')."
             )
+        self.group.setup_environment(device)
         if device.type == "cuda":
             torch.cuda.set_device(device)
+
+    # ------------------------------------------------------------ the group's own
+    @property
+    def sharded_state(self) -> bool:  # type: ignore[override]
+        return self.group.sharded_state
+
+    @property
+    def saves_window_gradients(self) -> bool:  # type: ignore[override]
+        return self.group.saves_window_gradients
+
+    @property
+    def world_size(self) -> int:  # type: ignore[override]
+        """The processes of this replica group (each group is a world of its own)."""
+        return self.group.world_size
+
+    @property
+    def global_rank(self) -> int:  # type: ignore[override]
+        return self.group.global_rank
+
+    @property
+    def local_rank(self) -> int:  # type: ignore[override]
+        return self.group.local_rank
+
+    @property
+    def distributed(self) -> bool:
+        return self.group.distributed
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.group.data_parallel_size
+
+    @property
+    def data_parallel_rank(self) -> int:
+        return self.group.data_parallel_rank
+
+    def prepare_module(self, module: Module, device: torch.device, precision: Precision) -> None:
+        self.group.prepare_module(module, device, precision)
+
+    def prepare_optimizers(
+        self, optimizers: list[torch.optim.Optimizer], module: Module
+    ) -> list[torch.optim.Optimizer]:
+        return self.group.prepare_optimizers(optimizers, module)
+
+    def wrap(self, module: Module, state: RunState) -> Any:
+        return self.group.wrap(module, state)
+
+    def unwrap(self) -> None:
+        self.group.unwrap()
+
+    def no_sync(self) -> AbstractContextManager[Any]:
+        return self.group.no_sync()
+
+    def clip_gradients(
+        self, parameters: list[torch.Tensor], value: float, algorithm: Literal["norm", "value"]
+    ) -> None:
+        self.group.clip_gradients(parameters, value, algorithm)
+
+    def stop_transport(self) -> StopTransport | None:
+        return self.group.stop_transport()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return self.group.all_gather_object(obj)
+
+    def broadcast_object(self, obj: Any) -> Any:
+        return self.group.broadcast_object(obj)
+
+    def barrier(self) -> None:
+        self.group.barrier()
+
+    def all_reduce_host(
+        self, values: Sequence[float], op: Literal["sum", "max", "min"] = "sum"
+    ) -> list[float]:
+        return self.group.all_reduce_host(values, op)
 
     def prepare_train_data(self, data: Any) -> Any:
         """The training loader as a :class:`CommittedCursorLoader` over its dataset,
@@ -232,6 +342,8 @@ class FaultTolerantStrategy(Strategy):
             sampler,
             self._begin_step,
             commits=self._commits,
+            group_rank=self.group.global_rank,
+            group_size=self.group.world_size,
         )
         return self._loader
 
@@ -254,8 +366,15 @@ class FaultTolerantStrategy(Strategy):
 
     def _start_manager(self) -> Any:
         torchft = _torchft()
-        store = torch.distributed.TCPStore(
-            socket.gethostname(), 0, is_master=True, wait_for_workers=False
+        # The group's own store for its manager (a fresh one per start, so a restarted
+        # group never reads the address its lost manager left), served by its rank 0.
+        group, store = self.group, None
+        if group.global_rank == 0:
+            store = torch.distributed.TCPStore(
+                socket.gethostname(), 0, is_master=True, wait_for_workers=False
+            )
+        host, port = group.broadcast_object(
+            (socket.gethostname(), store.port) if store is not None else None
         )
         timeout = timedelta(seconds=self.timeout_s)
         manager = torchft.Manager(
@@ -267,10 +386,10 @@ class FaultTolerantStrategy(Strategy):
             timeout=timeout,
             quorum_timeout=timedelta(seconds=self.quorum_timeout_s),
             connect_timeout=timeout,
-            rank=0,
-            world_size=1,
-            store_addr=socket.gethostname(),
-            store_port=store.port,
+            rank=group.global_rank,
+            world_size=group.world_size,
+            store_addr=host,
+            store_port=port,
             lighthouse_addr=self.lighthouse,
             replica_id=f"replica_group_{self.replica_group}",
         )
@@ -402,17 +521,22 @@ class _CommitGate:
     def commit(self) -> bool:
         """Average the gradients over the quorum's groups, then whether the step commits
         (every group of this replica group agrees; a failure during the step says no)."""
-        params = self.params
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        with torch.no_grad():
+            grads = []  # this process's part of each gradient (a shard under FSDP)
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+                grads.append(local_part(p.grad))
+            flat = torch.cat([g.reshape(-1) for g in grads])
         self.strategy.average(flat)
         committed = bool(self.manager.should_commit())
         if committed:
-            offset = 0
-            for p in params:
-                n = p.numel()
-                p.grad = flat[offset : offset + n].view_as(p)
-                offset += n
+            with torch.no_grad():
+                offset = 0
+                for g in grads:
+                    n = g.numel()
+                    g.copy_(flat[offset : offset + n].view_as(g))
+                    offset += n
         plan = self.loader.settle(committed)
         if committed:
             self.last_plan = plan
@@ -436,9 +560,14 @@ class _CommitGate:
 
     # ------------------------------------------------------------ healed state
     def state_dict(self) -> dict[str, Any]:
+        """What a peer behind loads: this process's part of the module and optimizer
+        state (its shards under FSDP: a peer's same group rank holds the same ones), the
+        schedulers and the run state."""
+        with torch.no_grad():
+            module = {k: local_part(v) for k, v in self.module.state_dict().items()}
         return {
-            "module": self.module.state_dict(),
-            "optimizers": [o.state_dict() for o in self.optimizers],
+            "module": module,
+            "optimizers": [optimizer_part(o) for o in self.optimizers],
             "schedulers": [c.scheduler.state_dict() for c in self.schedulers.configs],
             "run": self.state.state_dict(),
         }
@@ -452,9 +581,17 @@ class _CommitGate:
                 "across an epoch boundary is not supported yet: resume the group from the "
                 "run's last checkpoint instead."
             )
-        self.module.load_state_dict(state["module"])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"], strict=True):
-            optimizer.load_state_dict(saved)
+        mine, saved = self.module.state_dict(), state["module"]
+        if set(mine) != set(saved):
+            raise RuntimeError(
+                f"replica group {self.strategy.replica_group} would heal from a peer whose "
+                f"module has other entries: {sorted(set(mine) ^ set(saved))[:5]}"
+            )
+        with torch.no_grad():
+            for name, value in mine.items():
+                local_part(value).copy_(saved[name])
+        for optimizer, part in zip(self.optimizers, state["optimizers"], strict=True):
+            optimizer.load_state_dict(optimizer_whole(optimizer, part))
         for config, saved in zip(self.schedulers.configs, state["schedulers"], strict=True):
             config.scheduler.load_state_dict(saved)
         self.state.load_state_dict(run)

@@ -19,12 +19,12 @@ import collections
 import functools
 import math
 import os
+import posixpath
 import signal
 import sys
 import time
 import warnings
 from collections.abc import Sequence
-from pathlib import Path
 from typing import IO, TYPE_CHECKING, Any
 
 import anyio
@@ -38,6 +38,8 @@ from .stream import EpochEnded, Gap, StageEnded, StageStarted, Stream, connect
 
 if TYPE_CHECKING:
     from rich.table import Table
+
+    from .storage import Storage
 
 __all__ = ["main"]
 
@@ -171,14 +173,9 @@ def _consolidate(args: argparse.Namespace) -> int:
     # Imports torch and the engine: only this command needs them.
     from ._exceptions import CheckpointError, MisconfigurationError
     from .checkpoint import consolidate_checkpoint
-    from .storage import is_url
 
     try:
-        if is_url(args.checkpoint):
-            source: Any = _remote_sharded_source(args.checkpoint)
-        else:
-            source = _sharded_source(Path(args.checkpoint))
-        written = consolidate_checkpoint(source, args.out)
+        written = consolidate_checkpoint(_sharded_source(args.checkpoint), args.out)
     except (CheckpointError, MisconfigurationError) as exc:
         print(f"loopbus consolidate: {exc}", file=sys.stderr)
         return 1
@@ -189,77 +186,54 @@ def _consolidate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _sharded_source(path: Path) -> Path:
-    """The sharded checkpoint ``loopbus consolidate PATH`` means: ``path`` itself when it
-    is one (or is no directory: consolidating says what is wrong with it); in a folder of
-    checkpoints, the one its ``last.json`` names if that is a complete sharded checkpoint,
-    else its newest complete sharded checkpoint, said on stderr. Raises
-    :class:`~loopbus.CheckpointError` saying what the folder holds when it holds none."""
+def _sharded_source(given: str) -> Any:
+    """The sharded checkpoint ``loopbus consolidate GIVEN`` means (a path, or a URL
+    reached with the standard credentials): ``given`` itself when it is one (or is no
+    directory: consolidating says what is wrong with it); in a folder of checkpoints, the
+    one its ``last.json`` names if that is a complete sharded checkpoint, else its newest
+    complete sharded checkpoint, said on stderr. Raises :class:`~loopbus.CheckpointError`
+    saying what the folder holds when it holds none."""
     from .checkpoint import is_sharded_checkpoint, latest_checkpoint
+    from .storage import located, location, store_for
 
-    if not path.is_dir() or is_sharded_checkpoint(path):
-        return path
+    target = location(given, owner="loopbus consolidate")
+    parent, name = located(target)
+    if not parent.is_directory(name) or is_sharded_checkpoint(target):
+        return target
+    folder = store_for(target)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        last = latest_checkpoint(path)  # what ckpt_path="last" would load from it
+        last = latest_checkpoint(target)  # what ckpt_path="last" would load from it
     skipped = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     if last is not None and is_sharded_checkpoint(last):
-        chosen: Path | None = last
+        chosen: Any = last
     else:
-        chosen = _newest_sharded(path)
+        chosen = _newest_sharded(folder)
     if chosen is None:
-        raise _no_sharded_checkpoint(path)
+        raise _no_sharded_checkpoint(folder)
     if chosen == last:
         for message in skipped:  # checkpoints newer than it that are not complete
             print(f"loopbus consolidate: {message}", file=sys.stderr)
     print(
-        f"loopbus consolidate: {path} is a folder of checkpoints; consolidating its newest "
-        f"complete sharded checkpoint, {chosen.name}{_step_of(chosen)}.",
+        f"loopbus consolidate: {folder.shown} is a folder of checkpoints; consolidating its "
+        f"newest complete sharded checkpoint, {chosen.name}{_step_of(chosen)}.",
         file=sys.stderr,
     )
     return chosen
 
 
-def _remote_sharded_source(url: str) -> Any:
-    """:func:`_sharded_source` for a URL: the sharded checkpoint itself, or the one its
-    folder's ``last.json`` names (else its newest complete one)."""
-    from ._exceptions import CheckpointError
-    from .checkpoint import is_sharded_checkpoint, latest_checkpoint
-    from .storage import remote_path, require_backend
-
-    require_backend(url, owner="loopbus consolidate")
-    target = remote_path(url)
-    if is_sharded_checkpoint(target):
-        return target
-    last = latest_checkpoint(target)
-    if last is None or not is_sharded_checkpoint(last):
-        raise CheckpointError(
-            f"{url} is neither a sharded checkpoint nor a folder whose last complete "
-            f"checkpoint is one (it is {'empty' if last is None else last.name}, a file "
-            "checkpoint: load it directly, there is nothing to consolidate)."
-        )
-    print(
-        f"loopbus consolidate: {url} is a folder of checkpoints; consolidating its last "
-        f"complete checkpoint, {last.name}{_step_of(last)}.",
-        file=sys.stderr,
-    )
-    return last
-
-
-def _sharded_in(folder: Path) -> list[Path]:
-    """The sharded checkpoints' directories in ``folder``, complete or not."""
+def _sharded_in(folder: Storage) -> list[Any]:
+    """The sharded checkpoints' directories in the store ``folder``, complete or not."""
     from .checkpoint import is_sharded_checkpoint
 
-    try:
-        entries = sorted(folder.iterdir())
-    except OSError:
-        return []
-    return [p for p in entries if not p.name.startswith(".") and is_sharded_checkpoint(p)]
+    prefixes = folder.contents()[1]
+    found = [folder.path(name) for name in sorted(prefixes) if not name.startswith(".")]
+    return [path for path in found if is_sharded_checkpoint(path)]
 
 
-def _newest_sharded(folder: Path) -> Path | None:
-    """The newest complete sharded checkpoint in ``folder`` (the highest step its marker
-    records, then the latest), None if there is none."""
+def _newest_sharded(folder: Storage) -> Any:
+    """The newest complete sharded checkpoint in the store ``folder`` (the highest step
+    its marker records, then the latest), None if there is none."""
     from ._exceptions import CheckpointError
     from .checkpoint._locate import newest
     from .checkpoint._sharded_load import verify_sharded
@@ -286,9 +260,9 @@ def _step_of(checkpoint: os.PathLike[str]) -> str:
     return f" (step {step})" if isinstance(step, int) else ""
 
 
-def _no_sharded_checkpoint(folder: Path) -> Exception:
-    """The error for a folder without a complete sharded checkpoint: what it holds, and
-    what to pass instead."""
+def _no_sharded_checkpoint(folder: Storage) -> Exception:
+    """The error for a folder (the store ``folder``) without a complete sharded
+    checkpoint: what it holds, and what to pass instead."""
     from ._exceptions import CheckpointError
     from .checkpoint._sharded_load import verify_sharded
 
@@ -298,12 +272,9 @@ def _no_sharded_checkpoint(folder: Path) -> Exception:
             verify_sharded(candidate)
         except CheckpointError as exc:
             broken.append(f"{candidate.name} ({exc})")
-    try:
-        files = sorted(
-            p.name for p in folder.iterdir() if p.is_file() and p.suffix in _CHECKPOINT_FILES
-        )
-    except OSError:
-        files = []
+    files = sorted(
+        name for name in folder.listing() if posixpath.splitext(name)[1] in _CHECKPOINT_FILES
+    )
     held = []
     if files:
         shown = ", ".join(files[:5]) + (", ..." if len(files) > 5 else "")
@@ -315,9 +286,9 @@ def _no_sharded_checkpoint(folder: Path) -> Exception:
         held.append(f"incomplete sharded checkpoint(s): {'; '.join(broken[:3])}")
     holds = "; ".join(held) if held else "no checkpoint at all"
     return CheckpointError(
-        f"{folder} holds no complete sharded checkpoint: it holds {holds}. Pass a sharded "
-        "checkpoint's directory (one the Checkpoint plugin wrote with sharded=True), or the "
-        "folder such checkpoints were written into."
+        f"{folder.shown} holds no complete sharded checkpoint: it holds {holds}. Pass a "
+        "sharded checkpoint's directory (one the Checkpoint plugin wrote with sharded=True), "
+        "or the folder such checkpoints were written into."
     )
 
 

@@ -10,8 +10,17 @@ from pathlib import Path
 
 import pytest
 
+from loopbus import CheckpointError, MisconfigurationError
 from loopbus.checkpoint._locate import follow_pointer, latest
-from loopbus.storage import LocalStore, RemotePath, Storage, Store, located, store_for
+from loopbus.storage import (
+    LocalStore,
+    RemotePath,
+    Storage,
+    Store,
+    located,
+    open_location,
+    store_for,
+)
 
 
 def _memory() -> RemotePath:
@@ -99,3 +108,54 @@ def test_dcp_writer_and_reader_round_trip_either_store(tmp_path: Path, where: st
     assert isinstance(reader, Mixin)
     _load_state_dict(back, storage_reader=reader, no_dist=True)
     assert torch.equal(back["w"], state["w"])
+
+
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_directories_and_unmarked_entries_answer_alike(tmp_path: Path, where: str) -> None:
+    store = store_for(tmp_path / "run" if where == "local" else _memory())
+    store.make_directory()
+    store.write("a.ckpt", b"x")
+    store.below("inner").write("shard", b"y")
+    assert store.is_directory("inner")
+    assert not store.is_directory("a.ckpt")
+    assert not store.is_directory("missing")
+    # Whole without a marker where a rename publishes; only by its marker otherwise.
+    assert store.whole_without_marker() == (where == "local")
+
+
+def test_open_location_tells_a_url_from_a_path(tmp_path: Path) -> None:
+    assert open_location(tmp_path, owner="Checkpoint") == tmp_path
+    remote = open_location(
+        "memory://bucket/run", store_deadlines={"call_s": 5.0}, owner="Checkpoint"
+    )
+    assert isinstance(remote, RemotePath)
+    assert remote.deadlines.call_s == 5.0
+    assert remote.health is not None  # its calls are watched
+    with pytest.raises(MisconfigurationError, match=r"Checkpoint\(storage_options=...\) "
+                       r"applies to a URL dirpath such as 's3://bucket/run'; '.*' is a local"):
+        open_location(tmp_path, storage_options={}, owner="Checkpoint")
+    with pytest.raises(MisconfigurationError, match=r"Checkpoint\(dirpath=...\) must be a "):
+        open_location("", owner="Checkpoint")
+    with pytest.raises(MisconfigurationError, match=r"must be a dict of fsspec storage"):
+        open_location("memory://b/run", storage_options=["key"], owner="Checkpoint")  # type: ignore[arg-type]
+
+
+def test_a_missing_url_says_so_and_a_folder_names_what_it_skipped() -> None:
+    from loopbus.checkpoint._locate import resolve_checkpoint
+
+    directory = _memory()
+    store = store_for(directory)
+    _fill(store)
+    with pytest.warns(UserWarning, match=r"step=2\.ckpt: it has 4 bytes"):
+        assert resolve_checkpoint(directory) == directory / "step=1.ckpt"
+    assert resolve_checkpoint(directory / "step=2.ckpt") == directory / "step=2.ckpt"
+    with pytest.raises(CheckpointError, match=r"the object does not exist\. Checkpoints in "
+                       r".*: step=1\.ckpt, step=2\.ckpt"):
+        resolve_checkpoint(directory / "nope.ckpt")
+    store.remove("step=1.ckpt.complete")
+    with pytest.raises(
+        CheckpointError,
+        match=r"no checkpoint in the directory .*Skipped as not complete: step=2\.ckpt: it "
+        r"has 4 bytes.*It holds step=1\.ckpt without completeness markers",
+    ):
+        resolve_checkpoint(directory)

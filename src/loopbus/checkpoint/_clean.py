@@ -77,7 +77,7 @@ def remove_incomplete_checkpoints(directory: PathLike, *, retries: int = 0) -> l
     without a checkpoint suffix) are left alone; deletions are tried again ``retries``
     times."""
     store = store_for(directory, retries=retries)
-    if store.renames:  # entries appear complete, by a rename: only temporaries are left
+    if store.whole_without_marker():  # only a dead writer's temporaries are incomplete
         return list(store.remove_stale_temporaries())
     from ._locate import candidates, incomplete
 

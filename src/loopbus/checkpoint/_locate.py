@@ -8,8 +8,8 @@ the CRC-32 of the file taken as its marker records it); the
 checkpoints passed over are named, with what is wrong with each, in a ``UserWarning``.
 Checkpoint files and sharded checkpoints' directories are treated alike, and so are a
 local directory and an object store: the search (:func:`latest`) reads a
-:class:`~loopbus.storage.Storage` and goes by what the store guarantees (whether it
-publishes by renaming), never by whether it is remote.
+:class:`~loopbus.storage.Storage` and goes by what the store guarantees (whether an
+entry found without its marker is whole), never by whether it is remote.
 """
 
 from __future__ import annotations
@@ -23,14 +23,10 @@ from typing import Any, TypeVar
 
 from .._exceptions import CheckpointError, MisconfigurationError
 from ..storage import (
-    LocalStore,
     RemotePath,
     Storage,
-    Store,
-    is_url,
     located,
     location,
-    remote_path,
     store_for,
 )
 from ._format import (
@@ -44,7 +40,6 @@ from ._format import (
     _why,
     decode_json,
     is_sharded_checkpoint,
-    marker_path,
 )
 
 _P = TypeVar("_P", Path, RemotePath, Path | RemotePath)
@@ -133,12 +128,13 @@ Skipped = list[tuple[str, str]]
 
 def latest(store: Storage) -> tuple[str | None, Skipped]:
     """The name of the last checkpoint in ``store`` and the checkpoints passed over for
-    it, each with what is wrong with it (see :func:`latest_checkpoint`). A store that
-    publishes by renaming takes a checkpoint ``last.json`` names without its marker, and
-    when nothing else is complete, the one it names (loading it says what is wrong); in
-    an object store only a marked, complete checkpoint is taken. The listing is read
-    twice when the first finds no complete checkpoint: a save that replaced ``last.json``
-    and evicted the checkpoint it named meanwhile is then seen whole."""
+    it, each with what is wrong with it (see :func:`latest_checkpoint`). Where an entry
+    is whole without its marker (published by a rename), the checkpoint ``last.json``
+    names is taken without its marker and, when nothing else is complete, as it is
+    (loading it says what is wrong); in an object store only a marked, complete
+    checkpoint is taken. The listing is read twice when the first finds no complete
+    checkpoint: a save that replaced ``last.json`` and evicted the checkpoint it named
+    meanwhile is then seen whole."""
     found, skipped = _latest_once(store)
     if found is None and skipped:
         found, skipped = _latest_once(store)
@@ -160,7 +156,7 @@ def _latest_once(store: Storage) -> tuple[str | None, Skipped]:
             # checkpoint that replaces one of the same name moves it aside for a moment
             # (a directory cannot be replaced atomically).
             why = incomplete(
-                store, objects, prefixes, named, unmarked_file=store.renames
+                store, objects, prefixes, named, unmarked_file=store.whole_without_marker()
             ) or _corrupted(store, named, prefixes)
             if why is None:
                 return named, []
@@ -173,7 +169,7 @@ def _latest_once(store: Storage) -> tuple[str | None, Skipped]:
             return found, skipped
         skipped.append((found, why))
         complete.remove(found)
-    if named is not None and store.renames:
+    if named is not None and store.whole_without_marker():
         return named, []  # nothing to fall back to: loading it says what is wrong
     return None, skipped
 
@@ -196,7 +192,7 @@ def candidates(store: Storage, objects: dict[str, int], prefixes: set[str]) -> l
         if name.startswith(".") or name == LAST_POINTER or name.endswith(MARKER_SUFFIX):
             continue
         if name in prefixes and name not in objects:
-            if store.renames:
+            if store.whole_without_marker():
                 held = store.below(name).listing()
                 if not any(n in held for n in (SHARDED_MARKER, ".metadata", SHARDED_STATE)):
                     continue
@@ -364,58 +360,74 @@ def follow_pointer(store: Storage) -> str:
     return name
 
 
-def resolve_checkpoint(path: PathLike) -> Path:
-    """The checkpoint file ``path`` means: a file, a directory (its last checkpoint) or a
-    ``last.json`` pointer."""
-    if is_url(path):
-        return resolve_remote(remote_path(path))  # type: ignore[return-value]
-    p = Path(os.fspath(path))
-    if p.is_dir() and is_sharded_checkpoint(p):
-        return p
-    if p.is_dir() or (p.name == LAST_POINTER and p.is_file()):
-        directory = p if p.is_dir() else p.parent
-        store = LocalStore(directory)
-        found, skipped = latest(store)
-        if found is None:
-            # Files without a marker are named by the advice; the rest is listed here.
-            damaged = [
-                f"{name}: {why}"
-                for name, why in skipped
-                if (q := directory / name).is_dir()
-                or not q.exists()
-                or marker_path(q).exists()
-                or name == LAST_POINTER
-            ]
-            listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
-            raise CheckpointError(
-                f"no checkpoint in the directory {directory}: it is a directory without "
-                f"checkpoints (it has no {LAST_POINTER} pointer and no complete checkpoint "
-                f"file, one with its {MARKER_SUFFIX} marker).{listed} {_unmarked_files(directory)}"
-            )
-        if skipped:
-            warnings.warn(_skipped_message(store, found, skipped), UserWarning, stacklevel=3)
-        p = store.path(found)
-    if not p.exists():
-        nearby = ""
-        if p.parent.is_dir():
-            names = sorted(x.name for x in p.parent.glob("*.ckpt"))[:10]
-            if names:
-                nearby = f" Checkpoints in {p.parent}: {', '.join(names)}."
-        raise CheckpointError(f"no checkpoint at {p}: the file does not exist.{nearby}")
-    return p
-
-
-def _unmarked_files(directory: Path) -> str:
-    """The advice for a directory without checkpoints: the checkpoint-like files in it
-    that have no marker, if any."""
+def resolve_checkpoint(path: PathLike) -> Path | RemotePath:
+    """The checkpoint ``path`` means: a checkpoint file (an object, for a URL), a sharded
+    checkpoint's directory, another directory (its last checkpoint) or a ``last.json``
+    pointer (its directory's last checkpoint). Whether a file or a sharded checkpoint is
+    whole is checked when it loads. Raises :class:`CheckpointError` saying what is there
+    instead: a directory's checkpoints that are not complete and why, the files without a
+    completeness marker, the checkpoints beside a path that does not exist."""
+    target = location(path)
+    parent, name = located(target)
+    if parent.size(name) is not None:  # a file (an object)
+        return target if name != LAST_POINTER else _last_in(parent)
+    if parent.is_directory(name):
+        return target if is_sharded_checkpoint(target) else _last_in(store_for(target))
+    nearby = ""
     try:
-        names = sorted(
-            x.name
-            for x in directory.iterdir()
-            if x.suffix in (".ckpt", ".pt", ".pth") and not marker_path(x).exists()
+        objects, prefixes = parent.contents()
+    except (OSError, CheckpointError):  # what is beside it is only advice
+        objects, prefixes = {}, set()
+    names = sorted(n for n in set(objects) | prefixes if n.endswith(".ckpt"))[:10]
+    if names:
+        nearby = f" Checkpoints in {parent.directory}: {', '.join(names)}."
+    raise CheckpointError(
+        f"no checkpoint at {target}: the {parent.noun} does not exist.{nearby}"
+    )
+
+
+def _last_in(store: Storage) -> Path | RemotePath:
+    """The last checkpoint in the directory of ``store`` (see :func:`latest`), with a
+    warning naming the newer ones passed over; an error that names them, and the files
+    without a completeness marker, when there is none."""
+    found, skipped = latest(store)
+    if found is None:
+        objects, prefixes = store.contents()
+        # Files without a marker are named by the advice; the rest is listed here.
+        damaged = [
+            f"{name}: {why}"
+            for name, why in skipped
+            if name in prefixes
+            or name not in objects
+            or name + MARKER_SUFFIX in objects
+            or name == LAST_POINTER
+        ]
+        listed = f" Skipped as not complete: {'; '.join(damaged[:5])}." if damaged else ""
+        raise CheckpointError(
+            f"no checkpoint in the directory {store.directory}: it is a directory without "
+            f"checkpoints (it has no {LAST_POINTER} pointer and no complete checkpoint "
+            f"file, one with its {MARKER_SUFFIX} marker).{listed} "
+            f"{_unmarked_files(store, objects, prefixes)}"
         )
-    except OSError:
-        names = []
+    if skipped:
+        warnings.warn(_skipped_message(store, found, skipped), UserWarning, stacklevel=4)
+    return store.path(found)
+
+
+def _unmarked_files(store: Storage, objects: dict[str, int], prefixes: set[str]) -> str:
+    """The advice for a directory without checkpoints (``store``, whose listing is
+    ``objects`` and ``prefixes``): the checkpoint-like entries in it that have no
+    marker, if any."""
+    names = sorted(
+        name
+        for name in set(objects) | prefixes
+        if posixpath.splitext(name)[1] in _CHECKPOINT_SUFFIXES
+        and (
+            SHARDED_MARKER not in store.below(name).listing()
+            if name in prefixes
+            else name + MARKER_SUFFIX not in objects
+        )
+    )
     if not names:
         return "Pass the path of a checkpoint file."
     shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
@@ -562,35 +574,3 @@ def resolve_resume_path(
 def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
     """Before anything runs: a URL's scheme must have its package installed."""
     location(ckpt_path, owner=f"ckpt_path={str(ckpt_path)!r}")
-
-
-# ---------------------------------------------------------------- remote
-
-
-def resolve_remote(target: RemotePath) -> RemotePath:
-    """:func:`resolve_checkpoint` for a URL: an object is the checkpoint; ``last.json`` or
-    a directory (a prefix) means its last complete checkpoint."""
-    store = Store(target.parent)
-    if target.name != LAST_POINTER and store.size(target.name) is not None:
-        return target
-    if target.name != LAST_POINTER and is_sharded_checkpoint(target):
-        why = sharded_incomplete(store.below(target.name))
-        if why is not None:
-            raise CheckpointError(
-                f"the sharded checkpoint {target} is not complete: {why}. Load another "
-                "checkpoint, for example the previous one in its directory."
-            )
-        return target
-    directory = target.parent if target.name == LAST_POINTER else target
-    inside = Store(directory)
-    found, skipped = latest(inside)
-    if found is None:
-        listed = "; ".join(f"{name}: {why}" for name, why in skipped[:5])
-        raise CheckpointError(
-            f"no checkpoint at {target}: there is no such object, and {directory} holds no "
-            f"complete checkpoint (one with its {MARKER_SUFFIX} marker)"
-            + (f". Skipped as not complete: {listed}." if listed else ".")
-        )
-    if skipped:
-        warnings.warn(_skipped_message(inside, found, skipped), UserWarning, stacklevel=4)
-    return inside.url(found)

@@ -47,7 +47,7 @@ from loopbus.step._params import own_class
 
 from .._exceptions import CheckpointError
 from .._untrusted import check_state_nesting
-from ..storage import RemotePath, Store, is_url, located, location, remote_path
+from ..storage import RemotePath, Storage, located, location, store_for
 from ._diagnose import _refusal, check_loaded
 from ._format import (
     SHARDED_MARKER,
@@ -55,10 +55,8 @@ from ._format import (
     Marker,
     check_header,
     describe_os_error,
-    read_json,
     read_remote_json,
 )
-from ._locate import sharded_incomplete
 from ._parts import CheckpointMismatch, _check, load_state, qualname
 from ._sharded_save import LAYOUT, _distributed, _tensor_state, is_tensor_part
 from ._write import write_checkpoint
@@ -219,13 +217,17 @@ def _shard_error(path: Path | RemotePath, exc: BaseException) -> CheckpointError
 # ---------------------------------------------------------------- checking
 
 
-def _marker(path: Path) -> dict[str, Any]:
+def _marker(path: Path | RemotePath, inside: Storage) -> tuple[Marker, dict[str, int]]:
+    """The completeness marker of the sharded checkpoint ``path`` (whose directory is the
+    store ``inside``) and the directory's entries, name -> size; raises
+    :class:`CheckpointError` saying why there is no marker to check it against."""
     marker = path / SHARDED_MARKER
-    if not path.is_dir():
-        raise CheckpointError(f"no sharded checkpoint at {path}: it is not a directory.")
-    if not marker.is_file():
-        names = sorted(p.name for p in path.iterdir())[:10]
-        if (path / ".metadata").is_file() or (path / SHARDED_STATE).is_file():
+    objects, prefixes = inside.contents()
+    if SHARDED_MARKER not in objects:
+        if not objects and not prefixes and (why := _no_directory(path)) is not None:
+            raise CheckpointError(f"no sharded checkpoint at {path}: {why}.")
+        names = sorted(set(objects) | prefixes)[:10]
+        if ".metadata" in objects or SHARDED_STATE in objects:
             raise CheckpointError(
                 f"the sharded checkpoint {path} is incomplete: it has no completeness "
                 f"marker {marker.name}, which rank 0 writes last, once every rank has "
@@ -239,7 +241,7 @@ def _marker(path: Path) -> dict[str, Any]:
             "Checkpoint plugin writes into."
         )
     try:
-        info = read_json(marker, Marker)
+        info = read_remote_json(inside, SHARDED_MARKER, Marker)
     except OSError as exc:
         raise CheckpointError(
             f"cannot read the completeness marker {marker}: {describe_os_error(exc)}"
@@ -251,61 +253,44 @@ def _marker(path: Path) -> dict[str, Any]:
         ) from None
     if info.layout != LAYOUT:
         raise CheckpointError(f"the completeness marker {marker} is not a sharded checkpoint's.")
-    return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
+    return info, objects
+
+
+def _no_directory(path: Path | RemotePath) -> str | None:
+    """Why ``path`` is no directory (an empty one is, where the store has them), or None."""
+    store, name = located(path)
+    if store.is_directory(name):
+        return None
+    return "it is not a directory" if store.size(name) is not None else "nothing is there"
 
 
 def verify_sharded(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Check a sharded checkpoint against its completeness marker: every file it lists is
-    there with the size it had when written. Returns the marker; raises
-    :class:`CheckpointError` naming the file that is missing or has another size. A URL
-    is checked against its objects' sizes in the store."""
-    if is_url(path):
-        return _verify_remote(remote_path(path))
-    p = Path(os.fspath(path))
-    info = _marker(p)
-    files = info.get("files")
+    """Check a sharded checkpoint (a directory, or a URL's prefix) against its
+    completeness marker: every file it lists is there with the size it had when written,
+    as its store lists them. Returns the marker; raises :class:`CheckpointError` naming
+    the file that is missing or has another size."""
+    p = location(path)
+    inside = store_for(p)
+    info, sizes = _marker(p, inside)
+    files = info.files
     if not isinstance(files, dict) or SHARDED_STATE not in files:
         raise CheckpointError(f"the completeness marker {p / SHARDED_MARKER} lists no files.")
     for name, size in files.items():
         file = p / str(name)
-        try:
-            actual = file.stat().st_size
-        except FileNotFoundError:
+        actual = sizes.get(str(name))
+        if actual is None:
             raise CheckpointError(
-                f"the sharded checkpoint {p} is missing its file {file} (a shard "
+                f"the sharded checkpoint {p} is missing its {inside.noun} {file} (a shard "
                 "or its metadata): it was deleted or not copied. Load another checkpoint, "
                 "or copy the whole directory."
-            ) from None
+            )
         if actual != size:
             raise CheckpointError(
-                f"the file {file} of the sharded checkpoint {p} is truncated or modified: "
-                f"its completeness marker records {size} bytes but it has {actual}. Load "
-                "another checkpoint, for example the previous one in its directory."
+                f"the {inside.noun} {file} of the sharded checkpoint {p} is truncated or "
+                f"modified: its completeness marker records {size} bytes but it has "
+                f"{actual}. Load another checkpoint, for example the previous one in its "
+                "directory."
             )
-    return info
-
-
-def _verify_remote(target: RemotePath) -> dict[str, Any]:
-    """:func:`verify_sharded` of a sharded checkpoint in an object store."""
-    inside = Store(target)
-    try:
-        why = sharded_incomplete(inside)
-        info = read_remote_json(inside, SHARDED_MARKER, Marker) if why is None else None
-    except Exception as exc:
-        raise CheckpointError(
-            f"cannot read the sharded checkpoint {target}: {type(exc).__name__}: {exc}"
-        ) from exc
-    if why is not None or info is None:
-        if why is not None and "no completeness marker" in why and not inside.listing():
-            why = "there is nothing under that URL"
-        raise CheckpointError(
-            f"the sharded checkpoint {target} cannot be loaded: {why}. Load another "
-            "checkpoint, for example the previous one in its directory."
-        )
-    if info.layout != LAYOUT:
-        raise CheckpointError(
-            f"the completeness marker {target / SHARDED_MARKER} is not a sharded checkpoint's."
-        )
     return {k: v for k, v in msgspec.structs.asdict(info).items() if v is not None}
 
 

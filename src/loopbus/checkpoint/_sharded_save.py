@@ -114,7 +114,9 @@ def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return {"module": model, "optim": optim, "grads": grads}
 
 
-def _shards_failed(target: Path | RemotePath, exc: BaseException) -> CheckpointError:
+def _shards_failed(
+    target: Path | RemotePath, temp: Path | RemotePath, exc: BaseException
+) -> CheckpointError:
     """A failed write of a sharded checkpoint's shards (``dcp.save``, ``dcp.async_save``)
     as a :class:`CheckpointError` naming the checkpoint and the cause: a file system's
     error (a full disk) as what it says, not as the ``RuntimeError`` torch makes of it
@@ -126,7 +128,7 @@ def _shards_failed(target: Path | RemotePath, exc: BaseException) -> CheckpointE
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
         shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
         cause = f"{type(shown).__name__}: {shown}"
-    if not located(target)[0].renames:  # written in place: no marker, no reader
+    if temp == target:  # written in place: no marker, no reader
         return CheckpointError(
             f"could not write the shards of the sharded checkpoint {target}: {cause}. It "
             "was not completed (it has no marker, so no reader takes it), what was written "
@@ -193,7 +195,7 @@ class ShardedSave:
             except (Exception, CheckpointException) as exc:
                 if self.writer_rank:
                     _discard(self.temp)
-                raise _shards_failed(self.path, exc) from exc
+                raise _shards_failed(self.path, self.temp, exc) from exc
         if self.writer_rank:
             if self.temp == self.path:  # written in place: its marker completes it
                 self._complete_remote(self.path)  # type: ignore[arg-type]
@@ -406,7 +408,7 @@ class ShardedCheckpointWriter:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             if zero:
                 _discard(temp)
-            raise _shards_failed(target, exc) from exc
+            raise _shards_failed(target, temp, exc) from exc
         return ShardedSave(
             target,
             temp,

@@ -266,7 +266,8 @@ def write_checkpoint(
     header = check_header(state, "the state passed to write_checkpoint")
     plain = to_plain(state, where=f"checkpoint (for {name})")
     marker = name + MARKER_SUFFIX
-    existed = store.renames and store.size(name) is not None
+    whole = store.whole_without_marker()  # a failed write leaves the old file as it was
+    existed = whole and store.size(name) is not None
     unmarked: list[bool] = []  # the old file's marker is removed
 
     def unmark() -> None:
@@ -288,7 +289,7 @@ def write_checkpoint(
             "such as 'checkpoints/run.ckpt'."
         ) from exc
     except (OSError, CheckpointError) as exc:
-        failed = _write_failed if store.renames else _upload_failed
+        failed = _write_failed if whole else _upload_failed
         raise CheckpointError(
             failed(target, stage, _cause(exc), existed, bool(unmarked), update_last)
         ) from exc

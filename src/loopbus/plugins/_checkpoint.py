@@ -24,8 +24,6 @@ from loopbus import (
     RemotePath,
     check_choice,
     check_int,
-    check_local_path,
-    is_url,
     on,
 )
 from loopbus.events import (
@@ -45,7 +43,7 @@ from ._checkpoint_files import (
     check_filename,
     in_run_folder,
     latest_in,
-    remote_directory,
+    open_folder,
 )
 
 if TYPE_CHECKING:
@@ -82,22 +80,6 @@ def _renamed(old: str, new: str) -> None:
     )
 
 
-def _directory(
-    dirpath: str | os.PathLike[str],
-    storage_options: Mapping[str, Any] | None,
-    store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
-) -> Path | RemotePath:
-    remote = storage_options is not None or store_deadlines is not None
-    if is_url(dirpath) or remote:  # s3://bucket/run, any fsspec URL
-        return remote_directory(dirpath, storage_options, store_deadlines)
-    check_local_path("dirpath", dirpath, owner="Checkpoint")
-    if not isinstance(dirpath, (str, os.PathLike)) or not os.fspath(dirpath):
-        raise MisconfigurationError(
-            f"Checkpoint(dirpath=...) must be a directory path, got {dirpath!r}."
-        )
-    return Path(os.fspath(dirpath))
-
-
 def _schedule(
     every_n_steps: int | None, every_n_epochs: int | None, monitor: str | None
 ) -> tuple[int | None, int | None]:
@@ -120,7 +102,7 @@ def _files(
     """How the checkpoints are written (see ``_checkpoint_files``); when is decided by
     the plugin."""
     return CheckpointFiles(
-        None if dirpath is None else _directory(dirpath, storage_options, store_deadlines),
+        None if dirpath is None else open_folder(dirpath, storage_options, store_deadlines),
         retries=check_int("upload_retries", upload_retries, minimum=0, owner="Checkpoint"),
         on_error=check_choice("upload_errors", upload_errors, _UPLOAD_ERRORS, owner="Checkpoint"),
     )

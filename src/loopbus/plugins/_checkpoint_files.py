@@ -35,11 +35,8 @@ from loopbus.storage import (
     FolderLease,
     Storage,
     StoreDeadlines,
-    StoreHealth,
     folder_lease,
-    location,
-    remote_path,
-    require_backend,
+    open_location,
     store_for,
 )
 
@@ -56,8 +53,8 @@ __all__ = [
     "check_filename",
     "in_run_folder",
     "latest_in",
+    "open_folder",
     "ranged",
-    "remote_directory",
 ]
 
 #: The names of checkpoint files (others count when they have a completeness marker).
@@ -179,9 +176,10 @@ class CheckpointFiles:
 
     @property
     def remote(self) -> bool:
-        """Whether ``dirpath``'s store uploads its entries rather than renaming them into
-        place (a URL: an object store)."""
-        return self.dirpath is not None and not self._store().renames
+        """Whether ``dirpath``'s store writes its entries in place, whole only once
+        their marker is written (a URL: an object store), rather than renaming them into
+        place: its saves are uploads, retried and waited for."""
+        return self.dirpath is not None and not self._store().whole_without_marker()
 
     def _taken(self) -> set[str]:
         """The names in use in the remote ``dirpath``: listed at the fit's first look
@@ -527,32 +525,20 @@ def _lost(lease: FolderLease | None) -> str | None:
     return None
 
 
-def remote_directory(
+def open_folder(
     dirpath: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None,
     store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
-) -> RemotePath:
-    """A URL ``dirpath`` with its storage options and deadlines, its scheme's package
-    checked now."""
-    if isinstance(location(dirpath), Path):  # not a URL
-        option = "storage_options" if storage_options is not None else "store_deadlines"
-        raise MisconfigurationError(
-            f"Checkpoint({option}=...) applies to a URL dirpath such as "
-            f"'s3://bucket/run'; {os.fspath(dirpath)!r} is a local path."
-        )
-    if storage_options is not None and not isinstance(storage_options, Mapping):
-        raise MisconfigurationError(
-            "Checkpoint(storage_options=...) must be a dict of fsspec storage options, got "
-            f"a {type(storage_options).__name__}."
-        )
-    remote = remote_path(dirpath, storage_options)
-    deadlines = StoreDeadlines.of(store_deadlines, owner="Checkpoint(store_deadlines=...)")
-    # Its own health: every call to the store through it says how it went (an outage).
-    remote = RemotePath(
-        remote.url, remote.storage_options, deadlines or remote.deadlines, health=StoreHealth()
+) -> Path | RemotePath:
+    """The plugin's ``dirpath``, checked: a URL (s3://bucket/run, any fsspec URL) with its
+    storage options, deadlines and a health of its own, or a local path; the storage
+    package tells the one from the other."""
+    return open_location(
+        dirpath,
+        storage_options=storage_options,
+        store_deadlines=store_deadlines,
+        owner="Checkpoint",
     )
-    require_backend(remote, owner=f"Checkpoint(dirpath={remote.url!r})")
-    return remote
 
 
 def _is_checkpoint(store: Storage, name: str, objects: dict[str, int], prefixes: set[str]) -> bool:
@@ -562,7 +548,7 @@ def _is_checkpoint(store: Storage, name: str, objects: dict[str, int], prefixes:
     sharded checkpoint (in an object store, a prefix needs its marker)."""
     if name.endswith(_MARKER):
         return False
-    if name in prefixes and store.renames:
+    if name in prefixes and store.whole_without_marker():
         return is_sharded_checkpoint(store.path(name))
     return name == _POINTER or name.endswith(_SUFFIXES) or name + _MARKER in objects
 

@@ -13,7 +13,8 @@ completeness marker, ``last.json``) on a :class:`Storage`.
 
 Modules: ``_advice`` (what a failed store call means, and what to do), ``_store`` (URLs, :class:`RemotePath`, :class:`StoreDeadlines`, :class:`Store`),
 ``_local`` (:class:`Storage`, :class:`LocalStore`, :func:`store_for`, :func:`located`,
-the local store's temporaries: :func:`temporary_for`, :func:`temporary_writer`),
+:func:`open_location`, the local store's temporaries: :func:`temporary_for`,
+:func:`temporary_writer`),
 ``_lease`` (:class:`FolderLease`, :func:`folder_lease`), ``_health``
 (:class:`StoreHealth`, :class:`Outage`).
 """
@@ -33,6 +34,7 @@ from ._local import crc32_of as crc32_of
 from ._local import host_tag as host_tag
 from ._local import located as located
 from ._local import location as location
+from ._local import open_location as open_location
 from ._local import store_for as store_for
 from ._local import temporary_for as temporary_for
 from ._local import temporary_writer as temporary_writer
@@ -61,6 +63,7 @@ __all__ = [
     "is_url",
     "located",
     "location",
+    "open_location",
     "remote_path",
     "require_backend",
     "store_for",

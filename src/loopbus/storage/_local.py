@@ -28,9 +28,10 @@ from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar, runtime_checkable
 
 from .._durable import replace_atomically
+from .._exceptions import MisconfigurationError
 from .._untrusted import read_small
 from ._health import StoreHealth
-from ._store import RemotePath, Store, is_url, remote_path, require_backend
+from ._store import RemotePath, Store, StoreDeadlines, is_url, remote_path, require_backend
 
 _T = TypeVar("_T")
 
@@ -41,7 +42,15 @@ _HOST_SEP = "@"
 #: The longest host tag in a temporary file's name.
 _HOST_TAG_MAX = 32
 
-__all__ = ["LocalStore", "Storage", "crc32_of", "located", "location", "store_for"]
+__all__ = [
+    "LocalStore",
+    "Storage",
+    "crc32_of",
+    "located",
+    "location",
+    "open_location",
+    "store_for",
+]
 
 
 @runtime_checkable
@@ -162,6 +171,20 @@ class Storage(Protocol):
     def exists(self, name: str) -> bool:
         """Whether the directory holds an entry or a subdirectory called ``name`` (a local
         link counts, even to nothing)."""
+        ...
+
+    def is_directory(self, name: str) -> bool:
+        """Whether ``name`` is a directory in this one: a local directory (a link to one
+        counts, even empty); in an object store, a prefix with objects under it (and no
+        object of that name)."""
+        ...
+
+    def whole_without_marker(self) -> bool:
+        """Whether an entry found under its name is whole even without its completeness
+        marker: true where a rename publishes it (a writer that dies leaves a temporary,
+        under another name, and a write that fails leaves the entry it replaces as it
+        was); false in an object store, where an entry fills up under its final name and
+        only its marker, written last, says that it is whole."""
         ...
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
@@ -302,6 +325,12 @@ class LocalStore:
 
     def exists(self, name: str) -> bool:
         return os.path.lexists(self.path(name))
+
+    def is_directory(self, name: str) -> bool:
+        return self.path(name).is_dir()
+
+    def whole_without_marker(self) -> bool:
+        return True  # published by a rename
 
     def holds(self, path: str | os.PathLike[str]) -> bool:
         try:
@@ -449,3 +478,58 @@ def located(
         return store_for(remote.parent, retries=retries), remote.name
     local = Path(os.fspath(path))
     return LocalStore(local.parent), local.name
+
+
+def open_location(
+    path: object,
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    store_deadlines: StoreDeadlines | Mapping[str, float] | None = None,
+    owner: str,
+    option: str = "dirpath",
+) -> Path | RemotePath:
+    """The directory ``path`` that ``owner``'s option ``option`` names (the
+    ``Checkpoint`` plugin's ``dirpath``), checked now: a URL (or a path given
+    ``storage_options`` or ``store_deadlines``, which only a URL takes) as a
+    :class:`RemotePath` with them and a :class:`StoreHealth` of its own (each call to the
+    store says how it went), its scheme's package checked; a local path as a
+    :class:`~pathlib.Path`. Raises :class:`MisconfigurationError` naming
+    ``owner(option=...)`` for options given with a local path, storage options that are
+    no mapping, deadlines that are not :class:`StoreDeadlines`, or no path at all."""
+    if is_url(path) or storage_options is not None or store_deadlines is not None:
+        return _watched(path, storage_options, store_deadlines, owner=owner, option=option)
+    if not isinstance(path, (str, os.PathLike)) or not os.fspath(path):
+        raise MisconfigurationError(
+            f"{owner}({option}=...) must be a directory path, got {path!r}."
+        )
+    return Path(os.fspath(path))
+
+
+def _watched(
+    path: Any,
+    storage_options: Mapping[str, Any] | None,
+    store_deadlines: StoreDeadlines | Mapping[str, float] | None,
+    *,
+    owner: str,
+    option: str,
+) -> RemotePath:
+    """:func:`open_location` of a URL: with its storage options, its deadlines and a
+    health of its own."""
+    if not is_url(path):
+        given = "storage_options" if storage_options is not None else "store_deadlines"
+        raise MisconfigurationError(
+            f"{owner}({given}=...) applies to a URL {option} such as "
+            f"'s3://bucket/run'; {os.fspath(path)!r} is a local path."
+        )
+    if storage_options is not None and not isinstance(storage_options, Mapping):
+        raise MisconfigurationError(
+            f"{owner}(storage_options=...) must be a dict of fsspec storage options, got "
+            f"a {type(storage_options).__name__}."
+        )
+    remote = remote_path(path, storage_options)
+    deadlines = StoreDeadlines.of(store_deadlines, owner=f"{owner}(store_deadlines=...)")
+    remote = RemotePath(
+        remote.url, remote.storage_options, deadlines or remote.deadlines, health=StoreHealth()
+    )
+    require_backend(remote, owner=f"{owner}({option}={remote.url!r})")
+    return remote

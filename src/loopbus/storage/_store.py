@@ -546,6 +546,14 @@ class Store:
         objects, prefixes = self.contents()
         return name in objects or name in prefixes
 
+    def is_directory(self, name: str) -> bool:
+        """Whether objects lie under the prefix ``name`` (and no object is so named)."""
+        return self.size(name) is None and any(self.below(name).contents())
+
+    def whole_without_marker(self) -> bool:
+        """False: an object fills up under its final name; its marker says it is whole."""
+        return False
+
     def holds(self, path: str | os.PathLike[str]) -> bool:
         return is_url(path) and remote_path(path).parent == self.directory
 

@@ -252,15 +252,15 @@ def test_a_lost_group_rejoins_and_every_sample_trains_once(tmp_path: Path, light
 def test_a_restarted_group_without_a_live_peer_refuses_to_start_afresh(
     tmp_path: Path, lighthouse: str
 ) -> None:
-    # Asked to resume from the newest checkpoint (ckpt_path="last"), none saved: nothing
-    # loaded, as with no ckpt_path (with one it resumes, see the whole-job test below).
-    extra = ("--ckpt", str(tmp_path / "ckpt"), "--resume")
+    # Restarted and given no ckpt_path, it looks for its newest checkpoint (as
+    # ckpt_path="last"): none saved (with one it resumes, see the whole-job test below).
+    extra = ("--ckpt", str(tmp_path / "ckpt"))
     group = _group(tmp_path, lighthouse, 1, restarted=True, extra=extra)
     assert group.wait(timeout=90) != 0
     said = (tmp_path / "stderr-1.txt").read_text()
     assert "rejoins the run" in said, said[-3000:]
     assert "found no live replica group" in said
-    assert "ckpt_path='last'" in said
+    assert "Checkpoint plugin's folder" in said
     assert not (tmp_path / "ledger-1.jsonl").read_text().strip()
 
 
@@ -305,9 +305,10 @@ def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
     saved = max(_newest_step(ckpt / f"group-{g}") for g in (0, 1))
 
     # The relaunch: every group restarted (as torchrun tells a restarted worker), none
-    # with a live peer; each loads its newest checkpoint, the one behind heals from the
-    # other, and a step commits only with both (min_replicas=2).
-    resuming = (*saving, "--resume", "--min-replicas", "2", "--sleep-s", "0")
+    # with a live peer, none given a ckpt_path; each loads its newest checkpoint by
+    # itself, the one behind heals from the other, and a step commits only with both
+    # (min_replicas=2).
+    resuming = (*saving, "--min-replicas", "2", "--sleep-s", "0")
     groups = [_group(second, lighthouse, g, restarted=True, extra=resuming) for g in (0, 1)]
     for g, group in enumerate(groups):
         assert group.wait(timeout=90) == 0, (second / f"stderr-{g}.txt").read_text()[-3000:]

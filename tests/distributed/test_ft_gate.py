@@ -8,9 +8,10 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils.data import DataLoader
 
 from loopbus import Plugin, Strategy, Trainer, on
-from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, plan_step
+from loopbus.data._sampler import CommittedCursor, CommittedCursorLoader, Seat, plan_step
 from loopbus.distributed import FaultTolerantStrategy
 from loopbus.distributed._resolve import resolve_strategy
 from loopbus.events import PutRecord, ReplicaLost, StepAborted, TrainBatchStarted
@@ -20,15 +21,26 @@ from tests.helpers import TinyModule, make_loader
 
 def test_a_plan_cuts_the_next_samples_into_one_slice_per_group() -> None:
     order = list(range(100, 120))
-    plans = [plan_step(order, 4, 3, rank, 2) for rank in (0, 1)]
+    plans = [plan_step(order, 4, 3, Seat(rank, 2)) for rank in (0, 1)]
     assert [p.indices for p in plans if p] == [(104, 105, 106), (107, 108, 109)]
     assert all(p is not None and p.consumed == 6 for p in plans)
     # The epoch's last step shares what is left evenly; past the end there is no plan.
-    tail = [plan_step(order, 15, 3, rank, 2) for rank in (0, 1)]
+    tail = [plan_step(order, 15, 3, Seat(rank, 2)) for rank in (0, 1)]
     assert [p.indices for p in tail if p] == [(115, 116, 117), (118, 119)]
-    assert plan_step(order, 20, 3, 0, 2) is None
+    assert plan_step(order, 20, 3, Seat(0, 2)) is None
     with pytest.raises(ValueError, match="not among 2 participants"):
-        plan_step(order, 0, 3, 2, 2)
+        plan_step(order, 0, 3, Seat(2, 2))
+    # A replica group of two processes: each reads its own batch of the group's slice.
+    seats = [Seat(rank, 2, at, 2) for rank in (0, 1) for at in (0, 1)]
+    cut = [plan_step(order, 4, 3, seat) for seat in seats]
+    assert [p.indices for p in cut if p] == [
+        tuple(range(104 + 3 * k, 107 + 3 * k)) for k in range(4)
+    ]
+    assert all(p is not None and p.consumed == 12 for p in cut)
+    last = [plan_step(order, 14, 3, seat) for seat in seats]  # 6 left: 2 each, then 1, 1
+    assert [p.indices for p in last if p] == [(114, 115), (116, 117), (118,), (119,)]
+    with pytest.raises(ValueError, match="not among the group's 2"):
+        plan_step(order, 0, 3, Seat(0, 2, 2, 2))
 
 
 def test_the_cursor_moves_only_on_commit_and_any_quorum_covers_the_epoch_once() -> None:
@@ -36,11 +48,11 @@ def test_the_cursor_moves_only_on_commit_and_any_quorum_covers_the_epoch_once() 
     seen: list[int] = []
     participants = [2, 2, 1, 3, 1, 2, 2, 3, 3, 3, 3, 3, 3]
     for step, n in enumerate(participants):
-        plans = [cursor.plan(4, rank, n) for rank in range(n)]
+        plans = [cursor.plan(4, Seat(rank, n)) for rank in range(n)]
         if plans[0] is None:
             break
         if step % 3 == 1:  # aborted: nothing moves, the same samples are planned again
-            assert cursor.plan(4, 0, n) == plans[0]
+            assert cursor.plan(4, Seat(0, n)) == plans[0]
             continue
         seen.extend(i for p in plans if p for i in p.indices)
         cursor.commit(plans[0])  # type: ignore[arg-type]
@@ -81,9 +93,7 @@ class _Flaky(Strategy):
 
     def prepare_train_data(self, data: Any) -> Any:
         cursor = CommittedCursor(len(data.dataset), shuffle=False)
-        self.loader = CommittedCursorLoader(
-            data.dataset, data.batch_size, data.collate_fn, cursor, lambda: (0, 1)
-        )
+        self.loader = CommittedCursorLoader(data, cursor, lambda: (0, 1))
         return self.loader
 
     def step_gate(
@@ -185,7 +195,8 @@ def test_a_checkpoint_holds_the_committed_cursor_and_the_managers_count() -> Non
     managers: list[_FakeManager] = []  # the strategy's manager, once started
     commits = _Commits(lambda: managers[0] if managers else None)
     sampler = CommittedCursor(10, shuffle=False)
-    loader = CommittedCursorLoader(range(10), 2, list, sampler, lambda: (0, 1), commits=commits)
+    data = DataLoader(range(10), batch_size=2, collate_fn=list)
+    loader = CommittedCursorLoader(data, sampler, lambda: (0, 1), commits=commits)
     assert next(iter(loader)) == [0, 1]
     assert loader.state_dict()["cursor"]["cursor"] == 0  # in flight: not yet committed
     loader.settle(True)
@@ -198,7 +209,7 @@ def test_a_checkpoint_holds_the_committed_cursor_and_the_managers_count() -> Non
     # run's step (loaded from the same checkpoint) puts a fresh manager ahead.
     resumed = _Commits(lambda: None)
     other = CommittedCursorLoader(
-        range(10), 2, list, CommittedCursor(10, shuffle=False), lambda: (0, 1), commits=resumed
+        data, CommittedCursor(10, shuffle=False), lambda: (0, 1), commits=resumed
     )
     other.load_state_dict(saved)
     assert other.sampler.cursor == 2

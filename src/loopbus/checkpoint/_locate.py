@@ -381,9 +381,7 @@ def resolve_checkpoint(path: PathLike) -> Path | RemotePath:
     names = sorted(n for n in set(objects) | prefixes if n.endswith(".ckpt"))[:10]
     if names:
         nearby = f" Checkpoints in {parent.directory}: {', '.join(names)}."
-    raise CheckpointError(
-        f"no checkpoint at {target}: the {parent.noun} does not exist.{nearby}"
-    )
+    raise CheckpointError(f"no checkpoint at {target}: the {parent.noun} does not exist.{nearby}")
 
 
 def _last_in(store: Storage) -> Path | RemotePath:
@@ -437,12 +435,18 @@ def _unmarked_files(store: Storage, objects: dict[str, int], prefixes: set[str])
 # ---------------------------------------------------------------- named by ckpt_path
 
 
+def checkpoint_writers(plugins: Iterable[Any]) -> list[Any]:
+    """The plugins that know where checkpoints are written (``Checkpoint``, or any with a
+    ``last_checkpoint_path``): where ``ckpt_path="last"`` looks."""
+    return [p for p in plugins if hasattr(p, "last_checkpoint_path")]
+
+
 def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemotePath | None:
     """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report,
     each looked up now through its method ``latest_checkpoint()`` (``Checkpoint``'s) or,
     without one, its ``last_checkpoint_path`` (a property; a plugin's method of that name
     is called); None (with a warning unless ``warn`` is false) if none has written one."""
-    providers = [p for p in plugins if hasattr(p, "last_checkpoint_path")]
+    providers = checkpoint_writers(plugins)
     if not providers:
         raise MisconfigurationError(
             "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "

@@ -150,9 +150,7 @@ class ModulePart:
         if missing:
             problems.append(Problem("missing", f"{name} has {_listing(missing)}", False))
         if unexpected:
-            problems.append(
-                Problem("unexpected", f"{_listing(unexpected)} (not in {name})", False)
-            )
+            problems.append(Problem("unexpected", f"{_listing(unexpected)} (not in {name})", False))
         problems += [Problem("mismatched", line, False) for line in self._matching(saved)[1]]
         return problems
 
@@ -222,8 +220,7 @@ class OptimizerPart(_ClassedPart):
             return [
                 Problem(
                     "mismatched",
-                    f"{len(groups)} parameter groups in the checkpoint but {len(mine)} in "
-                    "this run",
+                    f"{len(groups)} parameter groups in the checkpoint but {len(mine)} in this run",
                 )
             ]
         params: list[torch.Tensor] = []

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 import torch
-from torch.utils.data import DistributedSampler
+from torch.utils.data import DataLoader, DistributedSampler
 
 if TYPE_CHECKING:
     from loopbus.state._stateful import Stateful
@@ -177,15 +177,18 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     group_size: int = 1
 
 
-def plan_step(
-    order: list[int],
-    cursor: int,
-    batch_size: int,
-    replica_rank: int,
-    participants: int,
-    group_rank: int = 0,
-    group_size: int = 1,
-) -> StepPlan | None:
+class Seat(NamedTuple):
+    """Where a process sits in one fault-tolerant step: its replica group's
+    ``replica_rank`` among the step's ``participants`` (from the step's quorum), and its
+    ``group_rank`` among the ``group_size`` processes of its group."""
+
+    replica_rank: int
+    participants: int
+    group_rank: int = 0
+    group_size: int = 1
+
+
+def plan_step(order: list[int], cursor: int, batch_size: int, seat: Seat) -> StepPlan | None:
     """A pure plan: the next ``participants * group_size * batch_size`` samples of
     ``order`` after the committed ``cursor``, cut into contiguous slices of
     ``batch_size``, one per process of the step in order (replica group by replica group,
@@ -194,6 +197,7 @@ def plan_step(
     evenly (the first processes one more); a process left with nothing reads the order's
     first sample (padding, as ``DistributedSampler`` pads), which the step counts as
     consumed by nobody. None: the epoch is over."""
+    replica_rank, participants, group_rank, group_size = seat
     left = len(order) - cursor
     if left <= 0:
         return None
@@ -254,23 +258,8 @@ class CommittedCursor:
                 self._order = list(range(self.size))
         return self._order
 
-    def plan(
-        self,
-        batch_size: int,
-        replica_rank: int,
-        participants: int,
-        group_rank: int = 0,
-        group_size: int = 1,
-    ) -> StepPlan | None:
-        plan = plan_step(
-            self.order(),
-            self.cursor,
-            batch_size,
-            replica_rank,
-            participants,
-            group_rank,
-            group_size,
-        )
+    def plan(self, batch_size: int, seat: Seat) -> StepPlan | None:
+        plan = plan_step(self.order(), self.cursor, batch_size, seat)
         return None if plan is None else msgspec.structs.replace(plan, epoch=self.epoch)
 
     def commit(self, plan: StepPlan) -> None:
@@ -313,10 +302,10 @@ class CommittedCursorLoader:
     """The training data of a fault-tolerant run: each batch is planned when the step
     asks for it, after the step's quorum (``begin_step()`` returns this group's
     ``(replica_rank, participants)``), from the committed cursor, and read from
-    ``dataset`` with ``collate_fn`` in this process; a group of several processes
-    (``group_rank`` of ``group_size``) cuts its slice between them. :attr:`plan` is the
-    plan of the step in flight; :meth:`next_batch` plans (and reads) it again after an
-    abort.
+    ``data``'s dataset with its batch size and collate function in this process; a group
+    of several processes (``group``: this one's ``(rank, size)`` in it) cuts its slice
+    between them. :attr:`plan` is the plan of the step in flight; :meth:`next_batch`
+    plans (and reads) it again after an abort.
 
     It is Stateful, so a checkpoint holds it as the training loader's position: the
     committed cursor and, under ``"commits"``, the state of ``commits`` (the strategy's
@@ -324,20 +313,18 @@ class CommittedCursorLoader:
 
     def __init__(
         self,
-        dataset: Any,
-        batch_size: int,
-        collate_fn: Callable[[list[Any]], Any],
+        data: DataLoader[Any],
         sampler: CommittedCursor,
         begin_step: Callable[[], tuple[int, int]],
         commits: Stateful | None = None,
-        *,
-        group_rank: int = 0,
-        group_size: int = 1,
+        group: tuple[int, int] = (0, 1),
     ) -> None:
-        self.dataset = dataset
-        self.group_rank, self.group_size = int(group_rank), int(group_size)
-        self.batch_size = int(batch_size)
-        self.collate_fn = collate_fn
+        if data.batch_size is None:
+            raise ValueError("a committed-cursor loader needs a DataLoader with a batch_size")
+        self.dataset = data.dataset
+        self.batch_size = int(data.batch_size)
+        self.collate_fn = data.collate_fn
+        self.group_rank, self.group_size = (int(g) for g in group)
         self.sampler = sampler
         self.begin_step = begin_step
         self.commits = commits
@@ -360,9 +347,8 @@ class CommittedCursorLoader:
         if self.sampler.cursor >= self.sampler.size:
             return None
         rank, participants = self.begin_step()
-        plan = self.sampler.plan(
-            self.batch_size, rank, participants, self.group_rank, self.group_size
-        )
+        seat = Seat(rank, participants, self.group_rank, self.group_size)
+        plan = self.sampler.plan(self.batch_size, seat)
         if plan is None:  # a healed state put the cursor at the epoch's end
             return None
         self.plan = plan

@@ -157,8 +157,10 @@ class FaultTolerantStrategy(Strategy):
       how long a quorum may take to form;
     * ``seed``: the seed of the shuffled sample order (the same in every group);
     * ``rejoining``: whether this process replaces a lost group (default: torchrun's
-      ``$TORCHELASTIC_RESTART_COUNT`` > 0). A rejoining group that finds neither a peer
-      with progress nor a loaded checkpoint raises instead of training from step 0;
+      ``$TORCHELASTIC_RESTART_COUNT`` > 0). A rejoining group given no ``ckpt_path``
+      resumes from its newest checkpoint (as ``ckpt_path="last"``); one that finds
+      neither a peer with progress nor a checkpoint raises instead of training from
+      step 0;
     * ``group_strategy``: what runs inside a group: ``"single"`` (one process, the
       default without a launcher), or ``"fsdp"``/an :class:`FSDPStrategy` (the default
       when torchrun starts several processes per group: the module sharded over them,
@@ -335,17 +337,16 @@ class FaultTolerantStrategy(Strategy):
             shuffle=shuffles(data.sampler),
             seed=self.seed,
         )
+        group = (self.group.global_rank, self.group.world_size)
         self._loader = CommittedCursorLoader(
-            data.dataset,
-            data.batch_size,
-            data.collate_fn,
-            sampler,
-            self._begin_step,
-            commits=self._commits,
-            group_rank=self.group.global_rank,
-            group_size=self.group.world_size,
+            data, sampler, self._begin_step, commits=self._commits, group=group
         )
         return self._loader
+
+    def resume_path(self) -> str | None:
+        """``"last"`` when this group rejoins the run: the newest checkpoint of its
+        ``Checkpoint`` plugin, unless ``fit`` is given a ``ckpt_path``."""
+        return "last" if self.rejoining else None
 
     def step_gate(
         self,
@@ -512,10 +513,11 @@ class _CommitGate:
             raise MisconfigurationError(
                 f"replica group {strategy.replica_group} rejoins the run (rejoining=True, or "
                 f"${RESTART_ENV} > 0) but found no live replica group with progress to heal "
-                "from and loaded no checkpoint: it would train from step 0 as if the run "
-                "were new. Resume it from the run's newest checkpoint (fit(..., "
-                "ckpt_path='last') with the run's Checkpoint plugin, or ckpt_path=<file>), "
-                "or pass rejoining=False to start afresh on purpose."
+                "from and loaded no checkpoint (it looks for the newest one of its "
+                "Checkpoint plugin's folder, as fit(..., ckpt_path='last'), when not given "
+                "a ckpt_path): it would train from step 0 as if the run were new. Give it "
+                "the folder the group saved into (Checkpoint(dirpath=...)) or a "
+                "ckpt_path=<file>, or pass rejoining=False to start afresh on purpose."
             )
 
     def commit(self) -> bool:

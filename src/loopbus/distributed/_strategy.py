@@ -158,6 +158,12 @@ class Strategy:
     def prepare_train_data(self, data: Any) -> Any:
         return data
 
+    def resume_path(self) -> str | None:
+        """The checkpoint ``fit`` resumes from when it is given no ``ckpt_path``: None
+        (start afresh) here; ``"last"`` for a fault-tolerant replica group that rejoins
+        a run, which must not start from step 0."""
+        return None
+
     def step_gate(
         self,
         module: torch.nn.Module,

@@ -154,9 +154,7 @@ def build_sources(options: TrainerOptions) -> Sources:
                 CudaBatchSource, device=device, depth=options.device_prefetch
             ),
         )
-    return Sources(
-        prefetch=options.prefetch, move_to=None if device.type == "cpu" else device
-    )
+    return Sources(prefetch=options.prefetch, move_to=None if device.type == "cpu" else device)
 
 
 def _emit_from_worker(deliver: Callable[[Any, Any], None], entries: Any, event: Any) -> None:

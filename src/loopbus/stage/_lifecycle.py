@@ -15,7 +15,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from loopbus.checkpoint._load import read_for_resume
-from loopbus.checkpoint._locate import resolve_resume_path
+from loopbus.checkpoint._locate import checkpoint_writers, resolve_resume_path
 from loopbus.checkpoint._parts import CheckpointMismatch
 from loopbus.checkpoint._rng_state import RngSnapshot
 from loopbus.distributed._strategy import Strategy
@@ -271,6 +271,14 @@ async def prepared_fit(
             train_data = await plugin.prepare_fit(trainer, module, train_data)
             check(train_data, f"{type(plugin).__name__}.prepare_fit's train_data")
     return train_data
+
+
+def default_resume(strategy: Strategy, plugins: list[Plugin]) -> str | None:
+    """What ``fit`` without a ``ckpt_path`` resumes from: the strategy's choice (``"last"``
+    for a fault-tolerant replica group that rejoins a run) when a plugin writes
+    checkpoints to find it among; None (start afresh) otherwise."""
+    path = strategy.resume_path()
+    return path if path is not None and checkpoint_writers(plugins) else None
 
 
 async def resume_from(

@@ -19,9 +19,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Delivery", "Plugin"]
 
-_LIFECYCLE = (
-    "setup", "start", "stop", "teardown", "state_dict", "load_state_dict", "prepare_fit"
-)
+_LIFECYCLE = ("setup", "start", "stop", "teardown", "state_dict", "load_state_dict", "prepare_fit")
 _ARGUMENTS = {"prepare_fit": "trainer, module, train_data"}
 
 

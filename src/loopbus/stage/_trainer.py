@@ -35,7 +35,14 @@ from loopbus.step._precision import Precision, resolve_precision
 from .._exceptions import MisconfigurationError
 from ..events import Event, EventBus, Subscription
 from ._assembly import StageHost, StageParts, active_plugins, build_host
-from ._lifecycle import prepared_fit, resume_from, running_stage, sanity_check, subscribed
+from ._lifecycle import (
+    default_resume,
+    prepared_fit,
+    resume_from,
+    running_stage,
+    sanity_check,
+    subscribed,
+)
 from ._options import OLD_NAMES, Executor, OptionAttributes, TrainerOptions, unknown_options
 from ._plugin import Plugin
 from ._preemption import Preemption
@@ -279,6 +286,8 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         train_data = self.strategy.prepare_train_data(train_data)
         fitting = self._stage("fit", module, train_data=train_data, datamodule=datamodule)
         async with fitting as parts:
+            if ckpt_path is None:  # (a rejoining fault-tolerant group: its newest)
+                ckpt_path = default_resume(self.strategy, self.plugins)
             if ckpt_path is not None:
                 await resume_from(
                     ckpt_path,
@@ -310,7 +319,9 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
         """One pass of ``validation_step`` over ``data``; returns the last value of each
         record put during it. ``ckpt_path`` loads the module's weights first (see
         :meth:`test`)."""
-        module, data, datamodule = _stage_inputs(self, "validate", module, data, datamodule, lightning)
+        module, data, datamodule = _stage_inputs(
+            self, "validate", module, data, datamodule, lightning
+        )
         return await self._evaluate(
             "validate", self.validate_loop, module, data, ckpt_path, datamodule
         )
@@ -351,7 +362,9 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     ) -> list[Any]:
         """``predict_step`` over ``data``; returns the outputs in order. ``ckpt_path``
         loads the module's weights first (see :meth:`test`)."""
-        module, data, datamodule = _stage_inputs(self, "predict", module, data, datamodule, lightning)
+        module, data, datamodule = _stage_inputs(
+            self, "predict", module, data, datamodule, lightning
+        )
         _check_data(data, "data")
         _check_module(module, "predict", None)
         async with self._stage("predict", module, datamodule=datamodule):
@@ -409,9 +422,7 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
             if datamodule is not None:
                 close_datamodule(datamodule, stage)
 
-    def _prepare(
-        self, stage: str, module: Module, train_data: Any, datamodule: Any
-    ) -> StageParts:
+    def _prepare(self, stage: str, module: Module, train_data: Any, datamodule: Any) -> StageParts:
         """Bind the module, move it, configure its optimizers (``fit``), and assemble
         the stage's parts, what the loops run with and what a checkpoint holds (with the
         fit's ``train_data`` and the stage's ``datamodule``)."""
@@ -436,9 +447,21 @@ class Trainer(OptionAttributes, RunViews, CheckpointMethods):
     def _stage_parts(self, stage: str | None, active: list[Plugin]) -> StageParts:
         """The trainer's parts now, as one value (see :class:`StageParts`)."""
         return StageParts(
-            stage, self.module, self.options, self.state, self.recorder, self.bus,
-            self.precision, self.strategy, self.optimizers, self._schedulers, self._stop,
-            self._preemption, self.loops, self.plugins, active,
+            stage,
+            self.module,
+            self.options,
+            self.state,
+            self.recorder,
+            self.bus,
+            self.precision,
+            self.strategy,
+            self.optimizers,
+            self._schedulers,
+            self._stop,
+            self._preemption,
+            self.loops,
+            self.plugins,
+            active,
         )
 
     def _configure(self, module: Module) -> None:

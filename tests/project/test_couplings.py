@@ -1,6 +1,7 @@
-"""The couplings figures that are at their targets stay there (benchmarks/couplings.py):
-no file reads another class's private attributes, and no private module name is used by
-two packages. The figures still above their targets are reported by the script itself."""
+"""The couplings figures stay at their targets (benchmarks/couplings.py): no code outside
+``storage/`` asks whether a location is a URL, no engine signature is wider than six
+parameters, no file reads another class's private attributes, and no private module name
+is used by two packages."""
 
 from __future__ import annotations
 
@@ -15,6 +16,15 @@ from tests.helpers import load_benchmark
 @pytest.fixture(scope="module")
 def couplings() -> ModuleType:
     return load_benchmark("couplings")
+
+
+def test_no_code_outside_storage_asks_whether_a_location_is_a_url(couplings: ModuleType) -> None:
+    assert couplings.storage_branches(couplings._modules(couplings.SRC)) == []
+
+
+def test_no_engine_signature_is_wider_than_six(couplings: ModuleType) -> None:
+    wide = [(n, where) for n, where in couplings.widest(couplings._modules(couplings.SRC)) if n > 6]
+    assert wide == []
 
 
 def test_no_file_reads_another_class_private_attributes(couplings: ModuleType) -> None:

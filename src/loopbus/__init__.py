@@ -250,10 +250,8 @@ __all__ = [
 ]
 
 
-#: Engine names bound on their own first use, not with the others: the sharded
-#: checkpoint's, whose modules import ``torch.distributed.checkpoint`` (a third of the
-#: time the engine takes to import; a run without sharded state never needs it).
-_ON_FIRST_USE = frozenset({"ShardedCheckpointWriter", "ShardedSave", "consolidate_checkpoint"})
+#: Whether the engine's names are bound here (see _load_engine).
+_engine_loaded = False
 
 
 def _bind(name: str) -> Any:
@@ -265,11 +263,17 @@ def _bind(name: str) -> Any:
 def _load_engine() -> None:
     """Bind the engine's names here, then import the standard plugins (written against
     those names, like user code; importing them registers the mixed precisions and the
-    default progress bar)."""
+    default progress bar). A name its package has not loaded yet (the package loads it
+    on first use: the sharded checkpoint's, whose modules import
+    ``torch.distributed.checkpoint``, which a run without sharded state never needs) is
+    bound at its own first use, by ``__getattr__``."""
+    global _engine_loaded
+    _engine_loaded = True
     namespace = globals()
-    for name in _ENGINE_NAMES:
-        if name not in _ON_FIRST_USE:
-            _bind(name)
+    for name, where in _ENGINE_NAMES.items():
+        held = vars(importlib.import_module(f".{where}", __name__))
+        if name in held:
+            namespace[name] = held[name]
     _fixup_module_metadata(__name__, namespace)
     plugins = sys.modules.get(f"{__name__}.plugins")
     if plugins is not None and getattr(plugins.__spec__, "_initializing", False):
@@ -289,14 +293,15 @@ class _Package(types.ModuleType):
 
 
 def __getattr__(name: str) -> Any:
-    if name in _ON_FIRST_USE:
-        value = _bind(name)
-        _fixup_module_metadata(__name__, {"__all__": [name], name: value})
-        return value
-    if name in _ENGINE_NAMES or name == "plugins":
+    if name not in _ENGINE_NAMES and name != "plugins":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if not _engine_loaded:
         _load_engine()
+    if name in globals():
         return globals()[name]
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = _bind(name)  # loaded by its package on first use
+    _fixup_module_metadata(__name__, {"__all__": [name], name: value})
+    return value
 
 
 def __dir__() -> list[str]:

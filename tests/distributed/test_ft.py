@@ -69,6 +69,33 @@ def lighthouse() -> Iterator[str]:
         proc.wait(timeout=30)
 
 
+#: The groups a test started, stopped when it ends (a failed test leaves none running).
+_STARTED: list[subprocess.Popen[str]] = []
+
+
+def _spawned(proc: subprocess.Popen[str]) -> subprocess.Popen[str]:
+    _STARTED.append(proc)
+    return proc
+
+
+@pytest.fixture(autouse=True)
+def _stop_started_groups() -> Iterator[None]:
+    """Each test's groups are stopped at its end: SIGTERM (torchrun passes it on to its
+    workers, which it starts in sessions of their own), then SIGKILL."""
+    yield
+    started = list(_STARTED)
+    _STARTED.clear()
+    for proc in started:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
+
+
 def _group(
     out: Path,
     lighthouse: str,
@@ -98,7 +125,9 @@ def _group(
         args += ["--kill", kill]
     args += extra  # later flags win
     with open(out / f"stderr-{group}.txt", "a") as log:
-        return subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        return _spawned(
+            subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+        )
 
 
 def _lines(path: Path) -> list[dict[str, Any]]:
@@ -383,8 +412,8 @@ def _hsdp_group(
     if kills:
         args += ["--kill-per-restart", ",".join(kills)]
     with open(out / f"stderr-{group}.txt", "a") as log:
-        return subprocess.Popen(
-            args, env=variables, stdout=log, stderr=subprocess.STDOUT, text=True
+        return _spawned(
+            subprocess.Popen(args, env=variables, stdout=log, stderr=subprocess.STDOUT, text=True)
         )
 
 

@@ -342,11 +342,17 @@ def test_the_page_starts_a_run_and_charts_it_live_in_a_browser(server: str, tmp_
                     f'Number(document.querySelector("{chart}").dataset.points) > {before}',
                     timeout=30_000,
                 )
-                state = _state(server, run_id)
-                assert state["state"] == "running"
                 names = page.eval_on_selector_all(
                     ".chart[data-name]", "nodes => nodes.map((n) => n.dataset.name)"
                 )
+                # The charts so far may be the earlier runs' (the server is shared): on a
+                # busy machine this run may not have validated yet. Once it has put every
+                # name, each has its chart and there is no other.
+                _wait_for(
+                    lambda: set(_state(server, run_id)["latest"]) >= set(names), 60, "validation"
+                )
+                state = _state(server, run_id)
+                assert state["state"] == "running"
                 assert sorted(names) == sorted(state["latest"])
                 assert page.locator(f"{chart} canvas").count() == 1
                 assert page.get_attribute(row, "data-state") == "connected"

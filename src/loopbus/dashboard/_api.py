@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import math
-from collections.abc import AsyncIterator, Callable
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable, Hashable
 from typing import Any
 
 import anyio
@@ -53,6 +55,9 @@ _LIGHT = (
 #: Series whose pixel columns are kept for the next chart, at most (beyond those the
 #: last chart used).
 _CACHED = 2048
+#: Whole answers of charts kept (the latest used), at most, and their bytes at most.
+_ANSWERS = 64
+_ANSWER_BYTES = 64 * 1024 * 1024
 #: Seconds a request for every point waits for columns not read yet.
 READING = 60.0
 
@@ -150,20 +155,71 @@ def light(run: Run) -> dict[str, Any]:
     return {key: info[key] for key in _LIGHT}
 
 
+class _Answers:
+    """The latest charts' answers (encoded), by what they were computed from: a chart
+    asked again while nothing it shows changed (a page refreshes its charts while other
+    runs are read) is answered without computing it again. At most :data:`_ANSWERS`
+    of them and :data:`_ANSWER_BYTES` bytes, the least recently used forgotten first."""
+
+    def __init__(self) -> None:
+        self._kept: OrderedDict[Hashable, bytes] = OrderedDict()
+        self._bytes = 0
+
+    def get(self, key: Hashable) -> bytes | None:
+        body = self._kept.get(key)
+        if body is not None:
+            self._kept.move_to_end(key)
+        return body
+
+    def put(self, key: Hashable, body: bytes) -> None:
+        if key in self._kept or len(body) > _ANSWER_BYTES:
+            return
+        self._kept[key] = body
+        self._bytes += len(body)
+        while len(self._kept) > _ANSWERS or self._bytes > _ANSWER_BYTES:
+            self._bytes -= len(self._kept.popitem(last=False)[1])
+
+
+class _Markers:
+    """Each run's markers in an x mode, computed again only when the run changed, with
+    a stamp that changes only when they do (a chart's answer is kept by the stamps of
+    its runs' markers, not by the runs' versions, which other names' points change)."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[Run, int, str, float | None, list[Any], int]] = {}
+        self._stamps = itertools.count()
+
+    def of(self, run: Run, mode: str, origin: float | None) -> tuple[list[Any], int]:
+        """The markers of ``run`` in x ``mode``, and their stamp."""
+        kept = self._kept.get(id(run))
+        if kept is not None and kept[0] is run and kept[1:4] == (run.version, mode, origin):
+            return kept[4], kept[5]
+        made = _markers(run, mode, origin)
+        same = kept is not None and kept[0] is run and kept[2:5] == (mode, origin, made)
+        stamp = kept[5] if same and kept is not None else next(self._stamps)
+        self._kept[id(run)] = (run, run.version, mode, origin, made, stamp)
+        return made, stamp
+
+
 def _lines(
-    catalog: Catalog, query: _Query, cache: dict[Any, Any] | None = None
-) -> Callable[[], dict[str, Any]]:
+    catalog: Catalog,
+    query: _Query,
+    cache: dict[Any, Any] | None = None,
+    markers_of: _Markers | None = None,
+) -> tuple[Hashable, Callable[[], dict[str, Any]]]:
     """What a chart asks for: the runs' arrays are gathered now (in the event loop's
     thread, where the runs change); the function returned computes the answer from them
     alone (in a worker thread, the event loop free meanwhile, one at a time), keeping in
-    ``cache`` each series' pixel columns for the next chart (a series is a key of its
-    own, with its length: its points are only ever added to)."""
+    ``cache`` each series' part of the range for the next chart (under the series and
+    its stamp). Returned with it: a key of the answer, the same as long as the answer is
+    (the series' stamps, the runs read or not yet, their markers, the query)."""
     if len(query.names) != 1:
         raise BadRequest("lines are asked for one record name at a time (one name).")
     name = query.names[0]
     runs = _runs(catalog, query.runs)
     catalog.want(name)
-    shown, data, markers, pending, smoothed, keys = [], [], [], [], [], []
+    markers_of = markers_of if markers_of is not None else _Markers()
+    shown, data, pending, smoothed, keys, marked, stamps = [], [], [], [], [], [], []
     for run in runs:
         series = run.series.get(name)
         if not run.loaded or name in run.pending:
@@ -171,29 +227,60 @@ def _lines(
             continue
         if series is None:
             continue
-        origin = run.origin()
+        origin = run.origin() if query.x == "relative" else None  # only relative uses it
         shown.append(run.id)
         data.append(x_of(series, query.x, origin))
-        keys.append((series, len(series), query.x, origin, query.lo, query.hi))
+        keys.append((series, series.stamp, query.x, origin))
         if query.smoothing > 0:
             smoothed.append(series.smoother(query.smoothing))
-        markers.extend(_markers(run, query.x, origin))
+        made, stamp = markers_of.of(run, query.x, origin)
+        marked.append(made)
+        stamps.append(stamp)
+    answer = (
+        query.x,
+        query.lo,
+        query.hi,
+        query.width,
+        query.smoothing,
+        tuple(key[1:] for key in keys),  # the stamps say what the series hold
+        tuple(shown),
+        tuple(pending),
+        tuple(stamps),
+    )
 
     def compute() -> dict[str, Any]:
         lines_of = [f() for f in smoothed] if query.smoothing else None
-        result = lines(data, query.lo, query.hi, query.width, lines_of, keys, cache)
-        if cache is not None and len(cache) > _CACHED:  # keep what this chart used
-            used = set(keys)
-            for key in [k for k in cache if k[0] not in used]:
-                del cache[key]
+        result = lines(data, query.lo, query.hi, query.width, lines_of, keys, cache, _raw)
+        if cache is not None:
+            _prune(cache, keys, query.lo, query.hi)
         result["smoothing"] = query.smoothing
         result["runs"] = shown
         result["pending"] = pending
         result["total"] = sum(len(x) for x, _ in data)
-        result["markers"] = markers
+        result["markers"] = [m for made in marked for m in made]
         return result
 
-    return compute
+    return answer, compute
+
+
+def _prune(cache: dict[Any, Any], keys: list[Any], lo: float | None, hi: float | None) -> None:
+    """Forget the parts of series that changed since (a part may hold the arrays a
+    series had), those of the series of a chart just computed but those it used (other
+    ranges), and, beyond :data:`_CACHED` parts, every part this chart did not use."""
+    used = {(key, lo, hi) for key in keys}
+    charted = {key[0] for key in keys}
+    over = len(cache) > _CACHED
+    for key in [
+        k
+        for k in cache
+        if k not in used and (over or k[0][0] in charted or k[0][0].stamp != k[0][1])
+    ]:
+        del cache[key]
+
+
+def _raw(values: list[Any]) -> msgspec.Raw:
+    """A series' values of a chart, encoded once (kept with its part of the chart)."""
+    return msgspec.Raw(_encode(values))
 
 
 def _markers(run: Run, mode: str, origin: float | None) -> list[dict[str, Any]]:
@@ -280,13 +367,18 @@ def api_routes(catalog: Catalog) -> list[BaseRoute]:
         return _json(scalars(found))
 
     drawing: list[anyio.CapacityLimiter] = []  # made in the event loop, on first use
-    columns: dict[Any, Any] = {}  # the series' pixel columns of the last charts
+    parts: dict[Any, Any] = {}  # the series' parts of the last charts
+    answers = _Answers()
+    markers = _Markers()
 
     async def chart(request: Request) -> Response:
-        compute = _lines(catalog, await _query(request), columns)
-        if not drawing:  # one chart computed at a time: reading the runs keeps a core
-            drawing.append(anyio.CapacityLimiter(1))
-        body = await anyio.to_thread.run_sync(lambda: _encode(compute()), limiter=drawing[0])
+        key, compute = _lines(catalog, await _query(request), parts, markers)
+        body = answers.get(key)
+        if body is None:
+            if not drawing:  # one chart computed at a time: reading the runs keeps a core
+                drawing.append(anyio.CapacityLimiter(1))
+            body = await anyio.to_thread.run_sync(lambda: _encode(compute()), limiter=drawing[0])
+            answers.put(key, body)
         return Response(body, media_type="application/json")
 
     async def table(request: Request) -> Response:

@@ -216,14 +216,16 @@ class CsvReader(LogReader):
         if offset >= self._size:
             return
         f.seek(offset)
-        data = f.read(_BLOCK)
+        # Exactly what is there (a file is read whole at first): a buffer of the block's
+        # size would be allocated for every read, and a slice of it copied again.
+        data = f.read(min(_BLOCK, self._size - offset))
         cut = data.rfind(b"\n") + 1
         if offset + len(data) == self._size:
             self._tail = (offset + cut, self._size)  # what follows is being written
         if not cut:
             return
         assert self._names is not None
-        rows = parse(data[:cut], self._names, names)
+        rows = parse(memoryview(data)[:cut], self._names, names)
         chunk.arrays.update(rows.arrays)
         chunk.points.update(rows.lists)
         chunk.epochs.update(rows.epochs)

@@ -11,13 +11,14 @@ Imports numpy and the base layer only.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, MutableMapping, Sequence
 from typing import Any
 
 import numpy as np
 
-__all__ = ["X_MODES", "Series", "lines", "scalars", "smooth"]
+__all__ = ["X_MODES", "Part", "Series", "lines", "scalars", "smooth"]
 
 #: What the x axis can show: the step, seconds since the run's first point, or the wall
 #: clock (seconds since the Unix epoch).
@@ -25,6 +26,8 @@ X_MODES = ("step", "relative", "wall")
 #: Integers a float64 holds exactly; a series with a larger one keeps Python ints.
 _EXACT = 2**53
 _NONFINITE = {math.inf: "inf", -math.inf: "-inf"}
+#: Stamps of the series' states, each taken once (see :attr:`Series.stamp`).
+_STAMPS = itertools.count()
 
 
 def _values(values: list[Any]) -> np.ndarray:
@@ -48,6 +51,7 @@ class Series:
         "_steps",
         "_times",
         "_values",
+        "stamp",
     )
 
     def __init__(self) -> None:
@@ -60,6 +64,9 @@ class Series:
         self._sort = False
         # (the values it was computed from, weight, the smoothed line), see smoother().
         self._smoothed: tuple[np.ndarray, float, np.ndarray] | None = None
+        #: A number no other state of any series has, taken anew at every change of its
+        #: points: what a chart keeps of a series is kept under it.
+        self.stamp = next(_STAMPS)
 
     def __len__(self) -> int:
         return len(self._steps) + len(self._new_steps)
@@ -69,12 +76,14 @@ class Series:
 
     def add(self, step: int, time: float, value: Any) -> None:
         """One point (a bool counts as 0 or 1)."""
+        self.stamp = next(_STAMPS)
         self._new_steps.append(step)
         self._new_times.append(time)
         self._new_values.append(value)
 
     def extend(self, steps: Sequence[int], times: Sequence[float], values: Sequence[Any]) -> None:
         """Several points, in order (lists, or numpy arrays taken as they are)."""
+        self.stamp = next(_STAMPS)
         if isinstance(values, np.ndarray):
             self.arrays()  # what came before goes first
             if not len(self._values):  # taken as they are (columns of a file share steps)
@@ -119,6 +128,7 @@ class Series:
 
     def keep(self, mask: np.ndarray) -> None:
         """Keep only the points where ``mask`` (over :meth:`arrays`) is true."""
+        self.stamp = next(_STAMPS)
         steps, times, values = self.arrays()
         self._steps, self._times, self._values = steps[mask], times[mask], values[mask]
 
@@ -166,11 +176,12 @@ def scalars(series: Series) -> dict[str, list[Any]]:
 
 def x_of(series: Series, mode: str, origin: float | None) -> tuple[np.ndarray, np.ndarray]:
     """``(x, y)`` of a series in x ``mode`` (see :data:`X_MODES`), y as float64; relative
-    time counts from ``origin`` (the run's first wall time)."""
+    time counts from ``origin`` (the run's first wall time). The series' own arrays where
+    they are that already (the step, the wall time, float values): not to be changed."""
     steps, times, values = series.arrays()
-    y = values.astype(np.float64)
+    y = np.asarray(values, dtype=np.float64)
     if mode == "step":
-        return steps.astype(np.float64), y
+        return steps, y
     if mode == "relative":
         return times - (origin if origin is not None else 0.0), y
     return times, y
@@ -205,17 +216,23 @@ def smooth(y: np.ndarray, weight: float) -> np.ndarray:
 
 def _extremes(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
     """Per bin (``0 <= bins < n``): the first-logged and the second-logged of its smallest
-    and largest value (NaN where a bin has none, the second NaN where they are one)."""
+    and largest value (NaN where a bin has none, the second NaN where they are one); the
+    smallest logged first of those equal to it, the largest logged last."""
     first = np.full(n, np.nan)
     second = np.full(n, np.nan)
     if not len(y):
         return first, second
-    order = np.lexsort((y, bins))  # by bin, then by value: a bin's min first, max last
-    b = bins[order]
-    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-    ends = np.r_[starts[1:], len(b)] - 1
-    lo, hi = order[starts], order[ends]
-    where = b[starts]
+    if (len(bins) > 1 and not (bins[1:] >= bins[:-1]).all()) or np.isnan(y).any():
+        lo, hi, where = _by_sorting(bins, y)
+    else:  # the points in the order of their bins (x sorted): each bin a run of them
+        starts = np.flatnonzero(np.r_[True, bins[1:] != bins[:-1]])
+        ends = np.r_[starts[1:], len(bins)] - 1
+        counts = ends - starts + 1
+        lows = np.flatnonzero(y == np.repeat(np.minimum.reduceat(y, starts), counts))
+        highs = np.flatnonzero(y == np.repeat(np.maximum.reduceat(y, starts), counts))
+        lo = lows[np.searchsorted(lows, starts)]
+        hi = highs[np.searchsorted(highs, ends, side="right") - 1]
+        where = bins[starts]
     lo_first = lo <= hi
     first[where] = np.where(lo_first, y[lo], y[hi])
     second[where] = np.where(lo_first, y[hi], y[lo])
@@ -223,25 +240,15 @@ def _extremes(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.n
     return first, second
 
 
-def _in_range(
-    data: Sequence[tuple[np.ndarray, np.ndarray]],
-    lo: float | None,
-    hi: float | None,
-    lines: Sequence[np.ndarray] | None,
-) -> tuple[list[tuple[np.ndarray, np.ndarray]], list[np.ndarray]]:
-    """The finite points of each series in ``[lo, hi]``, and their values on the series'
-    smoothed ``lines`` (if any)."""
-    kept, smoothed = [], []
-    for i, (x, y) in enumerate(data):
-        mask = np.isfinite(y)
-        if lo is not None:
-            mask &= x >= lo
-        if hi is not None:
-            mask &= x <= hi
-        kept.append((x[mask], y[mask]))
-        if lines is not None:
-            smoothed.append(lines[i][mask])
-    return kept, smoothed
+def _by_sorting(bins: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For :func:`_extremes` of points in any order: per bin that has points, where its
+    smallest and its largest value are (a stable sort by bin, then by value), and the
+    bin."""
+    order = np.lexsort((y, bins))  # by bin, then by value: a bin's min first, max last
+    b = bins[order]
+    starts = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
+    ends = np.r_[starts[1:], len(b)] - 1
+    return order[starts], order[ends], b[starts]
 
 
 def _ends(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray]:
@@ -263,18 +270,6 @@ def _ends(bins: np.ndarray, y: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarr
     return first, second
 
 
-def _distinct(xs: list[np.ndarray], most: int) -> np.ndarray | None:
-    """The distinct values of the arrays ``xs``, sorted; None when there are more than
-    ``most`` (one sorted array with that many is enough to tell, without sorting them
-    all together)."""
-    for x in xs:
-        if len(x) > most and bool((x[1:] >= x[:-1]).all()):
-            if np.count_nonzero(x[1:] != x[:-1]) + 1 > most:
-                return None
-    distinct = np.unique(np.concatenate(xs))
-    return distinct if len(distinct) <= most else None
-
-
 def _column(first: np.ndarray, second: np.ndarray, keep: np.ndarray) -> list[float | None]:
     """A series' values of the shared x column: per bin its first value and, where
     ``keep`` says, its second; NaN as None."""
@@ -285,46 +280,198 @@ def _column(first: np.ndarray, second: np.ndarray, keep: np.ndarray) -> list[flo
     return listed
 
 
+class Part:
+    """One series' share of a chart over one range: its finite points in the range (the
+    series' own arrays when that is all of them) and their extent; and, for the latest
+    pixel columns it was reduced to, its values per column and those as the answer lists
+    them. Kept between charts under the caller's key (:func:`lines`), so that a chart
+    asked again (on every refresh, while other runs are read or points arrive) computes
+    only what changed."""
+
+    __slots__ = ("_ordered", "distinct", "listed", "mask", "reduced", "start", "stop", "x", "y")
+
+    def __init__(self, x: np.ndarray, y: np.ndarray, lo: float | None, hi: float | None) -> None:
+        mask = np.isfinite(y)
+        if lo is not None:
+            mask &= x >= lo
+        if hi is not None:
+            mask &= x <= hi
+        if mask.all():
+            self.x, self.y, self.mask = x, y, None  # read only: never changed in place
+        else:
+            self.x, self.y, self.mask = x[mask], y[mask], mask
+        self.start = float(self.x.min()) if len(self.x) else math.inf
+        self.stop = float(self.x.max()) if len(self.x) else -math.inf
+        #: How many distinct x values the part has when they are sorted (else None).
+        x = self.x
+        self.distinct: int | None = None
+        if len(x) < 2 or bool((x[1:] >= x[:-1]).all()):
+            self.distinct = int(np.count_nonzero(x[1:] != x[:-1])) + min(len(x), 1)
+        #: (columns, first, second): :func:`_extremes` in the latest equal columns.
+        self.reduced: tuple[Any, np.ndarray, np.ndarray] | None = None
+        #: (columns and the bins kept, the part's values as the answer lists them).
+        self.listed: tuple[Any, Any] | None = None
+        self._ordered: tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray] | None = None
+
+    def ordered(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """The part's values sorted, and samples of them for :func:`_ranked`: every
+        ``m``-th (``m`` about the square root of their count), what each adds to a lower
+        bound of how many values are at most a value it is at most (1 for the first
+        sample, ``m`` for the others), and what each adds to an upper bound of how many
+        are below a value it is below (``m``, or what is left after it)."""
+        if self._ordered is None:
+            values = np.sort(self.y)
+            n = len(values)
+            m = max(16, math.isqrt(n))
+            at = np.arange(0, n, m)
+            lows = np.full(len(at), m)
+            lows[:1] = 1
+            self._ordered = (values, values[at], lows, np.minimum(m, n - at))
+        return self._ordered
+
+
+def _parts(
+    data: Sequence[tuple[np.ndarray, np.ndarray]],
+    lo: float | None,
+    hi: float | None,
+    keys: Sequence[Any] | None,
+    cache: MutableMapping[Any, Part] | None,
+) -> list[Part]:
+    """Each series' :class:`Part` over ``[lo, hi]``: the one kept under its key, or a new
+    one (kept)."""
+    parts = []
+    for i, (x, y) in enumerate(data):
+        key = (keys[i], lo, hi) if keys is not None and cache is not None else None
+        part = cache.get(key) if cache is not None and key is not None else None
+        if part is None:
+            part = Part(x, y, lo, hi)
+            if cache is not None and key is not None:
+                cache[key] = part
+        parts.append(part)
+    return parts
+
+
+def _distinct(parts: list[Part], most: int) -> np.ndarray | None:
+    """The distinct x values of ``parts``, sorted; None when there are more than ``most``
+    (one part with that many is enough to tell, without sorting them all together)."""
+    if any(p.distinct is not None and p.distinct > most for p in parts):
+        return None
+    distinct = np.unique(np.concatenate([p.x for p in parts]))
+    return distinct if len(distinct) <= most else None
+
+
 def _edges(
-    kept: list[tuple[np.ndarray, np.ndarray]], lo: float | None, hi: float | None, width: int
+    parts: list[Part], lo: float | None, hi: float | None, width: int
 ) -> tuple[np.ndarray, tuple[float, float] | None]:
     """The pixel columns' left edges: each distinct x where there are no more than two
     per column (then None), else ``width`` equal columns over the range (then its start
     and stop)."""
-    distinct = _distinct([x for x, _ in kept], 2 * width)
+    distinct = _distinct(parts, 2 * width)
     if distinct is not None:
         return distinct, None
-    start = float(lo if lo is not None else min(x.min() for x, _ in kept if len(x)))
-    stop = float(hi if hi is not None else max(x.max() for x, _ in kept if len(x)))
+    start = float(lo if lo is not None else min(p.start for p in parts if len(p.x)))
+    stop = float(hi if hi is not None else max(p.stop for p in parts if len(p.x)))
     return np.linspace(start, stop, width + 1)[:-1], (start, stop)
 
 
 def _reduce(
-    kept: list[tuple[np.ndarray, np.ndarray]],
+    parts: list[Part],
     edges: np.ndarray,
     on_line: Sequence[np.ndarray] | None,
-    keys: Sequence[Any] | None,
-    cache: MutableMapping[Any, tuple[np.ndarray, np.ndarray]] | None,
     span: tuple[float, float] | None,
 ) -> tuple[list[np.ndarray], list[np.ndarray], list[tuple[np.ndarray, np.ndarray]]]:
     """Per series, its first and second value of each column (:func:`_extremes`), and
-    those of its smoothed line (``on_line``) when given. Equal columns (``span``) of a
-    series whose key is in ``cache`` are taken from there, computed once."""
+    those of its smoothed line (``on_line``) when given. Equal columns (``span``) are
+    kept in each part, computed once."""
     n = len(edges)
+    columns = (*span, n) if span is not None else None
     firsts, seconds, smooth_pairs = [], [], []
-    for i, (x, y) in enumerate(kept):
-        key = None if keys is None or span is None else (keys[i], *span, n)
-        found = cache.get(key) if cache is not None and key is not None else None
-        if found is None or on_line is not None:
-            bins = np.clip(np.searchsorted(edges, x, side="right") - 1, 0, n - 1)
-            found = _extremes(bins, y, n)
-            if cache is not None and key is not None:
-                cache[key] = found
-            if on_line is not None:  # a bin has a second value of both or of neither
-                smooth_pairs.append(_ends(bins, on_line[i], n))
-        firsts.append(found[0])
-        seconds.append(found[1])
+    for i, part in enumerate(parts):
+        bins = None
+        kept = part.reduced
+        if columns is not None and kept is not None and kept[0] == columns:
+            first, second = kept[1], kept[2]
+        else:
+            bins = np.clip(np.searchsorted(edges, part.x, side="right") - 1, 0, n - 1)
+            first, second = _extremes(bins, part.y, n)
+            if columns is not None:
+                part.reduced = (columns, first, second)
+        if on_line is not None:  # a bin has a second value of both or of neither
+            if bins is None:
+                bins = np.clip(np.searchsorted(edges, part.x, side="right") - 1, 0, n - 1)
+            smooth_pairs.append(_ends(bins, on_line[i], n))
+        firsts.append(first)
+        seconds.append(second)
     return firsts, seconds, smooth_pairs
+
+
+def _ranked(parts: list[Part], ranks: Sequence[int]) -> list[float]:
+    """The values of ``ranks`` (0: the smallest) among the values of every part, exact.
+    Each is looked for only among the values between two bounds that the parts' samples
+    (:meth:`Part.ordered`) give, not among all of them: ``L``, the largest sample that
+    at most ``rank`` values can be below, and ``U``, the smallest sample that at least
+    ``rank + 1`` values are at most."""
+    ordered = [p.ordered() for p in parts if len(p.y)]
+    samples = np.concatenate([o[1] for o in ordered])
+    order = np.argsort(samples, kind="stable")
+    samples = samples[order]
+    low = np.cumsum(np.concatenate([o[2] for o in ordered])[order])
+    high = np.cumsum(np.concatenate([o[3] for o in ordered])[order])
+    below_sample = np.r_[0, high[:-1]]  # at most this many values below sample t
+    lo_at = int(np.searchsorted(below_sample, min(ranks), side="right")) - 1
+    hi_at = int(np.searchsorted(low, max(ranks) + 1, side="left"))
+    lower = samples[lo_at]
+    upper = samples[hi_at] if hi_at < len(samples) else None
+    below = 0
+    found = []
+    for values, *_ in ordered:
+        start = int(np.searchsorted(values, lower, side="left"))
+        stop = len(values) if upper is None else int(np.searchsorted(values, upper, "right"))
+        below += start
+        found.append(values[start:stop])
+    candidates = np.concatenate(found)
+    at = [rank - below for rank in ranks]
+    candidates.partition(at)
+    return candidates[at].tolist()
+
+
+def _percentiles(parts: list[Part], total: int) -> list[float]:
+    """The 1st and 99th percentile of the values of every part (``total`` of them), as
+    numpy's ``percentile`` (its linear method) computes them, from the values of four
+    ranks (:func:`_ranked`): no copy of every value is made and sorted for them."""
+    quantiles = np.true_divide(np.array([1, 99]), 100)
+    virtual = (total - 1) * quantiles
+    previous = np.floor(virtual)
+    above = virtual >= total - 1
+    gamma = virtual - np.where(above, -1, previous)
+    ranks = np.where(above, total - 1, previous).astype(np.int64)
+    following = np.where(above, total - 1, previous + 1).astype(np.int64)
+    out = []
+    for i in range(2):
+        a, b = _ranked(parts, [int(ranks[i]), int(following[i])])
+        diff = b - a
+        t = float(gamma[i])
+        out.append(b - diff * (1 - t) if t >= 0.5 else a + diff * t)
+    return out
+
+
+def _listed(
+    part: Part,
+    columns: Any,
+    pair: tuple[np.ndarray, np.ndarray],
+    keep: np.ndarray,
+    wrap: Callable[[list[Any]], Any] | None,
+) -> Any:
+    """:func:`_column` of a part's ``pair`` (as ``wrap`` makes it), kept in the part
+    under ``columns`` (None: not kept)."""
+    kept = part.listed
+    if columns is not None and kept is not None and kept[0] == columns:
+        return kept[1]
+    listed = _column(pair[0], pair[1], keep)
+    made = wrap(listed) if wrap is not None else listed
+    if columns is not None:
+        part.listed = (columns, made)
+    return made
 
 
 def lines(
@@ -334,7 +481,8 @@ def lines(
     width: int,
     smoothed: Sequence[np.ndarray] | None = None,
     keys: Sequence[Any] | None = None,
-    cache: MutableMapping[Any, tuple[np.ndarray, np.ndarray]] | None = None,
+    cache: MutableMapping[Any, Part] | None = None,
+    wrap: Callable[[list[Any]], Any] | None = None,
 ) -> dict[str, Any]:
     """What a chart draws of several series (``(x, y)`` each) over ``[lo, hi]`` (None:
     all), ``width`` pixel columns wide: one shared x column and, per series, its smallest
@@ -344,34 +492,42 @@ def lines(
     (exact positions). Also the points in the range, and their 1st and 99th percentile.
     With ``smoothed`` (per series, its :func:`smooth` line over every point, the range
     aside: :meth:`Series.smoother`), also ``s``: those lines reduced to the same
-    columns. ``keys`` (per series, a key that changes when its points change) and
-    ``cache`` keep each series' reduction to pixel columns for the next chart with the
-    same columns."""
-    kept, on_line = _in_range(data, lo, hi, smoothed)
-    points = sum(len(x) for x, _ in kept)
+    columns. ``keys`` (per series, a key that changes when its points or its x change)
+    and ``cache`` keep each series' :class:`Part` of the range for the next chart;
+    ``wrap`` turns each series' list of values into what the answer holds (the caller's
+    encoding, kept in the part too)."""
+    parts = _parts(data, lo, hi, keys, cache)
+    points = sum(len(p.x) for p in parts)
     if points == 0:
         empty: dict[str, Any] = {"x": [], "y": [[] for _ in data], "points": 0, "p": None}
         if smoothed is not None:
             empty["s"] = [[] for _ in data]
         return empty
-    xs, span = _edges(kept, lo, hi, width)
+    on_line = None
+    if smoothed is not None:
+        on_line = [s if p.mask is None else s[p.mask] for p, s in zip(parts, smoothed, strict=True)]
+    xs, span = _edges(parts, lo, hi, width)
     n = len(xs)
-    firsts, seconds, smooth_pairs = _reduce(
-        kept, xs, on_line if smoothed is not None else None, keys, cache, span
-    )
+    firsts, seconds, smooth_pairs = _reduce(parts, xs, on_line, span)
     pair = np.column_stack([*seconds]) if seconds else np.empty((n, 0))
     has_second = ~np.isnan(pair).all(axis=1)
     step = (xs[1] - xs[0]) / 2 if n > 1 and span is not None else 0.0
     x_out = np.column_stack([xs, xs + step]).ravel()
     keep = np.column_stack([np.ones(n, bool), has_second]).ravel()
-    finite = np.concatenate([y for _, y in kept])  # a copy of its own: sorted in place
-    p1, p99 = np.percentile(finite, [1, 99], overwrite_input=True).tolist()
+    p1, p99 = _percentiles(parts, points)
+    columns = (*span, n, keep.tobytes()) if span is not None else None
     out = {
         "x": x_out[keep].tolist(),
-        "y": [_column(f, s, keep) for f, s in zip(firsts, seconds, strict=True)],
+        "y": [
+            _listed(p, columns, pair, keep, wrap)
+            for p, pair in zip(parts, zip(firsts, seconds, strict=True), strict=True)
+        ],
         "points": points,
         "p": [p1, p99],
     }
     if smoothed is not None:
-        out["s"] = [_column(f, s, keep) for f, s in smooth_pairs]
+        out["s"] = [
+            wrap(_column(f, s, keep)) if wrap is not None else _column(f, s, keep)
+            for f, s in smooth_pairs
+        ]
     return out

@@ -155,6 +155,40 @@ def test_min_replicas_defaults_to_a_majority_and_lowering_it_warns() -> None:
         FaultTolerantStrategy(replica_groups=4, min_replicas=5)
 
 
+def test_a_group_of_several_processes_shards_with_fsdp(monkeypatch: Any) -> None:
+    """One process per group without a launcher; FSDP2 inside the group (HSDP) when
+    torchrun starts several; the group's world is the strategy's."""
+    from loopbus.distributed import FSDPStrategy
+    from loopbus.distributed._strategy import SingleProcess
+
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_RESTART_COUNT"):
+        monkeypatch.delenv(name, raising=False)
+    alone = FaultTolerantStrategy(lighthouse="http://x:1")
+    assert isinstance(alone.group, SingleProcess)
+    assert (alone.world_size, alone.global_rank, alone.sharded_state) == (1, 0, False)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    assert isinstance(FaultTolerantStrategy(lighthouse="http://x:1").group, FSDPStrategy)
+    mine = FSDPStrategy(reshard_after_forward=False)
+    assert FaultTolerantStrategy(group_strategy=mine).group is mine
+    with pytest.raises(Exception, match="takes 'fsdp' or an FSDPStrategy"):
+        FaultTolerantStrategy(group_strategy="ddp")  # type: ignore[arg-type]
+    pytest.importorskip("torchft")  # (set-up asks for it first)
+    single = FaultTolerantStrategy(lighthouse="http://x:1", group_strategy="single")
+    with pytest.raises(Exception, match="runs replica groups of one process, but WORLD_SIZE=2"):
+        single.setup_environment(torch.device("cpu"))
+
+
+def test_a_rejoining_group_resumes_from_its_newest_checkpoint_unless_told(
+    monkeypatch: Any,
+) -> None:
+    monkeypatch.delenv("TORCHELASTIC_RESTART_COUNT", raising=False)
+    assert FaultTolerantStrategy(lighthouse="http://x:1").resume_path() is None
+    assert FaultTolerantStrategy(lighthouse="http://x:1", rejoining=True).resume_path() == "last"
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "2")  # as torchrun restarts a worker
+    assert FaultTolerantStrategy(lighthouse="http://x:1").resume_path() == "last"
+
+
 def test_ft_is_a_strategy_name_configured_from_the_environment(monkeypatch: Any) -> None:
     monkeypatch.setenv("TORCHFT_LIGHTHOUSE", "http://lighthouse:29510")
     monkeypatch.setenv("REPLICA_GROUP_ID", "3")

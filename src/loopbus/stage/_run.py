@@ -43,8 +43,8 @@ def run(
 ) -> T:
     """Run ``await func(*args, **kwargs)`` in a new event loop and return its result::
 
-    loopbus.run(trainer.fit, module, train_data, val_data)
-    loopbus.run(trainer.fit, module, train_data, backend="trio")
+        loopbus.run(trainer.fit, module, train_data, val_data)
+        loopbus.run(trainer.fit, module, train_data, backend="trio")
     """
     if inspect.iscoroutine(func):
         func.close()

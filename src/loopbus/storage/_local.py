@@ -31,7 +31,15 @@ from .._durable import replace_atomically
 from .._exceptions import MisconfigurationError
 from .._untrusted import read_small
 from ._health import StoreHealth
-from ._store import RemotePath, Store, StoreDeadlines, is_url, remote_path, require_backend
+from ._store import (
+    RemotePath,
+    Store,
+    StoreDeadlines,
+    derived,
+    is_url,
+    remote_path,
+    require_backend,
+)
 
 _T = TypeVar("_T")
 
@@ -349,7 +357,7 @@ class LocalStore:
     def dcp_reader(self, name: str, *, mixin: type | None = None) -> Any:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
 
-        return _derived(FileSystemReader, mixin)(self.path(name))
+        return derived(FileSystemReader, mixin)(self.path(name))
 
     def remove_stale_temporaries(self) -> list[Path]:
         """A temporary's name holds its writer's process id and host name (see
@@ -378,11 +386,6 @@ class LocalStore:
                     entry.unlink()
                 removed.append(entry)
         return removed
-
-
-def _derived(base: type, mixin: type | None) -> type:
-    """``base``, or a class that derives from ``mixin`` and then ``base``."""
-    return base if mixin is None else type(base.__name__, (mixin, base), {})
 
 
 def temporary_for(target: Path) -> Path:

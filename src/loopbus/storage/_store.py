@@ -279,6 +279,12 @@ def _backend_options(directory: RemotePath, scheme: str) -> dict[str, Any]:
     return options
 
 
+def derived(base: type, mixin: type | None) -> type:
+    """``base``, or a class that derives from ``mixin`` and then ``base`` (a DCP reader
+    with loopbus's safe index reading)."""
+    return base if mixin is None else type(base.__name__, (mixin, base), {})
+
+
 class Store:
     """The objects directly under the directory ``directory`` (a :class:`RemotePath`),
     by name.
@@ -571,8 +577,7 @@ class Store:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
         where = self.url(name)
-        reader = FsspecReader if mixin is None else type("FsspecReader", (mixin, FsspecReader), {})
-        return reader(where.url, **where.storage_options)
+        return derived(FsspecReader, mixin)(where.url, **where.storage_options)
 
     def remove(self, name: str) -> None:
         """Delete the object ``name``; a missing one is ignored."""

@@ -1,6 +1,6 @@
 """One replica group of a fault-tolerant run (``strategy="ft"``, one process), as the
-fault-tolerance tests launch it: a small MLP trained for one epoch over a dataset whose
-samples carry their ids, SGD with momentum and a per-step LR schedule.
+fault-tolerance tests launch it: a small MLP trained for one epoch or more over a dataset
+whose samples carry their ids, SGD with momentum and a per-step LR schedule.
 
 It writes to ``--out``: ``ledger-<group>.jsonl`` (one line per committed step: the step,
 the plan's cursor, participants and replica rank, the sample ids it trained, the LR),
@@ -10,7 +10,7 @@ at the end, ``final-<group>.pt`` (the weights) and ``summary-<group>.json``.
 With ``--ckpt DIR`` the group saves a checkpoint every ``--every`` committed steps into
 ``DIR/group-<group>`` (each group its own folder); ``--resume`` resumes from the newest
 checkpoint there (``fit(ckpt_path="last")``); ``--samples`` trains on the dataset's
-first samples only.
+first samples only, for ``--epochs`` epochs (one by default).
 
 ``--kill AFTER:PHASE`` is the test-only hook: the process SIGKILLs itself in the step
 ``AFTER`` committed steps past the first step it trains, ``before`` the cross-group
@@ -180,6 +180,8 @@ class Ledger(Plugin):
         entry = {
             "pid": os.getpid(),
             "step": trainer.global_step,
+            "epoch": plan.epoch,
+            "run_epoch": trainer.current_epoch,
             "cursor": plan.cursor,
             "participants": plan.participants,
             "rank": plan.replica_rank,
@@ -217,6 +219,7 @@ def main() -> None:
     parser.add_argument("--every", type=int, default=20)
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--samples", type=int, default=N_SAMPLES)
+    parser.add_argument("--epochs", type=int, default=1)
     args = parser.parse_args()
     kill, rank = args.kill, int(os.environ.get("RANK", "0"))
     if args.kill_per_restart is not None:
@@ -239,7 +242,9 @@ def main() -> None:
     if args.ckpt is not None:
         folder = args.ckpt / f"group-{args.group}"
         plugins.append(Checkpoint(folder, every_n_steps=args.every))
-    trainer = Trainer(max_epochs=1, strategy=strategy, plugins=plugins, enable_model_summary=False)
+    trainer = Trainer(
+        max_epochs=args.epochs, strategy=strategy, plugins=plugins, enable_model_summary=False
+    )
     strategy.killer, strategy.trainer, ledger.trainer = killer, trainer, trainer
     module = Net(args.sleep_s)
     data = DataLoader(dataset(args.samples), batch_size=BATCH, shuffle=True)
@@ -255,6 +260,7 @@ def main() -> None:
     summary = {
         "pid": os.getpid(),
         "step": trainer.global_step,
+        "epoch": trainer.current_epoch,
         "lr": trainer.optimizers[0].param_groups[0]["lr"],
         "loss_records": ledger.records,
     }

@@ -14,6 +14,7 @@ import torch
 import loopbus
 from loopbus import Plugin, Trainer, on
 from loopbus.events import EpochCompleted, PutRecord
+from loopbus.loop import Counters
 from loopbus.plugins import Checkpoint, ProgressBar
 from tests.helpers import TinyModule, make_loader
 
@@ -85,3 +86,14 @@ async def test_stop_line_names_the_epoch_as_current_epoch_does() -> None:
     assert lines[0].startswith("Epoch 0/4 |")
     assert lines[-1] == f"Stopped at epoch {trainer.current_epoch}, step 2: enough"
     assert trainer.current_epoch == 0
+
+
+def test_progress_skips_on_to_a_later_iteration_and_never_back() -> None:
+    # A fault-tolerant group that healed into a later epoch: the fit loop's counters
+    # move on to the peer's epoch (the one in flight), as if the epochs between ran.
+    counters = Counters()
+    counters.ready = counters.started = counters.processed = 1  # epoch 0 in flight
+    counters.skip_to(3)
+    assert counters.state_dict() == {"ready": 4, "started": 4, "processed": 4, "completed": 3}
+    counters.skip_to(1)
+    assert counters.ready == 4

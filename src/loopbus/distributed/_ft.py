@@ -576,12 +576,11 @@ class _CommitGate:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         run = state["run"]
-        if run["epoch"] != self.state.epoch:
+        if run["epoch"] < self.state.epoch:
             raise RuntimeError(
                 f"replica group {self.strategy.replica_group} would heal from a peer in "
-                f"epoch {run['epoch']} while it is in epoch {self.state.epoch}; healing "
-                "across an epoch boundary is not supported yet: resume the group from the "
-                "run's last checkpoint instead."
+                f"epoch {run['epoch']}, behind its own epoch {self.state.epoch}: a group "
+                "heals only from one that is ahead"
             )
         mine, saved = self.module.state_dict(), state["module"]
         if set(mine) != set(saved):

@@ -502,9 +502,7 @@ class FitLoop(_Hosted, Loop[None]):
 
     @property
     def done(self) -> bool:
-        host = self.host
-        state = host.state
-        options = host.options
+        state, options = self.host.state, self.host.options
         return (
             state.stop_requested
             or self.progress.total.completed >= options.max_epochs
@@ -537,6 +535,8 @@ class FitLoop(_Hosted, Loop[None]):
 
     async def on_advance_end(self, ctx: Scope) -> None:
         host = self.host
+        # A fault-tolerant group that healed into a later epoch ended that one, not its own.
+        self.progress.total.skip_to(host.state.epoch)
         await host.records.flush_pending()
         host.train_step.epoch_completed()
 

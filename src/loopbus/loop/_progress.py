@@ -31,6 +31,16 @@ class Counters:
         """Roll back an iteration that was in flight when the state was saved."""
         self.ready = self.started = self.processed = self.completed
 
+    def skip_to(self, iteration: int) -> None:
+        """Make the iteration in flight number ``iteration`` (counting from 0) when it is
+        further on: the ones between were done elsewhere (a fault-tolerant replica group
+        that healed from a peer in a later epoch). Each counter moves on alike."""
+        skipped = max(0, iteration - (self.ready - 1))
+        self.ready += skipped
+        self.started += skipped
+        self.processed += skipped
+        self.completed += skipped
+
     def state_dict(self) -> dict[str, int]:
         return {f: getattr(self, f) for f in _FIELDS}
 

@@ -140,6 +140,13 @@ def newest_step(folder: Path) -> int:
     return 0 if found is None else int(found.name.split("step=")[1].split(".")[0])
 
 
+def saved_steps(folder: Path) -> set[int]:
+    """The steps of the checkpoints in a group's folder (files or sharded directories,
+    published under their names once written)."""
+    names = [p.name for p in folder.glob("*step=*.ckpt")] if folder.is_dir() else []
+    return {int(name.split("step=")[1].split(".")[0]) for name in names}
+
+
 def committed_plans(
     out: Path, steps: range, tags: tuple[str, ...] = ("0", "1")
 ) -> dict[int, dict[str, Any]]:

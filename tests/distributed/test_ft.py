@@ -27,6 +27,7 @@ from tests.distributed.ft_helpers import (
     newest_step,
     read_lines,
     replay_committed,
+    saved_steps,
     slice_of,
 )
 
@@ -150,7 +151,7 @@ def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
     groups = [launch_group(first, lighthouse, g, extra=saving) for g in (0, 1)]
     deadline = time.monotonic() + 90
     # Both groups saved (step 20 or later) and trained on: kill -9 every group, by pid.
-    while min(newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 20:
+    while max(newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 20:
         assert all(g.poll() is None for g in groups), (first / "stderr-0.txt").read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.05)
@@ -158,6 +159,8 @@ def test_a_whole_job_killed_resumes_from_its_newest_checkpoint(
         os.kill(group.pid, signal.SIGKILL)
     assert [g.wait(timeout=30) for g in groups] == [-9, -9]
     saved = max(newest_step(ckpt / f"group-{g}") for g in (0, 1))
+    # One writer: each checkpoint was saved by the group of replica rank 0 alone.
+    assert not saved_steps(ckpt / "group-0") & saved_steps(ckpt / "group-1")
 
     # The relaunch: every group restarted (as torchrun tells a restarted worker), none
     # with a live peer, none given a ckpt_path; each loads its newest checkpoint by

@@ -26,6 +26,7 @@ from tests.distributed.ft_helpers import (
     newest_step,
     read_lines,
     replay_committed,
+    saved_steps,
     slice_of,
 )
 
@@ -156,7 +157,7 @@ def test_a_whole_hsdp_job_killed_resumes_from_its_newest_sharded_checkpoints(
         for g in (0, 1)
     ]
     deadline = time.monotonic() + 200
-    while min(newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 20:
+    while max(newest_step(ckpt / f"group-{g}") for g in (0, 1)) < 20:
         for g, group in enumerate(groups):
             assert group.poll() is None, (first / f"stderr-{g}.txt").read_text()[-3000:]
         assert time.monotonic() < deadline
@@ -167,6 +168,8 @@ def test_a_whole_hsdp_job_killed_resumes_from_its_newest_sharded_checkpoints(
             os.kill(pid, signal.SIGKILL)
     assert all(group.wait(timeout=60) != 0 for group in groups)
     saved = max(newest_step(ckpt / f"group-{g}") for g in (0, 1))
+    # One writer: each checkpoint was saved by the group of replica rank 0 alone.
+    assert not saved_steps(ckpt / "group-0") & saved_steps(ckpt / "group-1")
 
     resuming = (*saving, "--resume", "--min-replicas", "2", "--sleep-s", "0")
     groups = [launch_hsdp_group(second, lighthouse, g, extra=resuming) for g in (0, 1)]

@@ -16,6 +16,7 @@ import torch
 
 import loopbus
 from loopbus import CheckpointError, HandlerError, Plugin, Trainer, on
+from loopbus.distributed import SingleProcess
 from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint, _checkpoint
 from tests.ckpt_scenario import Net, make_data
@@ -88,6 +89,28 @@ async def test_every_n_steps_keeps_the_last_k(tmp_path: Path) -> None:
         assert torch.load(tmp_path / name, weights_only=True)["loopbus"]["global_step"] == int(
             name.split("step=")[1].split(".")[0]
         )
+
+
+class _TakingTurns(SingleProcess):
+    """A strategy whose job writes only the checkpoints due at a step divisible by 10
+    (as a fault-tolerant replica group writes only while it has replica rank 0)."""
+
+    trainer: Trainer
+
+    def writes_checkpoints(self) -> bool:
+        return self.trainer.global_step % 10 == 0
+
+
+async def test_a_save_is_skipped_where_another_job_of_the_run_writes_it(tmp_path: Path) -> None:
+    strategy = _TakingTurns()
+    trainer, module, train, val = build(
+        Checkpoint(tmp_path, every_n_steps=5, keep_last=None), strategy=strategy
+    )
+    strategy.trainer = trainer
+    await trainer.fit(module, train, val)
+    # Due at steps 5, 10, 15, 20 and at the end (24): this job wrote those at 10 and 20.
+    assert ckpt_names(tmp_path) == ["epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt"]
+    assert last_name(tmp_path) == "epoch=1-step=20.ckpt"
 
 
 async def test_every_epoch_by_default_keep_all(tmp_path: Path) -> None:

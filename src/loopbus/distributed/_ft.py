@@ -166,9 +166,11 @@ class FaultTolerantStrategy(Strategy):
       when torchrun starts several processes per group: the module sharded over them,
       HSDP). The group's world, ranks, collectives and checkpoints are its strategy's.
 
-    Every group has its own rank 0, so every group's ``Checkpoint`` plugin writes: give
-    each group its own folder. A checkpoint holds the committed cursor and
-    the manager's count of commits; ``fit(..., ckpt_path="last")`` resumes from it.
+    Only the group of replica rank 0 in the step's quorum saves a checkpoint that falls
+    due (:meth:`writes_checkpoints`; the groups hold the same state at a committed step);
+    give each group's ``Checkpoint`` plugin a folder of its own, since the writer changes
+    when that group is lost. A checkpoint holds the committed cursor and the manager's
+    count of commits; ``fit(..., ckpt_path="last")`` resumes from it.
     """
 
     name = "ft"
@@ -343,6 +345,12 @@ class FaultTolerantStrategy(Strategy):
         )
         return self._loader
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this group saves the checkpoint due now: only the group of replica
+        rank 0 in the last quorum does (the groups hold the same state at a committed
+        step); True outside fit."""
+        return self._gate is None or self._gate.replica_rank == 0
+
     def resume_path(self) -> str | None:
         """``"last"`` when this group rejoins the run: the newest checkpoint of its
         ``Checkpoint`` plugin, unless ``fit`` is given a ``ckpt_path``."""
@@ -476,9 +484,11 @@ class _CommitGate:
         self.loader = loader
         self.params = [p for p in module.parameters() if p.requires_grad]
         self.participants = 0
+        self.replica_rank = 0  #: this group's in the last quorum
         self.last_plan: StepPlan | None = None
         self._events: list[tuple[Any, dict[str, Any]]] = []
         self._quorums = 0
+        self._started = False  # a quorum that can commit was checked (_check_start)
 
     def begin_step(self) -> tuple[int, int]:
         """A new quorum for the next step (a group behind heals here); this group's
@@ -488,8 +498,11 @@ class _CommitGate:
             self.commits.resume(manager, state.step)
         manager.start_quorum()
         rank, participants = manager.participating_rank(), manager.num_participants()
-        if self._quorums == 0:
+        if not self._started and participants >= self.strategy.min_replicas:
+            # The first quorum whose step can commit: it must not start the run afresh
+            # (one with fewer groups cannot commit, so it may wait there for a peer).
             self._check_start()
+            self._started = True
         self._quorums += 1
         if rank is None:
             raise RuntimeError(
@@ -503,7 +516,7 @@ class _CommitGate:
                     {"lost": self.participants - participants, "participants": participants},
                 )
             )
-        self.participants = participants
+        self.participants, self.replica_rank = participants, rank
         return rank, participants
 
     def _check_start(self) -> None:

@@ -158,6 +158,12 @@ class Strategy:
     def prepare_train_data(self, data: Any) -> Any:
         return data
 
+    def writes_checkpoints(self) -> bool:
+        """Whether this process's job writes the checkpoint due now (its rank 0 writes,
+        the others take part in a sharded save): True here; of fault-tolerant replica
+        groups, only the one with replica rank 0 in the step's quorum does."""
+        return True
+
     def resume_path(self) -> str | None:
         """The checkpoint ``fit`` resumes from when it is given no ``ckpt_path``: None
         (start afresh) here; ``"last"`` for a fault-tolerant replica group that rejoins

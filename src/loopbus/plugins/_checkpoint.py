@@ -626,7 +626,7 @@ class Checkpoint(_DeprecatedNames, Plugin):
         self._claim()  # a save before FitStarted (a preemption)
         files = self._files
         if not await files.ready(trainer, final=kind == "end"):
-            return  # the previous upload is still in flight: skipped, with a warning
+            return  # another job of the run saves it, or the previous upload is in flight
         await files.wait_idle()
         await files.announce(trainer)
         step, epoch = trainer.global_step, trainer.current_epoch

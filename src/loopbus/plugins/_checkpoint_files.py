@@ -332,10 +332,13 @@ class CheckpointFiles:
         return name
 
     async def ready(self, trainer: TrainerView, *, final: bool = False) -> bool:
-        """Whether the save now due may start: see ``Uploads.ready`` (a URL's save in
-        flight is waited for at most ``save_wait_s``, not at all while the store fails;
-        whole before the ``final`` save). A local save in flight is waited for by
-        :meth:`wait_idle`."""
+        """Whether the save now due may start: not where another job of the run writes
+        it (``strategy.writes_checkpoints()``: a fault-tolerant replica group's peer);
+        see ``Uploads.ready`` (a URL's save in flight is waited for at most
+        ``save_wait_s``, not at all while the store fails; whole before the ``final``
+        save). A local save in flight is waited for by :meth:`wait_idle`."""
+        if not trainer.strategy.writes_checkpoints():
+            return False
         uploads = self._uploads
         return True if uploads is None else await uploads.ready(trainer, self._idle, final=final)
 

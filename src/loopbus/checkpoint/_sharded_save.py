@@ -31,9 +31,8 @@ marker, every object of the size it records: one whose writers died is never com
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
-import shutil
-import tempfile
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -48,16 +47,8 @@ from torch.distributed.checkpoint.state_dict_saver import _save_state_dict
 from torch.distributed.checkpoint.state_dict_saver import async_save as dcp_async_save
 from torch.distributed.checkpoint.state_dict_saver import save as dcp_save
 
-from .._durable import fsync_dir
 from .._exceptions import CheckpointError
-from ..storage import (
-    LocalStore,
-    RemotePath,
-    Store,
-    located,
-    location,
-    temporary_for,
-)
+from ..storage import CompletionFailed, RemotePath, Storage, located, location
 from ._clean import remove_remote_tree
 from ._format import (
     LAST_POINTER,
@@ -114,13 +105,13 @@ def _tensor_state(module: torch.nn.Module, optimizers: list[torch.optim.Optimize
     return {"module": model, "optim": optim, "grads": grads}
 
 
-def _shards_failed(
-    target: Path | RemotePath, temp: Path | RemotePath, exc: BaseException
-) -> CheckpointError:
+def _shards_failed(target: Path | RemotePath, staged: bool, exc: BaseException) -> CheckpointError:
     """A failed write of a sharded checkpoint's shards (``dcp.save``, ``dcp.async_save``)
     as a :class:`CheckpointError` naming the checkpoint and the cause: a file system's
     error (a full disk) as what it says, not as the ``RuntimeError`` torch makes of it
-    nor DCP's report of every rank's traceback."""
+    nor DCP's report of every rank's traceback. ``staged``: whether its store stages it
+    under a temporary name (:attr:`~loopbus.storage.Storage.renames`) rather than
+    writing it in place."""
     error = find_os_error(exc)
     if error is not None:
         cause = describe_os_error(error)
@@ -128,7 +119,7 @@ def _shards_failed(
         inner = [f[0] if isinstance(f, tuple) else f for f in getattr(exc, "failures", {}).values()]
         shown = inner[0] if inner and isinstance(inner[0], BaseException) else exc
         cause = f"{type(shown).__name__}: {shown}"
-    if temp == target:  # written in place: no marker, no reader
+    if not staged:  # written in place: no marker, no reader
         return CheckpointError(
             f"could not write the shards of the sharded checkpoint {target}: {cause}. It "
             "was not completed (it has no marker, so no reader takes it), what was written "
@@ -140,6 +131,58 @@ def _shards_failed(
         f"name included) are unchanged, its temporary directory is removed, and "
         f"{_pointer_state(target.parent)}."
     )
+
+
+def _completion_failed(
+    target: Path | RemotePath, failed: CompletionFailed, retries: int
+) -> CheckpointError:
+    """Why the sharded checkpoint ``target`` could not be completed, as its store's
+    :class:`~loopbus.storage.CompletionFailed` says, and what is left since: an entry
+    that could not be written (its staging directory removed, or what was written in
+    place, after ``retries`` retries), or the rename into place that failed."""
+    pointer = _pointer_state(target.parent)
+    cause = _cause(failed.cause)
+    if failed.entry is None:  # complete, but not renamed into place
+        kept = (
+            f"the previous checkpoint of that name is still at {failed.aside}: rename it back"
+            if failed.aside is not None
+            else f"the checkpoints in {target.parent} are unchanged"
+        )
+        return CheckpointError(
+            f"could not rename the complete sharded checkpoint {failed.removed} to {target}: "
+            f"{cause}. It is removed; {kept}; {pointer}."
+        )
+    if failed.staged:
+        return CheckpointError(
+            f"could not complete the sharded checkpoint {target}: writing {failed.entry} "
+            f"failed: {cause}. It was never published: its temporary directory is removed, "
+            f"and the checkpoints in {target.parent} (one of that name included) are "
+            f"unchanged; {pointer}."
+        )
+    return CheckpointError(
+        f"could not complete the sharded checkpoint {target}: writing {failed.entry} failed "
+        f"after {retries} retries: {cause}. It has no marker, so no reader takes it; what "
+        f"was written of it is removed, and {pointer}."
+    )
+
+
+def _point_last(store: Storage, target: Path | RemotePath, info: Mapping[str, Any]) -> None:
+    """Move the ``last.json`` of ``store`` to the complete sharded checkpoint ``target``,
+    whose marker records ``info``."""
+    try:
+        store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
+    except (OSError, CheckpointError) as exc:
+        pointer = target.parent / LAST_POINTER
+        if store.renames:  # renamed into place (a local directory): loads by its path
+            raise CheckpointError(
+                f"the sharded checkpoint {target} is complete, but the pointer {pointer} "
+                f"could not be moved to it: {_cause(exc)}. The checkpoint loads by its path; "
+                f"{_pointer_state(target.parent)}."
+            ) from exc
+        raise CheckpointError(
+            f"the sharded checkpoint {target} is complete, but {pointer} could not be moved "
+            f"to it: {_cause(exc)}. The checkpoint loads by its URL."
+        ) from exc
 
 
 def _discard(temp: Path | RemotePath) -> None:
@@ -189,125 +232,31 @@ class ShardedSave:
         :class:`CheckpointError` if the write failed."""
         if self._finished:
             return self.path
+        store, name = located(self.path, retries=self.retries)
         if self.future is not None:
             try:
                 self.future.result()
             except (Exception, CheckpointException) as exc:
                 if self.writer_rank:
                     _discard(self.temp)
-                raise _shards_failed(self.path, self.temp, exc) from exc
+                raise _shards_failed(self.path, store.renames, exc) from exc
         if self.writer_rank:
-            if self.temp == self.path:  # written in place: its marker completes it
-                self._complete_remote(self.path)  # type: ignore[arg-type]
-            else:  # staged: renamed into place once complete
-                self._complete()
+            plain, self.plain = self.plain, None  # host copies, taken at the save
+            try:
+                info = store.complete_sharded(
+                    self.temp.name,
+                    name,
+                    plain=SHARDED_STATE,
+                    write_plain=None if plain is None else functools.partial(save_plain, plain),
+                    marker=SHARDED_MARKER,
+                    info=self.info,
+                )
+            except CompletionFailed as failed:
+                raise _completion_failed(self.path, failed, self.retries) from failed.cause
+            if self.update_last:
+                _point_last(store, self.path, info)
         self._finished = True
         return self.path
-
-    def _complete_remote(self, target: RemotePath) -> None:
-        """Complete a sharded checkpoint in an object store: the plain state uploaded
-        into its prefix, then the marker (every object's size), then ``last.json``."""
-        store = Store(target.parent, retries=self.retries)
-        inside = store.below(target.name)
-        stage = SHARDED_STATE
-        try:
-            if self.plain is not None:
-                plain, self.plain = self.plain, None
-                with tempfile.TemporaryDirectory(prefix="loopbus-upload-") as staging:
-                    staged = Path(staging) / SHARDED_STATE
-                    with open(staged, "wb") as file:
-                        save_plain(plain, file)
-                    inside.upload(staged, SHARDED_STATE)
-            listed = inside.listing()
-            files = {n: size for n, size in sorted(listed.items()) if n != SHARDED_MARKER}
-            info = dict(self.info, files=files, checkpoint=target.name)
-            stage = SHARDED_MARKER
-            inside.write(SHARDED_MARKER, _json_bytes(info))
-        except Exception as exc:
-            _discard(target)
-            raise CheckpointError(
-                f"could not complete the sharded checkpoint {target}: writing {stage} failed "
-                f"after {self.retries} retries: {_cause(exc)}. It has no marker, "
-                "so no reader takes it; what was written of it is removed, and "
-                f"{_pointer_state(target.parent)}."
-            ) from exc
-        if self.update_last:
-            try:
-                store.write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
-            except Exception as exc:
-                raise CheckpointError(
-                    f"the sharded checkpoint {target} is complete, but "
-                    f"{target.parent / LAST_POINTER} could not be moved to it: "
-                    f"{_cause(exc)}. The checkpoint loads by its URL."
-                ) from exc
-
-    def _complete(self) -> None:
-        temp, target = self.temp, self.path
-        assert isinstance(temp, Path)
-        assert isinstance(target, Path)
-        written = temp / SHARDED_STATE
-        try:
-            if self.plain is not None:  # host copies, taken at the save: written off the step
-                plain, self.plain = self.plain, None
-                LocalStore(temp).publish(SHARDED_STATE, lambda f: save_plain(plain, f))
-            files = {
-                entry.name: entry.stat().st_size
-                for entry in sorted(temp.iterdir())
-                if entry.is_file() and entry.name != SHARDED_MARKER
-            }
-            info = dict(self.info, files=files, checkpoint=target.name)
-            written = temp / SHARDED_MARKER
-            LocalStore(temp).write(SHARDED_MARKER, _json_bytes(info))
-        except OSError as exc:
-            shutil.rmtree(temp, ignore_errors=True)
-            raise CheckpointError(
-                f"could not complete the sharded checkpoint {target}: writing {written.name} "
-                f"failed: {describe_os_error(exc)}. It was never published: its temporary "
-                f"directory is removed, and the checkpoints in {target.parent} (one of that "
-                f"name included) are unchanged; {_pointer_state(target.parent)}."
-            ) from exc
-        self._publish(temp, target)
-        if self.update_last:
-            try:
-                LocalStore(target.parent).write(LAST_POINTER, _json_bytes(pointer_to(target, info)))
-            except OSError as exc:
-                raise CheckpointError(
-                    f"the sharded checkpoint {target} is complete, but the pointer "
-                    f"{target.parent / LAST_POINTER} could not be moved to it: "
-                    f"{describe_os_error(exc)}. The checkpoint loads by its path; "
-                    f"{_pointer_state(target.parent)}."
-                ) from exc
-
-    @staticmethod
-    def _publish(temp: Path, target: Path) -> None:
-        """Rename the complete directory ``temp`` to ``target``. A directory cannot
-        replace another atomically: one of that name is moved aside under a temporary
-        name first (cleaned as stale if this process dies meanwhile), and back if the
-        rename fails."""
-        aside = None
-        try:
-            if target.exists():
-                aside = temporary_for(target)
-                os.replace(target, aside)
-            os.replace(temp, target)
-        except OSError as exc:
-            if aside is not None:
-                with contextlib.suppress(OSError):
-                    os.replace(aside, target)
-            shutil.rmtree(temp, ignore_errors=True)
-            kept = (
-                f"the previous checkpoint of that name is still at {aside}: rename it back"
-                if aside is not None and aside.exists()
-                else f"the checkpoints in {target.parent} are unchanged"
-            )
-            raise CheckpointError(
-                f"could not rename the complete sharded checkpoint {temp} to {target}: "
-                f"{describe_os_error(exc)}. It is removed; {kept}; "
-                f"{_pointer_state(target.parent)}."
-            ) from exc
-        fsync_dir(target.parent)
-        if aside is not None:
-            shutil.rmtree(aside, ignore_errors=True)
 
 
 def _storage_writer(where: Path | RemotePath) -> Any:
@@ -408,7 +357,7 @@ class ShardedCheckpointWriter:
         except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
             if zero:
                 _discard(temp)
-            raise _shards_failed(target, temp, exc) from exc
+            raise _shards_failed(target, store.renames, exc) from exc
         return ShardedSave(
             target,
             temp,

@@ -16,11 +16,13 @@ Modules: ``_advice`` (what a failed store call means, and what to do), ``_store`
 :func:`open_location`, the local store's temporaries: :func:`temporary_for`,
 :func:`temporary_writer`),
 ``_lease`` (:class:`FolderLease`, :func:`folder_lease`), ``_health``
-(:class:`StoreHealth`, :class:`Outage`).
+(:class:`StoreHealth`, :class:`Outage`), ``_complete`` (what completing a sharded
+checkpoint shares between the backends, and :class:`CompletionFailed`).
 """
 
 from __future__ import annotations
 
+from ._complete import CompletionFailed as CompletionFailed
 from ._health import Outage as Outage
 from ._health import StoreHealth as StoreHealth
 from ._lease import LEASE_NAME as LEASE_NAME
@@ -48,6 +50,7 @@ from ._store import require_backend as require_backend
 __all__ = [
     "LEASE_NAME",
     "LEASE_TTL_S",
+    "CompletionFailed",
     "FolderLease",
     "LocalStore",
     "Outage",

@@ -27,9 +27,10 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any, Protocol, TypeVar, runtime_checkable
 
-from .._durable import replace_atomically
+from .._durable import fsync_dir, replace_atomically
 from .._exceptions import MisconfigurationError
 from .._untrusted import read_small
+from ._complete import CompletionFailed, write_marked
 from ._health import StoreHealth
 from ._store import (
     RemotePath,
@@ -218,6 +219,31 @@ class Storage(Protocol):
         ``mixin`` first, when given."""
         ...
 
+    def complete_sharded(
+        self,
+        staged: str,
+        name: str,
+        *,
+        plain: str,
+        write_plain: Callable[[IO[bytes]], object] | None,
+        marker: str,
+        info: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Complete the sharded checkpoint ``name`` whose shards were written into the
+        directory ``staged`` (its :meth:`staging_name`): write its entry ``plain`` with
+        ``write_plain(file)`` (when given), then its completeness marker ``marker``, the
+        JSON of ``info`` with ``files`` (every entry's size, the marker's not included)
+        and ``checkpoint`` (``name``), then publish it. Locally that is a rename of the
+        staging directory to ``name``: a directory of that name is moved aside first and
+        removed once the rename is done, or moved back if it fails. In an object store,
+        where ``staged`` is ``name``, the marker is what publishes it. Returns what the
+        marker records.
+
+        Raises :class:`~loopbus.storage.CompletionFailed` saying which step failed and
+        what was removed: the staging directory (the directory of that name, if any, is
+        as it was), or what was written in place."""
+        ...
+
 
 def crc32_of(file: str | os.PathLike[str]) -> int:
     """The CRC-32 of the local file ``file`` (as a completeness marker records it), read
@@ -358,6 +384,49 @@ class LocalStore:
         from torch.distributed.checkpoint.filesystem import FileSystemReader
 
         return derived(FileSystemReader, mixin)(self.path(name))
+
+    def complete_sharded(
+        self,
+        staged: str,
+        name: str,
+        *,
+        plain: str,
+        write_plain: Callable[[IO[bytes]], object] | None,
+        marker: str,
+        info: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        temp = self.path(staged)
+        record = dict(info, checkpoint=name)
+        try:
+            sealed = write_marked(self.below(staged), plain, write_plain, marker, record)
+        except CompletionFailed as failed:
+            shutil.rmtree(temp, ignore_errors=True)
+            raise failed.left(temp, staged=True) from failed.cause
+        if staged != name:
+            self._rename_into_place(temp, self.path(name))
+        return sealed
+
+    def _rename_into_place(self, temp: Path, target: Path) -> None:
+        """Rename the complete directory ``temp`` to ``target``. A directory cannot
+        replace another atomically: one of that name is moved aside under a temporary
+        name first (removed as stale if this process dies meanwhile), and back if the
+        rename fails; ``temp`` is removed then."""
+        aside = None
+        try:
+            if target.exists():
+                aside = temporary_for(target)
+                os.replace(target, aside)
+            os.replace(temp, target)
+        except OSError as exc:
+            if aside is not None:
+                with contextlib.suppress(OSError):
+                    os.replace(aside, target)
+            shutil.rmtree(temp, ignore_errors=True)
+            kept = aside if aside is not None and aside.exists() else None
+            raise CompletionFailed(None, exc, removed=temp, staged=True, aside=kept) from exc
+        fsync_dir(self._directory)
+        if aside is not None:
+            shutil.rmtree(aside, ignore_errors=True)
 
     def remove_stale_temporaries(self) -> list[Path]:
         """A temporary's name holds its writer's process id and host name (see

@@ -39,6 +39,7 @@ from .._exceptions import CheckpointError, MisconfigurationError
 from .._untrusted import MAX_SMALL_FILE
 from .._validate import _URL, check_number
 from ._advice import Overdue, describe_failure, fix_for, not_retried
+from ._complete import CompletionFailed, write_marked
 from ._health import StoreHealth
 
 __all__ = [
@@ -419,7 +420,9 @@ class Store:
             where = (self.url(name) if name else self.directory).public_url
             times = f" ({tries[0]} tries)" if tries[0] > 1 else ""
             hint = fix_for(exc, where)
-            raise CheckpointError(f"cannot {doing} {where}{times}: {describe_failure(exc)}; {hint}.") from exc
+            raise CheckpointError(
+                f"cannot {doing} {where}{times}: {describe_failure(exc)}; {hint}."
+            ) from exc
 
     # ------------------------------------------------------------ reads
     def listing(self) -> dict[str, int]:
@@ -578,6 +581,28 @@ class Store:
 
         where = self.url(name)
         return derived(FsspecReader, mixin)(where.url, **where.storage_options)
+
+    def complete_sharded(
+        self,
+        staged: str,
+        name: str,
+        *,
+        plain: str,
+        write_plain: Callable[[IO[bytes]], object] | None,
+        marker: str,
+        info: Mapping[str, Any],
+    ) -> dict[str, Any]:
+        """Written in place (``staged`` is ``name``): the marker, written last, is what
+        publishes it. A failure removes what was written of it, marker first, in one try."""
+        if staged != name:
+            raise ValueError(f"an object store writes {name!r} in place, not as {staged!r}")
+        record = dict(info, checkpoint=name)
+        try:
+            return write_marked(self.below(name), plain, write_plain, marker, record)
+        except CompletionFailed as failed:
+            with contextlib.suppress(Exception):  # what is left has no marker: never complete
+                Store(self.directory, retries=0).remove_tree(name, first=marker)
+            raise failed.left(self.url(name), staged=False) from failed.cause
 
     def remove(self, name: str) -> None:
         """Delete the object ``name``; a missing one is ignored."""

@@ -27,11 +27,11 @@ pytest.importorskip("torchft")
 pytestmark = [pytest.mark.external, pytest.mark.slow, pytest.mark.timeout(150)]
 
 SAMPLES = 96  # 12 steps an epoch with both groups, 24 with one
-EPOCHS = 5
+EPOCHS = 8  # a slow restart still finds the survivor training (4 s an epoch alone)
 
 
 def test_a_group_lost_in_one_epoch_heals_into_a_later_one(tmp_path: Path, lighthouse: str) -> None:
-    run = ("--samples", str(SAMPLES), "--epochs", str(EPOCHS))
+    run = ("--samples", str(SAMPLES), "--epochs", str(EPOCHS), "--alone-sleep-s", "0.15")
     survivor = launch_group(tmp_path, lighthouse, 0, extra=run)
     ledger_0 = tmp_path / "ledger-0.jsonl"
 

@@ -125,7 +125,8 @@ class FolderLease:
             f"now: {_who(holder)}; it holds the folder's lease ({LEASE_NAME}). Two runs in "
             f"one folder would mix their checkpoints and last.json. Wait for it to end, stop "
             f"it (an orphaned torchrun worker goes on after its launcher is killed), or "
-            f"choose another folder. {remedy}"
+            f"choose another folder (fault-tolerant replica groups each need a folder of "
+            f"their own). {remedy}"
         )
 
 

@@ -16,16 +16,27 @@ and never ask which kind they got.
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 import torch
 
+from .._exceptions import MisconfigurationError
 from ._device import move_batch
 
-__all__ = ["BatchSource", "MovingSource", "Source", "Sources", "ThreadedBatchSource"]
+__all__ = [
+    "BatchSource",
+    "MovingSource",
+    "Source",
+    "Sources",
+    "ThreadedBatchSource",
+    "batch_limit",
+    "skip_consumed",
+]
 
 _UNSET: Any = object()
 _END: Any = object()
@@ -279,3 +290,40 @@ class Sources:
         if self.move_to is not None:
             return MovingSource(source, self.move_to)
         return source
+
+
+def batch_limit(value: int | float | None, data: Any, option: str) -> float:
+    """Number of batches allowed by ``limit_*_batches``: an int is a count, a float a
+    fraction of ``len(data)``; None means no limit (inf)."""
+    if value is None:
+        return math.inf
+    if isinstance(value, float):
+        try:
+            n = len(data)
+        except TypeError:
+            if value == 1.0:
+                return math.inf
+            raise MisconfigurationError(
+                f"{option}={value!r} is a fraction, but the data has no len(); pass a "
+                "number of batches (an int) instead."
+            ) from None
+        return float(int(n * value))
+    return float(value)
+
+
+def skip_consumed(iterator: Iterator[Any], consumed: int, warn: bool) -> None:
+    """Drop the ``consumed`` batches a plain loader yields again on a mid-epoch resume."""
+    if warn:
+        warnings.warn(
+            f"resuming mid-epoch by skipping the {consumed} batches this epoch "
+            "already consumed, in the same (shuffled) order as before: the data "
+            "loader is not stateful, so they are loaded again and dropped. Use "
+            "torchdata.stateful_dataloader.StatefulDataLoader to resume in O(1).",
+            UserWarning,
+            stacklevel=5,
+        )
+    for _ in range(consumed):
+        try:
+            next(iterator)
+        except StopIteration:
+            break

@@ -20,7 +20,10 @@ Each hook publishes its event (the loop's own subclass of the generic one, see
 There is one iteration path. When a run's iterations start, the loop composes them
 once: the hooks it calls (:meth:`Loop.iteration_hooks`: a hook with nothing to do in
 this run, such as the base class's empty one, is left out), and what runs before
-``done`` is read (:meth:`Loop.iteration_boundary`: the training loops' stop checks).
+``done`` is read (:meth:`Loop.iteration_boundary`: the training loops' stop checks),
+and one function that may stand in for ``on_advance_start`` and ``advance`` while nobody
+receives ``AdvanceStarted`` (:meth:`Loop.iteration_shortcut`: the training loop's batch
+fetch and step in one call).
 ``AdvanceStarted`` and ``AdvanceCompleted`` are built and delivered only when someone
 subscribes. Without the leak check one iteration scope object serves every iteration of
 a run (emptied after each).
@@ -385,6 +388,14 @@ class Loop(Generic[T]):
         end = None if cls.on_advance_end is Loop.on_advance_end else self.on_advance_end
         return start, self.advance, end
 
+    def iteration_shortcut(self) -> IterationHook | None:
+        """One plain function that does what ``on_advance_start`` and then ``advance``
+        do, or None (the default). Asked once per run, after :meth:`iteration_hooks`;
+        an iteration calls it in their place while nobody subscribes to the loop's
+        ``AdvanceStarted`` (otherwise the two hooks run, with the event between them).
+        The training loop fetches its batch and runs its step so."""
+        return None
+
     def iteration_boundary(self) -> Callable[[], None] | None:
         """What runs at every boundary between iterations (and before the first), right
         before :attr:`done` is read, or None (the default). Asked once per run, with
@@ -415,39 +426,43 @@ class Loop(Generic[T]):
         self, ctx: Scope, hooks: _Hooks, make_scope: Any, checker: _IterationChecker | None
     ) -> None:
         """The iterations of a run. ``make_scope(ctx)`` makes each iteration's scope
-        (None: one plain scope, reused; it keeps its set of borrowed names, which only
-        the leak check reads). The bus is looked up at every iteration: a subscription
-        made during one counts from the next (one made during the iteration still gets
-        its ``AdvanceCompleted``)."""
-        on_advance_start, advance, on_advance_end = hooks
+        (None: one plain scope, reused). The bus is looked up at every iteration: a
+        subscription made during one counts from the next (one made during the iteration
+        still gets its ``AdvanceCompleted``)."""
+        start, advance, end = hooks
+        # (None with the leak check, which labels each hook.)
+        shortcut = self.iteration_shortcut() if checker is None else None
+        done = _getter(type(self), "done")  # read without a property lookup
         boundary = self.iteration_boundary()
-        table = self.bus.table  # type: ignore[union-attr]
-        deliver = self.bus.deliver  # type: ignore[union-attr]
-        total = self.progress.total
-        current = self.progress.current
-        adv_started = self.events.advance_started
-        adv_completed = self.events.advance_completed
+        table, deliver = self.bus.table, self.bus.deliver  # type: ignore[union-attr]
+        total, current = self.progress.total, self.progress.current
+        adv_started, adv_completed = self.events.advance_started, self.events.advance_completed
         reused = plain_scope(ctx) if make_scope is None else None
+        clear = None if reused is None else reused.__dict__.clear
         try:
             if boundary is not None:
                 boundary()
-            while not self.done:
+            while not (self.done if done is None else done(self)):
                 it = reused if reused is not None else make_scope(ctx)
                 try:
                     total.ready += 1
                     current.ready += 1
-                    if on_advance_start is not None and (wait := on_advance_start(it)) is not None:
-                        await wait
-                    if table[adv_started]:
-                        event = self.make_event(adv_started, it, iteration=current.ready - 1)
-                        await deliver(table[adv_started], event)
+                    if shortcut is not None and not table[adv_started]:
+                        run = shortcut  # does what ``start`` and ``advance`` do
+                    else:
+                        if start is not None and (wait := start(it)) is not None:
+                            await wait
+                        if table[adv_started]:
+                            event = self.make_event(adv_started, it, iteration=current.ready - 1)
+                            await deliver(table[adv_started], event)
+                        run = advance
                     total.started += 1
                     current.started += 1
-                    if (wait := advance(it)) is not None:
+                    if (wait := run(it)) is not None:
                         await wait
                     total.processed += 1
                     current.processed += 1
-                    if on_advance_end is not None and (wait := on_advance_end(it)) is not None:
+                    if end is not None and (wait := end(it)) is not None:
                         await wait
                     total.completed += 1
                     current.completed += 1
@@ -460,10 +475,7 @@ class Loop(Generic[T]):
                 except BaseException:
                     it.__dict__.clear()
                     raise
-                if checker is None:
-                    it.__dict__.clear()
-                else:
-                    checker.iteration_done(it)
+                clear() if clear is not None else checker.iteration_done(it)  # type: ignore[union-attr]
                 if self._restarting:
                     self.restarting = False
                 if boundary is not None:  # (a profiler range while profiling_ranges is on)
@@ -512,6 +524,12 @@ class Loop(Generic[T]):
     def __repr__(self) -> str:
         kids = ", ".join(f"{k}={type(v).__name__}" for k, v in self.children.items())
         return f"{type(self).__name__}(name={self.name!r}{', ' + kids if kids else ''})"
+
+
+def _getter(cls: type, name: str) -> Callable[[Any], Any] | None:
+    """The getter of the property ``name`` of ``cls`` (None: a plain attribute)."""
+    attr = inspect.getattr_static(cls, name, None)
+    return attr.fget if type(attr) is property else None
 
 
 def _iteration_ended(it: Scope, checker: _IterationChecker | None) -> None:

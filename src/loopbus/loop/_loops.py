@@ -17,7 +17,6 @@ Per-step work here is on the hot path: no allocation or call that is not needed.
 from __future__ import annotations
 
 import math
-import warnings
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from typing import Any, Protocol
 
@@ -32,15 +31,14 @@ from loopbus.checkpoint._rng_state import (
     restore_rng,
     set_sampler_epoch,
 )
-from loopbus.data._sources import Source, Sources
+from loopbus.data._sources import Source, Sources, batch_limit, skip_consumed
 from loopbus.distributed._stopping import StopControl
-from loopbus.state._ranges import RANGES
+from loopbus.state._ranges import RANGES, in_range
 from loopbus.state._runstate import RunState
 from loopbus.state._scope import Scope, TrackedScope
 from loopbus.state._stateful import is_stateful
 from loopbus.step._step import EvalStep, StepBoundary, TrainStep, run_in_worker
 
-from .._exceptions import MisconfigurationError
 from ..events import (
     EpochCompleted,
     EpochStarted,
@@ -138,25 +136,6 @@ class LoopHost(Protocol):
         """The evaluation step of a pass of ``stage`` ("validate", "test", "predict")."""
 
 
-def _batch_limit(value: int | float | None, data: Any, option: str) -> float:
-    """Number of batches allowed by ``limit_*_batches``: an int is a count, a float a
-    fraction of ``len(data)``; None means no limit (inf)."""
-    if value is None:
-        return math.inf
-    if isinstance(value, float):
-        try:
-            n = len(data)
-        except TypeError:
-            if value == 1.0:
-                return math.inf
-            raise MisconfigurationError(
-                f"{option}={value!r} is a fraction, but the data has no len(); pass a "
-                "number of batches (an int) instead."
-            ) from None
-        return float(int(n * value))
-    return float(value)
-
-
 class _Hosted:
     """The host a stage attached (see :class:`LoopHost`)."""
 
@@ -222,11 +201,8 @@ class _DataLoop(_Hosted, Loop[Any]):
 
     def _take_batch(self, ctx: Scope) -> None:
         """``on_advance_start`` as a plain function: the next batch into the scope."""
-        if RANGES.on:  # profiling_ranges(True): the phase as a profiler range
-            with record_function("loopbus.data_fetch"):
-                batch = self.run_ctx.source.take()
-        else:
-            batch = self.run_ctx.source.take()
+        take = self._opened.take  # type: ignore[union-attr]
+        batch = take() if not RANGES.on else in_range("loopbus.data_fetch", take)
         if self._borrow_batches:
             ctx.borrow("batch", batch)
         else:
@@ -249,6 +225,16 @@ class _DataLoop(_Hosted, Loop[Any]):
         if type(self).advance is _DataLoop.advance:
             advance = self._advance
         return start, advance, end
+
+    #: ``on_advance_start`` then ``advance`` in one plain function (None: none).
+    _fetch_and_advance: Callable[[Any, Scope], Awaitable[None] | None] | None = None
+
+    def iteration_shortcut(self) -> IterationHook | None:
+        # Where both hooks are this class's own and its batches are not borrowed.
+        cls = type(self)
+        if cls.on_advance_start is _DataLoop.on_advance_start and cls.advance is _DataLoop.advance:
+            return None if self._borrow_batches else self._fetch_and_advance  # type: ignore[return-value]
+        return None
 
     def make_event(self, event_type: type[LoopEvent], ctx: Scope | None, **fields: Any) -> Any:
         if event_type is self.events.advance_started or event_type is self.events.advance_completed:
@@ -313,22 +299,15 @@ class _EpochMarks:
         self._cut_short = bool(state.get("cut_short", False))
 
 
-def _skip_consumed(iterator: Iterator[Any], consumed: int, warn: bool) -> None:
-    """Drop the ``consumed`` batches a plain loader yields again on a mid-epoch resume."""
-    if warn:
-        warnings.warn(
-            f"resuming mid-epoch by skipping the {consumed} batches this epoch "
-            "already consumed, in the same (shuffled) order as before: the data "
-            "loader is not stateful, so they are loaded again and dropped. Use "
-            "torchdata.stateful_dataloader.StatefulDataLoader to resume in O(1).",
-            UserWarning,
-            stacklevel=5,
-        )
-    for _ in range(consumed):
-        try:
-            next(iterator)
-        except StopIteration:
-            break
+def _fetch_and_step(loop: TrainEpochLoop, ctx: Scope) -> Awaitable[None] | None:
+    """The training loop's ``_take_batch`` then ``_advance`` in one call: its shortcut."""
+    if RANGES.on or loop._worker is not None:
+        loop._take_batch(ctx)
+        return loop._advance(ctx)
+    ctx.batch = batch = loop._opened.take()  # type: ignore[union-attr]
+    ctx.batch_idx = loop.progress.current.ready - 1
+    ctx.output = loop._step(batch, ctx)
+    return loop._boundary.settle()  # the step boundary, as far as it needs no waiting
 
 
 class TrainEpochLoop(_EpochMarks, _DataLoop):
@@ -348,6 +327,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
     _max_steps: float
     _stop_window: int
     _val_every: int | None
+    _fetch_and_advance = _fetch_and_step
 
     def __init__(self) -> None:
         super().__init__()
@@ -369,13 +349,13 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         # Inside an accumulation window a stop may wait for its end (TrainStep.stop_window).
         if state.stop_requested and ready % self._stop_window == 0:
             return True
-        return not self.run_ctx.source.has_next()
+        return not self._opened.has_next()  # type: ignore[union-attr]
 
     async def on_run_start(self, ctx: Scope, train_data: Any, val_data: Any = None) -> None:
         host = self.host
         options = host.options
         ctx.borrow("val_data", val_data)
-        self._limit = _batch_limit(options.limit_train_batches, train_data, "limit_train_batches")
+        self._limit = batch_limit(options.limit_train_batches, train_data, "limit_train_batches")
         step = host.train_step
         self._step = step.for_epoch(self.closes_window)
         self._boundary = step.boundary
@@ -396,7 +376,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
         n = self.progress.current.ready
         if n % size == 0 or n >= self._limit:
             return True
-        return not self.run_ctx.source.look_ahead()
+        return not self._opened.look_ahead()  # type: ignore[union-attr]
 
     def resume_iterator(self, data: Any) -> Iterator[Any]:
         """An iterator over ``data``, positioned after the batches this epoch already
@@ -421,7 +401,7 @@ class TrainEpochLoop(_EpochMarks, _DataLoop):
                 restore_epoch_rng(self._epoch_rng, data)
             iterator = iter(data)
             if consumed:
-                _skip_consumed(iterator, consumed, warn=not self._warned_skip)
+                skip_consumed(iterator, consumed, warn=not self._warned_skip)
                 self._warned_skip = True
         restore_rng(resume_rng)
         state.finish_resume()
@@ -615,7 +595,7 @@ class EvaluationLoop(_DataLoop):
     def _pass_limit(self, options: LoopLimits, data: Any) -> float:
         """How many batches of ``data`` this pass runs (``limit_*_batches``)."""
         option = f"limit_{'val' if self.stage == 'validate' else self.stage}_batches"
-        return _batch_limit(getattr(options, option), data, option)
+        return batch_limit(getattr(options, option), data, option)
 
     async def on_run_start(self, ctx: Scope, data: Any) -> None:
         host = self.host

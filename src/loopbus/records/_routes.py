@@ -63,17 +63,18 @@ class Routes:
     def route(self) -> list[Routed]:
         """Empty the pending entries: those to deliver, in order, each with where it
         goes (see :data:`Routed`); the records nobody listens to are kept unread."""
-        if (subscribers := self._table[PutRecord]) is not self._cache.subscribers:
-            self._cache = _Cache(subscribers)  # the subscriptions changed
+        cache = self._cache
+        if (subscribers := self._table[PutRecord]) is not cache.subscribers:
+            cache = self._cache = _Cache(subscribers)  # the subscriptions changed
         routed: list[Routed] = []
         for item in self.pending:
-            if type(item) is PendingPut and not self._cache[item.destinations] and not routed:
+            if type(item) is PendingPut and not cache[item.destinations] and not routed:
                 self.latest[item.name] = Unread(item, self.state.step, self.state.epoch)
-            elif type(item) is PendingPut and (entries := self._cache[item.destinations]):
+            elif type(item) is PendingPut and (entries := cache[item.destinations]):
                 routed.append((item, entries))
             else:
                 self._add(routed, item)
-        del self.pending[:]
+        self.pending.clear()
         return routed
 
     def _add(self, routed: list[Routed], item: PendingPut | PendingEvent) -> None:

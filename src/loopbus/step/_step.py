@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import math
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sized
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
@@ -150,6 +151,7 @@ class StepBoundary:
     what needs no waiting and returns what is left to await (None: nothing)."""
 
     __slots__ = (
+        "_clocked",
         "_deferred",
         "_deliver",
         "_due",
@@ -164,6 +166,8 @@ class StepBoundary:
         self.recorder = recorder
         self.interval = interval
         self._next_yield = perf_counter() + interval
+        #: Whether it yields at all (``interval`` finite): if not, no step reads the clock.
+        self._clocked = self._next_yield != math.inf
         self._route = recorder.route
         self._deliver = recorder.deliver
         #: Whether the values are read back from a device (the step flush runs every step).
@@ -187,7 +191,7 @@ class StepBoundary:
             return self._flushed(None)
         if self._due and (routed := self._route()):
             return self._flushed(routed)
-        if perf_counter() >= self._next_yield:
+        if self._clocked and perf_counter() >= self._next_yield:
             return self._yield()
         return None
 
@@ -352,9 +356,7 @@ class TrainStep:
         "worker",
     )
 
-    def __init__(
-        self, parts: StepParts, optimizer_step: Callable[[], Any] | None = None
-    ) -> None:
+    def __init__(self, parts: StepParts, optimizer_step: Callable[[], Any] | None = None) -> None:
         optimizers = parts.optimizers
         self.optimizers = optimizers
         self.schedulers = schedulers = parts.schedulers

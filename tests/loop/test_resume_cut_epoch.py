@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from loopbus import Plugin, Trainer, on
+from loopbus.checkpoint._parts import LoopPart
 from loopbus.events import TrainBatchStarted
+from loopbus.loop import FitLoop
 from tests.ckpt_scenario import N_TRAIN, SEED, Net, make_data
 
 pytestmark = pytest.mark.anyio
@@ -84,3 +86,17 @@ async def test_after_max_steps_mid_epoch_the_next_epoch_is_whole(
     samples = [value for _, batch in seen[:per_epoch] for value in batch]
     assert len(samples) == N_TRAIN
     assert set(samples) == {float(v) for v in make_data(loader)[0].dataset.tensors[0][:, 0]}
+
+
+def test_a_loop_tree_reads_whether_its_saved_state_was_inside_an_epoch() -> None:
+    # What the sharded load asks before resharding: the loops read their own state.
+    fit = FitLoop()
+    part = LoopPart(fit)
+    saved = fit.state_dict()  # a loop that has not started: between epochs
+    assert part.saved_inside_epoch(saved) is False
+    saved["loops"]["epoch_loop"]["state"]["in_epoch"] = True
+    assert part.saved_inside_epoch(saved) is True
+    del saved["loops"]["epoch_loop"]["state"]["in_epoch"]  # read as loading reads it
+    assert part.saved_inside_epoch(saved) is True
+    assert part.saved_inside_epoch({"loops": []}) is False  # a state of another shape
+    assert part.saved_inside_epoch(None) is False

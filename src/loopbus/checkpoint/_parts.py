@@ -308,6 +308,17 @@ def _saved_loop_shape(state: Any) -> Any:
     return {name: _saved_loop_shape(child) for name, child in state["loops"].items()}
 
 
+def _inside_epoch(loop: Any, saved: Any) -> bool:
+    if not isinstance(saved, Mapping):
+        return False
+    if loop.saved_inside_epoch(saved):
+        return True
+    loops = saved.get("loops")
+    return isinstance(loops, Mapping) and any(
+        _inside_epoch(child, loops.get(name)) for name, child in loop.children.items()
+    )
+
+
 class LoopPart:
     """A root loop and its sub-loops; explains a changed loop tree."""
 
@@ -319,6 +330,11 @@ class LoopPart:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.loop.load_state_dict(state)
+
+    def saved_inside_epoch(self, saved: Any) -> bool:
+        """Whether the loop state ``saved`` was taken inside an epoch, as a loop of the
+        tree reads its own saved state (``Loop.saved_inside_epoch``)."""
+        return _inside_epoch(self.loop, saved)
 
     def explain_mismatch(self, saved: Any) -> list[Problem]:
         if _saved_loop_shape(saved) != _loop_shape(self.loop):

@@ -57,7 +57,7 @@ from ._format import (
     describe_os_error,
     read_remote_json,
 )
-from ._parts import CheckpointMismatch, _check, load_state, qualname
+from ._parts import CheckpointMismatch, LoopPart, _check, load_state, qualname
 from ._sharded_save import LAYOUT, _distributed, _tensor_state, is_tensor_part
 from ._write import write_checkpoint
 
@@ -376,7 +376,7 @@ def _for_world_size(state: dict[str, Any], world_size: int, parts: Mapping[str, 
             "DataLoader (loopbus then keeps the position as samples consumed, valid at any "
             "world size)."
         )
-    if _mid_epoch(state) and not ("data/sampler" in state and "data/sampler" in parts):
+    if _mid_epoch(state, parts) and not ("data/sampler" in state and "data/sampler" in parts):
         raise CheckpointError(
             f"the checkpoint was taken inside an epoch on {saved} rank(s) and this run has "
             f"{world_size}, but the position in that epoch is not kept as samples consumed "
@@ -392,14 +392,13 @@ def _for_world_size(state: dict[str, Any], world_size: int, parts: Mapping[str, 
         state["rng"] = {"ranks": [ranks[r % len(ranks)] for r in range(world_size)]}
 
 
-def _mid_epoch(state: Mapping[str, Any]) -> bool:
-    """Whether the checkpoint's training loop was inside an epoch."""
-    for key, value in state.items():
-        if key.startswith("loops/") and isinstance(value, Mapping):
-            train = value.get("loops", {}).get("epoch_loop")
-            if isinstance(train, Mapping) and train.get("state", {}).get("in_epoch"):
-                return True
-    return False
+def _mid_epoch(state: Mapping[str, Any], parts: Mapping[str, Any]) -> bool:
+    """Whether the checkpoint's training loop was inside an epoch, as this run's loops
+    read the state they saved."""
+    return any(
+        isinstance(part, LoopPart) and part.saved_inside_epoch(state.get(key))
+        for key, part in parts.items()
+    )
 
 
 def load_sharded(

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import inspect
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TYPE_CHECKING, Any, Generic, NamedTuple, TypeVar
 
 from loopbus.state._ranges import RANGES, in_range
@@ -490,6 +490,10 @@ class Loop(Generic[T]):
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`on_save_checkpoint` returned."""
+
+    def saved_inside_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether this loop's own saved ``state`` says it was taken inside an epoch."""
+        return False
 
     def state_dict(self) -> dict[str, Any]:
         """Progress, extra state and every sub-loop's state, as plain Python values."""

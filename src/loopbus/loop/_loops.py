@@ -17,7 +17,7 @@ Per-step work here is on the hot path: no allocation or call that is not needed.
 from __future__ import annotations
 
 import math
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
 from anyio.lowlevel import checkpoint
@@ -292,6 +292,12 @@ class _EpochMarks:
             "epoch_rng": epoch_rng_state(self._epoch_rng),
             "cut_short": self._cut_short,
         }
+
+    def saved_inside_epoch(self, state: Mapping[str, Any]) -> bool:
+        """Whether this loop's saved ``state`` was taken inside an epoch (as loading it
+        reads it)."""
+        extra = state.get("state")
+        return isinstance(extra, Mapping) and bool(extra.get("in_epoch", True))
 
     def on_load_checkpoint(self, state: dict[str, Any]) -> None:
         self._resume_in_epoch = bool(state.get("in_epoch", True))

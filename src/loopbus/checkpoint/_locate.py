@@ -1,5 +1,6 @@
-"""Finding checkpoints: the last one written into a directory, the checkpoint a path
-means, and the one ``ckpt_path="last"`` or ``"best"`` means among the trainer's plugins.
+"""Finding checkpoints: the last one written into a directory, and the checkpoint a path
+means (``ckpt_path="last"`` and ``"best"`` are resolved by the stage, in
+``stage/_saving.py``, among the trainer's plugins).
 
 A directory means the checkpoint its ``last.json`` names or, without one or when that one
 (or the pointer itself) is missing or damaged, the newest complete one
@@ -21,7 +22,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from .._exceptions import CheckpointError, MisconfigurationError
+from .._exceptions import CheckpointError
 from ..storage import (
     RemotePath,
     Storage,
@@ -51,11 +52,7 @@ __all__ = [
     "latest",
     "latest_checkpoint",
     "newest",
-    "resolve_best",
     "resolve_checkpoint",
-    "resolve_last",
-    "resolve_resume_path",
-    "resolve_weights_path",
     "sharded_incomplete",
 ]
 
@@ -430,151 +427,3 @@ def _unmarked_files(store: Storage, objects: dict[str, int], prefixes: set[str])
         return "Pass the path of a checkpoint file."
     shown = ", ".join(names[:10]) + (", ..." if len(names) > 10 else "")
     return f"It holds {shown} without completeness markers; pass one of them explicitly."
-
-
-# ---------------------------------------------------------------- named by ckpt_path
-
-
-def checkpoint_writers(plugins: Iterable[Any]) -> list[Any]:
-    """The plugins that know where checkpoints are written (``Checkpoint``, or any with a
-    ``last_checkpoint_path``): where ``ckpt_path="last"`` looks."""
-    return [p for p in plugins if hasattr(p, "last_checkpoint_path")]
-
-
-def resolve_last(plugins: Iterable[Any], *, warn: bool = True) -> Path | RemotePath | None:
-    """The checkpoint ``ckpt_path="last"`` means: the newest of those the plugins report,
-    each looked up now through its method ``latest_checkpoint()`` (``Checkpoint``'s) or,
-    without one, its ``last_checkpoint_path`` (a property; a plugin's method of that name
-    is called); None (with a warning unless ``warn`` is false) if none has written one."""
-    providers = checkpoint_writers(plugins)
-    if not providers:
-        raise MisconfigurationError(
-            "ckpt_path='last' needs a plugin that knows where checkpoints are written, such "
-            "as loopbus.plugins.Checkpoint(dirpath), among the trainer's plugins; add one or "
-            "pass the path of a checkpoint (or of its directory)."
-        )
-    found: list[Path | RemotePath] = []
-    for plugin in providers:
-        look_up = getattr(plugin, "latest_checkpoint", None)
-        path = look_up() if callable(look_up) else plugin.last_checkpoint_path
-        if not isinstance(path, (str, os.PathLike)) and callable(path):
-            path = path()
-        if path is not None:
-            found.append(location(path))
-    if not found:
-        if not warn:
-            return None
-        where = ", ".join(str(getattr(p, "dirpath", None) or type(p).__name__) for p in providers)
-        warnings.warn(
-            f"ckpt_path='last' but no checkpoint has been written yet (looked in {where}); "
-            "training starts from the beginning.",
-            UserWarning,
-            stacklevel=4,
-        )
-        return None
-    return newest(found) if len(found) > 1 else found[0]
-
-
-def resolve_best(plugins: Iterable[Any]) -> Path | RemotePath:
-    """The checkpoint ``ckpt_path="best"`` means: the ``best_checkpoint_path`` of the
-    plugin that saves checkpoints on a monitored value (``Checkpoint(dirpath,
-    monitor=...)``; of a plugin of another kind, its ``best_model_path``, Lightning's
-    name). Raises :class:`MisconfigurationError` when there is no such plugin, when
-    several could answer, or when it has saved no best checkpoint yet."""
-    savers = [p for p in plugins if _best_attribute(p) is not None and hasattr(p, "monitor")]
-    monitored = [p for p in savers if p.monitor is not None]
-    if not monitored:
-        extra = (
-            f" (the trainer's {', '.join(repr(p) for p in savers)} monitor nothing, so "
-            "they rank no checkpoint as best)"
-            if savers
-            else ""
-        )
-        raise MisconfigurationError(
-            "ckpt_path='best' needs a Checkpoint plugin that monitors a record, such as "
-            "loopbus.plugins.Checkpoint(dirpath, monitor='val/loss'), among the trainer's "
-            f"plugins{extra}; add one and fit first, or pass ckpt_path='last' or the path "
-            "of a checkpoint."
-        )
-    best = [(p, getattr(p, str(_best_attribute(p)))) for p in monitored]
-    found = [(p, path) for p, path in best if path is not None]
-    if not found:
-        names = ", ".join(f"{p!r} (monitor {p.monitor!r})" for p in monitored)
-        raise MisconfigurationError(
-            f"ckpt_path='best' but {names} has saved no best checkpoint yet: it ranks the "
-            "checkpoints that fit saves on this trainer after a validation that put the "
-            "monitored record (a new Trainer knows nothing of an earlier one's best). Fit "
-            "with validation data first, or pass the path of a checkpoint."
-        )
-    if len(found) > 1:
-        listing = "; ".join(f"{p!r} (monitor {p.monitor!r}): {path}" for p, path in found)
-        raise MisconfigurationError(
-            f"ckpt_path='best' is ambiguous: several Checkpoint plugins have a best "
-            f"checkpoint ({listing}). Pass the one you mean, as "
-            "ckpt_path=plugin.best_checkpoint_path."
-        )
-    best_path = found[0][1]
-    return location(best_path)
-
-
-def _best_attribute(plugin: Any) -> str | None:
-    """The name under which ``plugin`` says its best checkpoint: ``best_checkpoint_path``,
-    or Lightning's ``best_model_path`` for a plugin that has only that; None for one
-    that has neither."""
-    for name in ("best_checkpoint_path", "best_model_path"):
-        if hasattr(plugin, name):
-            return name
-    return None
-
-
-def resolve_weights_path(
-    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
-) -> str | os.PathLike[str]:
-    """The checkpoint ``ckpt_path`` names for loading weights: ``"best"`` (the best of
-    the plugin that monitors a record), ``"last"`` (the newest; an error if none was
-    written) or a path as it is. The names are resolved once, on rank 0, and broadcast
-    (``strategy.broadcast_object``), so every rank raises the same error or loads the
-    same file."""
-    _check_ckpt_path(ckpt_path)
-    if ckpt_path not in ("best", "last"):
-        return ckpt_path
-    found: Path | RemotePath | None = None
-    problem: str | None = None
-    if strategy.is_global_zero:
-        try:
-            if ckpt_path == "best":
-                found = resolve_best(plugins)
-            else:
-                found = resolve_last(plugins, warn=False)
-                if found is None:
-                    problem = (
-                        "ckpt_path='last' but no checkpoint has been written yet, so "
-                        "there are no weights to load; fit first, or pass the path "
-                        "of a checkpoint."
-                    )
-        except MisconfigurationError as exc:
-            problem = str(exc)
-    found, problem = strategy.broadcast_object((found, problem))
-    if problem is not None:
-        raise MisconfigurationError(problem)
-    assert found is not None
-    return found
-
-
-def resolve_resume_path(
-    ckpt_path: str | os.PathLike[str], plugins: Iterable[Any], strategy: Any
-) -> str | os.PathLike[str] | None:
-    """The checkpoint ``fit(ckpt_path=...)`` resumes from: ``"last"`` is the newest of
-    the plugins that write them (None, with a warning, when there is none yet), resolved
-    once on rank 0 and broadcast so that every rank loads the same file; anything else
-    as it is."""
-    _check_ckpt_path(ckpt_path)
-    if ckpt_path != "last":
-        return ckpt_path
-    found = resolve_last(plugins) if strategy.is_global_zero else None
-    return strategy.broadcast_object(found)  # type: ignore[no-any-return]
-
-
-def _check_ckpt_path(ckpt_path: str | os.PathLike[str]) -> None:
-    """Before anything runs: a URL's scheme must have its package installed."""
-    location(ckpt_path, owner=f"ckpt_path={str(ckpt_path)!r}")

@@ -15,7 +15,6 @@ import anyio
 from anyio.abc import TaskGroup
 
 from loopbus.checkpoint._load import read_for_resume
-from loopbus.checkpoint._locate import checkpoint_writers, resolve_resume_path
 from loopbus.checkpoint._parts import CheckpointMismatch
 from loopbus.checkpoint._rng_state import RngSnapshot
 from loopbus.distributed._strategy import Strategy
@@ -27,6 +26,7 @@ from loopbus.step._module import Module
 from ..events import EventBus, ExceptionRaised, Subscription, Teardown
 from ._assembly import StageParts, active_plugins
 from ._plugin import Plugin
+from ._saving import checkpoint_writers, resolve_resume_path
 
 __all__ = [
     "classify",

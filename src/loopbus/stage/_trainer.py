@@ -17,7 +17,6 @@ import anyio.to_thread
 import torch
 
 from loopbus.checkpoint._load import load_weights
-from loopbus.checkpoint._locate import resolve_weights_path
 from loopbus.data._datamodule import close_datamodule, is_datamodule, prepare_datamodule
 from loopbus.distributed._resolve import resolve_strategy
 from loopbus.distributed._stopping import StopControl
@@ -47,7 +46,7 @@ from ._options import OLD_NAMES, Executor, OptionAttributes, TrainerOptions, unk
 from ._plugin import Plugin
 from ._preemption import Preemption
 from ._run import lightning_arguments, stage_method
-from ._saving import CheckpointMethods, RunCheckpoints
+from ._saving import CheckpointMethods, RunCheckpoints, resolve_weights_path
 from ._views import RunViews
 
 __all__ = ["SchedulerConfig", "Trainer", "set_default_plugins"]

@@ -9,9 +9,10 @@ from typing import Any
 import pytest
 import torch
 
-from loopbus import MisconfigurationError, Module, Trainer, on
+from loopbus import MisconfigurationError, Module, Plugin, Trainer, on
 from loopbus.events import ValidationCompleted
 from loopbus.plugins import Checkpoint
+from loopbus.stage._saving import CheckpointSource
 from tests.helpers import make_loader
 
 # val/score per epoch, mode "max": epoch 1 is the best one, the last epoch (3) is not.
@@ -107,6 +108,35 @@ async def test_last_is_the_newest_checkpoint_as_for_fit(tmp_path: Path) -> None:
     assert all(torch.equal(w, module.at_epoch[3]) for w in module.seen)
 
 
+class Pointing(Plugin):
+    """A plugin of another kind that implements ``CheckpointSource``: it names a
+    checkpoint written elsewhere as its newest and as its best."""
+
+    monitor = "val/score"
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def latest_checkpoint(self) -> Path:
+        return self.path
+
+    @property
+    def best_checkpoint_path(self) -> Path:
+        return self.path
+
+
+async def test_last_and_best_ask_any_plugin_that_implements_the_protocol(tmp_path: Path) -> None:
+    _, module, _ = await fitted(tmp_path)
+    pointing = Pointing(tmp_path / "epoch=1-step=4.ckpt")
+    assert isinstance(pointing, CheckpointSource)
+    trainer = Trainer(plugins=[pointing], device="cpu")
+    for ckpt_path in ("last", "best"):
+        scramble(module)
+        await trainer.test(module, make_loader(n=16), ckpt_path=ckpt_path)
+        assert module.seen
+        assert all(torch.equal(w, module.at_epoch[1]) for w in module.seen)
+
+
 async def test_a_path_loads_that_checkpoint(tmp_path: Path) -> None:
     _, module, _ = await fitted(tmp_path)
     # Another trainer, without plugins: a path needs none.
@@ -155,7 +185,9 @@ async def test_two_monitored_checkpoint_plugins_are_ambiguous(tmp_path: Path) ->
     trainer = Trainer(max_epochs=2, plugins=plugins, device="cpu")
     module = Drifting()
     await trainer.fit(module, make_loader(n=16), make_loader(n=16))
-    with pytest.raises(MisconfigurationError, match=r"ambiguous.*ckpt_path=plugin.best_checkpoint_path"):
+    with pytest.raises(
+        MisconfigurationError, match=r"ambiguous.*ckpt_path=plugin.best_checkpoint_path"
+    ):
         await trainer.test(module, make_loader(n=16), ckpt_path="best")
     best_path = plugins[1].best_checkpoint_path
     assert best_path is not None

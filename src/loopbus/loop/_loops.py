@@ -552,7 +552,11 @@ _EVAL_EVENTS = {
 
 
 #: The profiler range of a pass of each evaluation stage (see ``profiling_ranges``).
-_RANGE_NAMES = {"validate": "loopbus.validation", "test": "loopbus.test", "predict": "loopbus.predict"}
+_RANGE_NAMES = {
+    "validate": "loopbus.validation",
+    "test": "loopbus.test",
+    "predict": "loopbus.predict",
+}
 
 
 class EvaluationLoop(_DataLoop):

@@ -196,6 +196,7 @@ class Recorder:
         if self.pending.entries or self.inflight:
             await self.flush()
 
+    @torch.compiler.disable  # (in a compiled step: run as is, where the step breaks)
     def publish(self, event: Event) -> Publication:
         """``trainer.publish``: check ``event``, stamp a :class:`CustomEvent` left with
         ``step``/``epoch`` at -1 with the run's, and queue it (see :meth:`queue_event`).

@@ -55,16 +55,16 @@ class PutMixin:
     Where records go is bound explicitly: the trainer calls :meth:`bind_recorder` on the
     module and on each plugin when a stage starts (and with None when it ends)."""
 
-    _loopbus_recorder: Recorder | None = None
-    _loopbus_source: str = ""
+    # (recorder, source): one attribute, so ``put`` reads it once (on an nn.Module each
+    # attribute read passes through its __getattr__ hook).
+    _loopbus_binding: tuple[Recorder | None, str] = (None, "")
 
     def bind_recorder(self, recorder: Recorder | None, source: str = "") -> None:
         """Send this object's ``put`` records to ``recorder`` with ``source`` as their
         source (None: outside a stage, where ``put`` raises). Called by the trainer when
         a stage starts and ends."""
         # Its own attributes, set past nn.Module.__setattr__ (not parameters or buffers).
-        object.__setattr__(self, "_loopbus_recorder", recorder)
-        object.__setattr__(self, "_loopbus_source", source)
+        object.__setattr__(self, "_loopbus_binding", (recorder, source))
 
     def put(self, name: str, value: Any, destinations: Any = None) -> None:
         """Publish ``value`` under ``name`` to ``destinations`` (default: all of
@@ -91,7 +91,7 @@ class PutMixin:
         mode. Both paths run the same checks (``_checks.checked`` is the whole check;
         the eager path inlines its common cases and falls back to the same functions).
         """
-        recorder = self._loopbus_recorder
+        recorder, source = self._loopbus_binding
         if recorder is None or recorder.compiled:
             self._put_checked(recorder, name, value, destinations)
             return
@@ -101,7 +101,7 @@ class PutMixin:
         if cls is _Tensor or isinstance(value, _Tensor):
             # A 0-d tensor of a readable dtype passes at once (compressed sparse and mkldnn
             # layouts cannot be 0-d); any other tensor takes the whole check.
-            if value.ndim or value.dtype not in TENSOR_DTYPES or value.is_meta:
+            if value.dim() or value.dtype not in TENSOR_DTYPES or value.is_meta:
                 check_tensor(name, value)
             if value.requires_grad:
                 # The same storage without the graph: what detach() gives a record that
@@ -113,7 +113,7 @@ class PutMixin:
         elif cls is not float and cls is not bool:
             value = coerce(name, value)
         destinations = ALL if destinations is None else normalize_destinations(destinations)
-        recorder.enqueue(PendingPut(name, value, destinations, self._loopbus_source))
+        recorder.enqueue(PendingPut(name, value, destinations, source))
 
     def _put_checked(
         self, recorder: Recorder | None, name: Any, value: Any, destinations: Any
@@ -127,7 +127,7 @@ class PutMixin:
                 f"{type(self).__name__}.put({name!r}, ...) was called outside a Trainer stage; "
                 "call it from a step or an event handler while fit/validate/test/predict runs."
             )
-        recorder.queue_put(name, value, routed, self._loopbus_source)
+        recorder.queue_put(name, value, routed, self._loopbus_binding[1])
 
     def put_dict(self, values: Mapping[str, Any], destinations: Any = None) -> None:
         """``put`` every item of ``values``: all of them, or (when one is refused) none."""
@@ -135,11 +135,10 @@ class PutMixin:
             raise TypeError(
                 f"put_dict() needs a mapping of name -> value, got {described(values)}."
             )
-        recorder = self._loopbus_recorder
+        recorder, source = self._loopbus_binding
         if recorder is not None and recorder.compiled:
             # Every entry checked before any is queued: nothing reads the pending list
             # (whose length would be a guard of compiled code).
-            source = self._loopbus_source
             entries = [
                 (
                     name,

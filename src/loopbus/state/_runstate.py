@@ -10,10 +10,11 @@ checkpoint does not write into loops or the trainer either: it yields a
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from operator import attrgetter
 from typing import Any
 
 __all__ = ["ResumePlan", "RunState"]
+
+_assign = object.__setattr__  # how RunState writes its own fields
 
 
 @dataclass(frozen=True)
@@ -53,94 +54,90 @@ class RunState:
     ``state_dict`` (step and epoch) is part of every checkpoint.
     """
 
-    __slots__ = (
-        "_collective",
-        "_epoch",
-        "_pending_stop",
-        "_resume",
-        "_sanity_checking",
-        "_stage",
-        "_step",
-        "_stop_reason",
-        "_stop_requested",
-    )
-
-    # Getters in C (attrgetter), so reading the state costs no Python call on the hot path.
-    step: int = property(attrgetter("_step"), doc="Optimizer steps completed.")  # type: ignore[assignment]
-    epoch: int = property(attrgetter("_epoch"), doc="The current (or last) epoch, 0-based.")  # type: ignore[assignment]
-    stage: str | None = property(  # type: ignore[assignment]
-        attrgetter("_stage"), doc='The running stage ("fit", "validate", ...), or None.'
-    )
-    stop_requested: bool = property(  # type: ignore[assignment]
-        attrgetter("_stop_requested"),
-        doc="Whether the running stage was asked to stop at the next step boundary.",
-    )
-    stop_reason: str | None = property(  # type: ignore[assignment]
-        attrgetter("_stop_reason"), doc="Why the stage was asked to stop, if it was."
-    )
-    sanity_checking: bool = property(  # type: ignore[assignment]
-        attrgetter("_sanity_checking"),
-        doc="Whether fit is running its sanity check (``num_sanity_val_steps``).",
-    )
-    resume: ResumePlan | None = property(  # type: ignore[assignment]
-        attrgetter("_resume"), doc="The resume plan not yet consumed by the loops, if any."
-    )
+    # The fields are slots readers reach without a Python call (a plain attribute read,
+    # the cheapest on the hot path); writing one from outside raises (``__setattr__``).
+    # The methods below write them with ``_assign`` (and the step with ``_set_step``).
+    __slots__ = {
+        "_collective": "Under DDP a stop request waits until the ranks agree (confirm_stop).",
+        "_pending_stop": "A stop requested in this process, not yet agreed on.",
+        "epoch": "The current (or last) epoch, 0-based.",
+        "resume": "The resume plan not yet consumed by the loops, if any.",
+        "sanity_checking": "Whether fit is running its sanity check (``num_sanity_val_steps``).",
+        "stage": 'The running stage ("fit", "validate", ...), or None.',
+        "step": "Optimizer steps completed.",
+        "stop_reason": "Why the stage was asked to stop, if it was.",
+        "stop_requested": "Whether the running stage was asked to stop at the next step boundary.",
+    }
+    step: int
+    epoch: int
+    stage: str | None
+    stop_requested: bool
+    stop_reason: str | None
+    sanity_checking: bool
+    resume: ResumePlan | None
+    _collective: bool
+    _pending_stop: str | None
 
     def __init__(self) -> None:
-        self._step = 0
-        self._epoch = 0
-        self._stage: str | None = None
-        self._stop_requested = False
-        self._stop_reason: str | None = None
-        self._resume: ResumePlan | None = None
-        # Under DDP a stop request waits here until the ranks agree (see confirm_stop).
-        self._collective = False
-        self._pending_stop: str | None = None
-        self._sanity_checking = False
+        _assign(self, "step", 0)
+        _assign(self, "epoch", 0)
+        _assign(self, "stage", None)
+        _assign(self, "stop_requested", False)
+        _assign(self, "stop_reason", None)
+        _assign(self, "resume", None)
+        _assign(self, "_collective", False)
+        _assign(self, "_pending_stop", None)
+        _assign(self, "sanity_checking", False)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(
+            f"RunState.{name} is read-only: the trainer and its loops move the run state "
+            "through its methods; to stop a run, call Trainer.request_stop()."
+        )
 
     def __repr__(self) -> str:
         return (
-            f"RunState(stage={self._stage!r}, step={self._step}, epoch={self._epoch}, "
-            f"stop_requested={self._stop_requested}, resume={self._resume is not None})"
+            f"RunState(stage={self.stage!r}, step={self.step}, epoch={self.epoch}, "
+            f"stop_requested={self.stop_requested}, resume={self.resume is not None})"
         )
 
     # ------------------------------------------------------------ stages
     def begin_stage(self, stage: str) -> None:
         """Mark ``stage`` as running; refuse (changing nothing) if one already runs."""
-        if self._stage is not None:
+        if self.stage is not None:
             raise RuntimeError(
-                f"this Trainer is already running {self._stage!r}; a Trainer runs one stage "
+                f"this Trainer is already running {self.stage!r}; a Trainer runs one stage "
                 "at a time. To train concurrently, create one Trainer per run."
             )
-        self._stage = stage
+        _assign(self, "stage", stage)
         # Every stage starts without a stop request (a stopped fit must not mark a later
         # validate as "stopped") and without a plan left over from an earlier stage.
-        self._stop_requested = False
-        self._stop_reason = None
-        self._resume = None
-        self._pending_stop = None
+        _assign(self, "stop_requested", False)
+        _assign(self, "stop_reason", None)
+        _assign(self, "resume", None)
+        _assign(self, "_pending_stop", None)
 
     def end_stage(self) -> None:
-        self._stage = None
-        self._sanity_checking = False
-        self._resume = None
-        self._collective = False
-        self._pending_stop = None
+        _assign(self, "stage", None)
+        _assign(self, "sanity_checking", False)
+        _assign(self, "resume", None)
+        _assign(self, "_collective", False)
+        _assign(self, "_pending_stop", None)
 
     def begin_sanity_check(self) -> None:
         """``fit``'s sanity check (a few validation batches before training) starts."""
-        self._sanity_checking = True
+        _assign(self, "sanity_checking", True)
 
     def end_sanity_check(self) -> None:
-        self._sanity_checking = False
+        _assign(self, "sanity_checking", False)
 
     # ------------------------------------------------------------ progress
     def step_completed(self) -> None:
         """One optimizer step (or manual-optimization step) is done."""
-        self._step += 1
+        _set_step(self, self.step + 1)
 
     def epoch_started(self, epoch: int) -> None:
-        self._epoch = epoch
+        _assign(self, "epoch", epoch)
 
     # ------------------------------------------------------------ stopping
     def request_stop(self, reason: str | None = None) -> None:
@@ -150,15 +147,15 @@ class RunState:
         reason = reason if reason is not None else "stop requested"
         if self._collective:
             if self._pending_stop is None:
-                self._pending_stop = reason
+                _assign(self, "_pending_stop", reason)
             return
-        self._stop_reason = reason
-        self._stop_requested = True
+        _assign(self, "stop_reason", reason)
+        _assign(self, "stop_requested", True)
 
     def make_stop_collective(self) -> None:
         """For the running stage, hold stop requests as pending until
         :meth:`confirm_stop` (every rank must stop at the same step boundary)."""
-        self._collective = True
+        _assign(self, "_collective", True)
 
     @property
     def pending_stop(self) -> str | None:
@@ -167,39 +164,43 @@ class RunState:
 
     def confirm_stop(self, reason: str) -> None:
         """The ranks agreed to stop (one of them asked): stop at this boundary."""
-        if self._stop_requested:
+        if self.stop_requested:
             return
-        self._stop_reason = reason
-        self._stop_requested = True
-        self._pending_stop = None
+        _assign(self, "stop_reason", reason)
+        _assign(self, "stop_requested", True)
+        _assign(self, "_pending_stop", None)
 
     # ------------------------------------------------------------ resuming
     def plan_resume(self, plan: ResumePlan) -> None:
         """Take the position of a loaded checkpoint and hold its plan for the loops."""
-        self._step = plan.step
-        self._epoch = plan.epoch
-        self._resume = plan
+        _assign(self, "step", plan.step)
+        _assign(self, "epoch", plan.epoch)
+        _assign(self, "resume", plan)
 
     def take_resume_rng(self) -> dict[str, Any] | None:
         """The plan's generator states, once: the first loop to resume applies them."""
-        plan = self._resume
+        plan = self.resume
         if plan is None or plan.rng is None:
             return None
-        self._resume = replace(plan, rng=None)
+        _assign(self, "resume", replace(plan, rng=None))
         return plan.rng
 
     def finish_resume(self) -> None:
         """The loops have resumed: the plan is spent."""
-        self._resume = None
+        _assign(self, "resume", None)
 
     # ------------------------------------------------------------ Stateful
     def state_dict(self) -> dict[str, Any]:
-        return {"step": self._step, "epoch": self._epoch}
+        return {"step": self.step, "epoch": self.epoch}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         step, epoch = state["step"], state["epoch"]
         for name, value in (("step", step), ("epoch", epoch)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ValueError(f"run state {name!r} must be an int >= 0, got {value!r}")
-        self._step = step
-        self._epoch = epoch
+        _assign(self, "step", step)
+        _assign(self, "epoch", epoch)
+
+
+# The step's own setter: a slot write without the name lookup of ``_assign`` (per step).
+_set_step = RunState.__dict__["step"].__set__

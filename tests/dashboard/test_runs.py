@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,33 @@ async def test_every_run_is_listed_with_its_names_facts_and_configuration(
         lr, seed = KINDS[kind]
         assert run["config"]["model"]["init_args"] == {"lr": lr, "seed": seed}
         assert run["config"]["trainer"]["max_epochs"] == 2
+
+
+async def test_tensorboard_runs_are_listed_with_the_reason_without_the_extra(
+    logged: tuple[Path, dict[str, Path], Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Without the ``tensorboard`` package a run of event files is still listed, with no
+    names and the reason (what to install); the other runs read as before."""
+    root, folders, _ = logged
+    # (None in sys.modules makes an import of that name raise, imported before or not.)
+    for name in ("tensorboard", "tensorboard.backend.event_processing"):
+        monkeypatch.setitem(sys.modules, name, None)
+    catalog = Catalog([root])
+    catalog.load()
+    async with _client(catalog) as client:
+        runs = {r["id"]: r for r in (await client.get("/api/runs")).json()}
+        tb = runs["runs/tb/version_0"]
+        assert tb["source"] == str(folders["tb"])
+        assert tb["names"] == []
+        assert "pip install 'loopbus[tensorboard]'" in tb["reason"]
+        others = [r for run_id, r in runs.items() if run_id != "runs/tb/version_0"]
+        assert others
+        assert all(r["reason"] == "" for r in others)
+        assert all(r["names"] == ["train/loss", "train/size", "val/loss"] for r in others)
+        answer = await client.get(
+            "/api/scalars", params={"run": "runs/tb/version_0", "name": "train/loss"}
+        )
+        assert answer.status_code == 404
 
 
 async def test_series_are_every_point_the_loggers_wrote_exactly(

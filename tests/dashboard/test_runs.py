@@ -20,10 +20,11 @@ from starlette.applications import Starlette
 
 from loopbus import PutRecord
 from loopbus.dashboard import Catalog, Dashboard, Hub, Series, export_live, routes
+from loopbus.dashboard._catalog import ENDED_IDLE
 from loopbus.dashboard._series import lines, x_of
 from loopbus.plugins.loggers import read_csv, read_jsonl
 from loopbus.stream import Server, StageEnded, StageStarted
-from tests.dashboard.runs import KINDS, write_runs
+from tests.dashboard.runs import KINDS, write_run, write_runs
 
 
 def _client(catalog: Catalog) -> httpx.AsyncClient:
@@ -94,6 +95,37 @@ async def test_tensorboard_runs_are_listed_with_the_reason_without_the_extra(
             "/api/scalars", params={"run": "runs/tb/version_0", "name": "train/loss"}
         )
         assert answer.status_code == 404
+
+
+@pytest.fixture
+def two_runs(tmp_path: Path) -> dict[str, Path]:
+    """A CSV and a JSONL run folder under ``tmp_path/runs``, each of one epoch."""
+    return {kind: write_run(tmp_path / "runs", kind, epochs=1) for kind in ("csv", "jsonl")}
+
+
+async def test_a_run_whose_run_json_records_its_end_is_finished_once_its_files_rest(
+    tmp_path: Path, two_runs: dict[str, Path]
+) -> None:
+    """A run folder's ``run.json`` that says its stage ended makes the run finished a
+    moment after its last write (``ENDED_IDLE``), not after the whole ``idle`` time; a
+    run without that record (a process killed before it could say so) waits for it."""
+    folders = two_runs
+    for folder in folders.values():
+        assert msgspec.json.decode((folder / "run.json").read_bytes())["outcome"] == "completed"
+    unended = folders["jsonl"] / "run.json"
+    facts = msgspec.json.decode(unended.read_bytes())
+    del facts["ended"]
+    unended.write_bytes(msgspec.json.encode(facts))
+    rested = time.time() - 2 * ENDED_IDLE
+    for folder in folders.values():
+        for path in folder.iterdir():
+            os.utime(path, (rested, rested))
+    catalog = Catalog([tmp_path / "runs"], idle=120.0)
+    catalog.load()
+    catalog.apply([])  # one look at the runs' states with nothing new read
+    async with _client(catalog) as client:
+        states = {r["id"]: r["state"] for r in (await client.get("/api/runs")).json()}
+    assert states == {"runs/csv/version_0": "finished", "runs/jsonl/version_0": "live"}
 
 
 async def test_series_are_every_point_the_loggers_wrote_exactly(

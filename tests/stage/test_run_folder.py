@@ -16,6 +16,7 @@ import torch
 
 import loopbus
 from loopbus import MisconfigurationError, Trainer
+from loopbus.events import TrainBatchCompleted
 from loopbus.plugins import Checkpoint, CSVLogger, JSONLLogger, read_csv, read_run_info
 from loopbus.state._run_config import plain_config
 from tests.helpers import ROOT, TinyModule, make_loader
@@ -57,6 +58,10 @@ async def test_the_folder_holds_the_config_and_the_facts(tmp_path: Path) -> None
     assert info["started"].endswith("+00:00")
     assert info["config"] == "config.yaml"
     assert info["earlier"] == []
+    assert info["outcome"] == "completed"  # how the start ended, once it did
+    assert (info["end_step"], info["end_epoch"]) == (2, 0)
+    assert info["ended"].endswith("+00:00")
+    assert info["ended"] >= info["started"]
     assert read_run_info(trainer.run_dir)["resumed_from_step"] is None  # the loggers' reader
 
     config = yaml.safe_load((trainer.run_dir / "config.yaml").read_text())
@@ -144,6 +149,8 @@ async def test_a_resume_continues_the_same_folder(tmp_path: Path) -> None:
     info = _run_json(resumed)
     assert info["resumed_from_step"] == 4
     assert [e["resumed_from_step"] for e in info["earlier"]] == [None]
+    assert [(e["outcome"], e["end_step"]) for e in info["earlier"]] == [("completed", 4)]
+    assert (info["outcome"], info["end_step"]) == ("completed", 6)
     assert (folder / "config.yaml").read_text() == original  # the folder's first
     assert info["config"] == "config_1.yaml"  # this start's differs (max_steps, version)
     assert yaml.safe_load((folder / "config_1.yaml").read_text())["trainer"]["max_steps"] == 6
@@ -170,6 +177,33 @@ async def test_an_evaluation_stage_records_its_start(tmp_path: Path) -> None:
     info = _run_json(trainer)
     assert info["stage"] == "validate"
     assert info["earlier"] == []
+    assert info["outcome"] == "completed"  # the validate stage's; the test left it as it was
+
+
+class _FailsAtStep(TinyModule):
+    def training_step(self, batch: Any, ctx: Any) -> Any:
+        if self.trainer.global_step == 1:
+            raise RuntimeError("broken batch")
+        return super().training_step(batch, ctx)
+
+
+async def test_run_json_says_how_a_stage_ended_failed_or_stopped(tmp_path: Path) -> None:
+    failing = Trainer(root_dir=tmp_path, name="failing", max_steps=5, plugins=[], device="cpu")
+    with pytest.raises(RuntimeError, match="broken batch"):
+        await failing.fit(_FailsAtStep(), make_loader())
+    info = _run_json(failing)
+    assert (info["outcome"], info["end_step"]) == ("failed", 1)
+
+    stopping = Trainer(root_dir=tmp_path, name="stopping", max_steps=5, plugins=[], device="cpu")
+    stopping.subscribe(TrainBatchCompleted, lambda event: stopping.request_stop("enough"), once=2)
+    await stopping.fit(TinyModule(), make_loader())
+    info = _run_json(stopping)
+    assert (info["outcome"], info["end_step"]) == ("stopped", 2)
+    assert "ended" in info
+
+    # A trainer without a folder subscribes nothing for it.
+    bare = Trainer(plugins=[], device="cpu")
+    assert not [s for s in bare.bus.subscriptions if s.owner == "Trainer.run_dir"]
 
 
 async def test_without_root_dir_nothing_more_is_written(

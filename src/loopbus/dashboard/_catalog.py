@@ -51,6 +51,9 @@ _NO_TB = (
 )
 
 Reader = LogReader | EventsReader
+#: Seconds after its last write that a run whose ``run.json`` records its end counts as
+#: finished (``idle`` for the others: a run killed before it could say so).
+ENDED_IDLE = 2.0
 #: The record names read before the others, at most (a page's first screen of charts).
 FIRST = 6
 #: The record names pages asked for that are remembered (the latest first).
@@ -107,7 +110,7 @@ class Catalog:
     docstring) and those of ``hub`` (live jobs). ``poll``: seconds between looks at the
     files of the runs; ``rescan``: seconds between walks of the paths for new runs;
     ``idle``: seconds after its last write that a run read from files counts as
-    finished."""
+    finished (:data:`ENDED_IDLE` when its ``run.json`` records that its stage ended)."""
 
     def __init__(
         self,
@@ -363,7 +366,10 @@ class Catalog:
             if self._followed.get(followed.run.id) is not followed:
                 continue  # a live run's folder: its state is its feed's
             newest = max((mtime for mtime in _mtimes(followed.files())), default=0.0)
-            state = "live" if now - newest < self.idle else "finished"
+            # A run whose run.json says its stage ended is finished once its files rest
+            # for a moment (its loggers' last lines come after the record).
+            idle = min(ENDED_IDLE, self.idle) if "ended" in followed.run.facts else self.idle
+            state = "live" if now - newest < idle else "finished"
             if state != followed.run.state:
                 followed.run.state = state
                 followed.run.version += 1

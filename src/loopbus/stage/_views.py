@@ -21,7 +21,7 @@ import anyio.to_thread
 from loopbus.state._run_config import check_run_config, default_config
 from loopbus.state._run_folder import RunFolder, choose_run_folder
 
-from ..events import FitStarted, PredictStarted, TestStarted, ValidationStarted
+from ..events import FitStarted, PredictStarted, Teardown, TestStarted, ValidationStarted
 
 if TYPE_CHECKING:
     from loopbus.distributed._strategy import Strategy
@@ -168,6 +168,14 @@ class RunViews:
                 self.bus.subscribe(
                     event_type, self._record_start, priority=3000, owner="Trainer.run_dir"
                 )
+            self.bus.subscribe(Teardown, self._record_end, priority=-3000, owner="Trainer.run_dir")
+
+    def _record_end(self, event: Teardown) -> None:
+        """A stage ended: say how in ``run.json``, when that stage's start is the one
+        it describes (a small write, inline: a cancelled stage still records it)."""
+        self._run_folder.record_end(
+            stage=event.stage, outcome=event.reason, step=event.step, epoch=event.epoch
+        )
 
     async def _record_start(self, event: Any) -> None:
         """A stage's root loop started: write ``run.json`` and the configuration (for

@@ -5,13 +5,15 @@ configuration (``config.yaml``), its facts (``run.json``), its checkpoints
 :func:`choose_run_folder` picks the folder once, when the trainer is built: rank 0 takes
 ``version_N`` (the given N, or the next free one, reserved by creating it) and the other
 ranks are told which. :class:`RunFolder` holds it and writes its files, on rank 0 only,
-each atomically: :meth:`RunFolder.record_start` when a stage starts.
+each atomically: :meth:`RunFolder.record_start` when a stage starts and
+:meth:`RunFolder.record_end` when that stage ends.
 
 ``run.json`` describes the latest start in the folder (``name``, ``version``,
 ``stage``, ``resumed_from_step``, ``started``, ``host``, ``world_size``, the versions of
 loopbus, torch and Python, ``commit`` and ``dirty`` when the working directory is in a
-git repository, ``config``: the file holding its configuration), and lists the earlier
-starts in ``earlier``, oldest first. ``config.yaml`` is the configuration of the
+git repository, ``config``: the file holding its configuration; once that stage ended,
+``ended``, ``outcome``, ``end_step`` and ``end_epoch``), and lists the earlier starts in
+``earlier``, oldest first. ``config.yaml`` is the configuration of the
 folder's first start; a later start whose configuration differs writes its own beside
 it (``config_1.yaml``, ...), named in its ``run.json`` entry.
 
@@ -25,6 +27,7 @@ import os
 import platform
 import socket
 import subprocess
+import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -243,6 +246,8 @@ class RunFolder:
         #: The configuration given with ``Trainer.set_run_config`` (plain), if any.
         self.config: dict[str, Any] | None = None
         self._recorded = False
+        #: The stage whose start ``run.json`` describes, until its end is recorded.
+        self._open: str | None = None
 
     @property
     def checkpoints(self) -> Path | None:
@@ -268,6 +273,7 @@ class RunFolder:
         if folder is None or not self.writes:
             return
         self._recorded = True
+        self._open = stage
         folder.mkdir(parents=True, exist_ok=True)
         before = _read_json(folder / RUN_JSON)
         earlier: list[Any] = []
@@ -281,6 +287,36 @@ class RunFolder:
         entry["earlier"] = earlier
         data = _json_bytes(entry)
         replace_atomically(folder / RUN_JSON, lambda f: f.write(data))
+
+    def record_end(self, *, stage: str, outcome: str, step: int, epoch: int) -> None:
+        """Add to ``run.json`` how the start it describes ended: ``ended`` (the time),
+        ``outcome`` (``"completed"``, ``"stopped"``, ``"cancelled"`` or ``"failed"``),
+        ``end_step`` and ``end_epoch``, atomically (blocking; a small file). Nothing when
+        this process recorded no start of ``stage`` (a ``test`` after a recorded ``fit``
+        leaves the fit's entry as it is). A write that fails warns; the stage's outcome
+        stands."""
+        folder = self.path
+        if folder is None or not self.writes or self._open != stage:
+            return
+        self._open = None
+        entry = _read_json(folder / RUN_JSON)
+        if entry is None:
+            return
+        entry.update(
+            ended=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            outcome=outcome,
+            end_step=step,
+            end_epoch=epoch,
+        )
+        data = _json_bytes(entry)
+        try:
+            replace_atomically(folder / RUN_JSON, lambda f: f.write(data))
+        except OSError as exc:
+            warnings.warn(
+                f"could not record the {stage} stage's end in {folder / RUN_JSON}: {exc}",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _write_config(self, folder: Path, config: Mapping[str, Any], index: int) -> str:
         """The configuration's file: ``config.yaml`` unless it holds another one."""

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 import torch
 
@@ -200,6 +201,19 @@ async def test_run_json_says_how_a_stage_ended_failed_or_stopped(tmp_path: Path)
     info = _run_json(stopping)
     assert (info["outcome"], info["end_step"]) == ("stopped", 2)
     assert "ended" in info
+
+    # A stage whose task is cancelled still says so.
+    cancelled = Trainer(root_dir=tmp_path, name="cancelled", max_steps=10**6, plugins=[])
+    async with anyio.create_task_group() as tg:
+
+        def cancel(event: TrainBatchCompleted) -> None:
+            tg.cancel_scope.cancel()
+
+        cancelled.subscribe(TrainBatchCompleted, cancel, once=3)
+        tg.start_soon(cancelled.fit, TinyModule(), make_loader(n=4000))
+    info = _run_json(cancelled)
+    assert info["outcome"] == "cancelled"
+    assert info["end_step"] >= 3
 
     # A trainer without a folder subscribes nothing for it.
     bare = Trainer(plugins=[], device="cpu")

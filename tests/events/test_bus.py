@@ -132,6 +132,27 @@ def test_dispatch_table_is_built_at_subscribe_time() -> None:
     assert bus.table[Ping] is entries
 
 
+def test_the_entries_a_table_keeps_follow_every_subscription_change() -> None:
+    # What the loops and the step read at every iteration: a plain dict (one specialized
+    # lookup), rebuilt whenever the subscriptions change, never stale.
+    bus = EventBus()
+    kept = bus.table.keep(Ping)
+    assert type(kept) is dict
+    assert kept == {Ping: ()}
+    sub = bus.subscribe(Ping, lambda e: None)
+    assert len(kept[Ping]) == 1
+    assert kept[Ping] is bus.table[Ping]
+    # A subscription to a base class counts for the kept subclass too.
+    assert bus.table.keep(SubPing) is kept
+    bus.subscribe(Event, lambda e: None, priority=1)
+    assert [entry[2].event_type for entry in kept[SubPing]] == [Event, Ping]
+    sub.unsubscribe()
+    assert [entry[2].event_type for entry in kept[Ping]] == [Event]
+    # Types never kept are built on first use, as before.
+    assert AfterBackward not in kept
+    assert len(bus.table[AfterBackward]) == 1
+
+
 async def test_put_records_are_routed_by_destination() -> None:
     bus = EventBus()
     seen: dict[str, list[str]] = {"callbacks": [], "loggers": [], "external": []}

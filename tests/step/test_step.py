@@ -130,3 +130,28 @@ async def test_module_and_plugins_are_bound_through_their_own_methods() -> None:
         probe.put("late", 1)
     with pytest.raises(RuntimeError, match="outside a Trainer stage"):
         module.put("late", 1)
+
+
+async def test_each_parameter_keeps_its_gradient_accumulator_for_the_stage() -> None:
+    # Autograd holds a parameter's accumulator node only weakly: once a step's scope has
+    # freed its graph, a node nothing else holds is made anew by the next forward. The
+    # step holds each one for the stage, so a mark set on them at the first batch is
+    # still there at the last.
+    module = TinyModule()
+    trainer = Trainer(max_steps=4, plugins=[])
+    marked: list[bool] = []
+
+    def accumulators() -> list[Any]:
+        with torch.enable_grad():
+            return [p.view_as(p).grad_fn.next_functions[0][0] for p in module.parameters()]
+
+    def mark(event: TrainBatchCompleted) -> None:
+        nodes = accumulators()
+        if not marked:
+            for node in nodes:
+                node.metadata["first batch"] = True
+        marked.append(all(node.metadata.get("first batch") for node in nodes))
+
+    trainer.subscribe(TrainBatchCompleted, mark)
+    await trainer.fit(module, make_loader())
+    assert marked == [True] * 4

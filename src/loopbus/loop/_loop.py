@@ -26,11 +26,16 @@ receives ``AdvanceStarted`` (:meth:`Loop.iteration_shortcut`: the training loop'
 fetch and step in one call).
 ``AdvanceStarted`` and ``AdvanceCompleted`` are built and delivered only when someone
 subscribes. Without the leak check one iteration scope object serves every iteration of
-a run (emptied after each).
+a run (emptied after each). The iterations are a ``while True`` loop with a break, not
+``while not done``: CPython 3.11 specializes a function's bytecode once it has been
+entered or has jumped back a few times, and the conditional jump that ends a
+``while <test>:`` loop does not count, so a run (one call) would interpret every
+iteration unspecialized.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 from collections.abc import Awaitable, Callable, Mapping
@@ -430,19 +435,21 @@ class Loop(Generic[T]):
         subscription made during one counts from the next (one made during the iteration
         still gets its ``AdvanceCompleted``)."""
         start, advance, end = hooks
-        # (None with the leak check, which labels each hook.)
-        shortcut = self.iteration_shortcut() if checker is None else None
+        shortcut = self.iteration_shortcut() if checker is None else None  # (leak check: None)
         done = _getter(type(self), "done")  # read without a property lookup
         boundary = self.iteration_boundary()
-        table, deliver = self.bus.table, self.bus.deliver  # type: ignore[union-attr]
-        total, current = self.progress.total, self.progress.current
         adv_started, adv_completed = self.events.advance_started, self.events.advance_completed
+        table = self.bus.table.keep(adv_started, adv_completed)  # type: ignore[union-attr]
+        deliver = self.bus.deliver  # type: ignore[union-attr]
+        total, current = self.progress.total, self.progress.current
         reused = plain_scope(ctx) if make_scope is None else None
         clear = None if reused is None else reused.__dict__.clear
-        try:
+        with contextlib.suppress(StopLoop):
             if boundary is not None:
                 boundary()
-            while not (self.done if done is None else done(self)):
+            while True:  # (not ``while not done``: see the module's docstring)
+                if self.done if done is None else done(self):
+                    break
                 it = reused if reused is not None else make_scope(ctx)
                 try:
                     total.ready += 1
@@ -480,8 +487,6 @@ class Loop(Generic[T]):
                     self.restarting = False
                 if boundary is not None:  # (a profiler range while profiling_ranges is on)
                     boundary() if not RANGES.on else in_range("loopbus.boundary", boundary)
-        except StopLoop:
-            pass
 
     # ------------------------------------------------------------ state
     def on_save_checkpoint(self) -> dict[str, Any]:

@@ -312,7 +312,8 @@ def _fetch_and_step(loop: TrainEpochLoop, ctx: Scope) -> Awaitable[None] | None:
         return loop._advance(ctx)
     ctx.batch = batch = loop._opened.take()  # type: ignore[union-attr]
     ctx.batch_idx = loop.progress.current.ready - 1
-    ctx.output = loop._step(batch, ctx)
+    step = loop._step  # (read, then called: see TrainStep._plain)
+    ctx.output = step(batch, ctx)
     return loop._boundary.settle()  # the step boundary, as far as it needs no waiting
 
 

@@ -9,11 +9,10 @@ whenever its subscriptions change); the bus never calls back.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..events import PutRecord
-from ..events._bus import record_route
+from ..events._bus import DispatchTable, record_route
 from ..events._subscription import Entry
 from ._entries import PendingEvent, PendingPut, Unread
 from ._readback import Routed
@@ -49,12 +48,12 @@ class Routes:
 
     def __init__(
         self,
-        table: Mapping[type, tuple[Entry, ...]],
+        table: DispatchTable,
         pending: list[PendingPut | PendingEvent],
         latest: dict[str, Any],
         state: RunState,
     ) -> None:
-        self._table = table
+        self._table = table.keep(PutRecord)  # read at every flush
         self._cache = _Cache(())
         self.pending = pending
         self.latest = latest

@@ -189,7 +189,8 @@ class StepBoundary:
         """The boundary as far as it needs no waiting: what is left to await, or None."""
         if self._due and (self._deferred or RANGES.on):  # (a profiler range when on)
             return self._flushed(None)
-        if self._due and (routed := self._route()):
+        route = self._route  # (read, then called: see TrainStep._plain)
+        if self._due and (routed := route()):
             return self._flushed(routed)
         if self._clocked and perf_counter() >= self._next_yield:
             return self._yield()
@@ -274,12 +275,18 @@ class StepEvents:
     """How a step publishes its in-step events (``AfterBackward``,
     ``BeforeOptimizerStep``): the bus's dispatch ``table``, ``emit(entries, event)``
     (direct, or hopping from the worker thread to the event loop), the ``loop`` name
-    the events carry and the run ``state`` their step and epoch come from."""
+    the events carry and the run ``state`` their step and epoch come from. ``kept``:
+    the table's entries of the two events a step reads every time (``table.keep``)."""
 
     table: Any
     emit: Callable[[Any, Any], Any]
     loop: str
     state: RunState
+    kept: dict[type, Any] = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        kept = self.table.keep(AfterBackward, BeforeOptimizerStep)
+        object.__setattr__(self, "kept", kept)
 
     def send(self, entries: Any, event_type: Any, ctx: Scope, **fields: Any) -> None:
         state = self.state
@@ -464,18 +471,20 @@ class TrainStep:
     def _plain(self, batch: Any, ctx: Scope) -> Any:
         """The automatic step without autocast, grad scaling, accumulation, clipping or
         per-step schedulers: forward, backward, optimizer step."""
-        output = self._forward(batch, ctx)
+        # (Callables in attributes read, then called: 3.11 specializes no self.fn(...).)
+        forward, step_optimizer, zero_grad = self._forward, self._step_optimizer, self._zero_grad
+        output = forward(batch, ctx)
         loss = output if type(output) is _Tensor else loss_of(output)
         if loss is None:
             return output
         loss.backward()  # type: ignore[no-untyped-call]
-        table = self.events.table
+        table = self.events.kept
         if entries := table[AfterBackward]:
             self.events.send(entries, AfterBackward, ctx)
         if entries := table[BeforeOptimizerStep]:
             self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=self.optimizers[0])
-        self._step_optimizer()
-        self._zero_grad(set_to_none=True)
+        step_optimizer()
+        zero_grad(set_to_none=True)
         self.state.step_completed()
         return output
 
@@ -567,7 +576,7 @@ class TrainStep:
             loss.backward()  # type: ignore[no-untyped-call]
         else:
             precision.backward(loss)
-        entries = self.events.table[AfterBackward]
+        entries = self.events.kept[AfterBackward]
         if entries:
             self.events.send(entries, AfterBackward, ctx)
         return output, True
@@ -576,7 +585,7 @@ class TrainStep:
         """``BeforeOptimizerStep``, the optimizer's step through the precision (its grad
         scaler, if any), ``zero_grad``, and the step's count (the general step)."""
         optimizer = self.optimizers[0]
-        entries = self.events.table[BeforeOptimizerStep]
+        entries = self.events.kept[BeforeOptimizerStep]
         if entries:
             self.events.send(entries, BeforeOptimizerStep, ctx, optimizer=optimizer)
         precision = self.precision
@@ -623,18 +632,17 @@ def _choose_variant(
     return "general"
 
 
-def _accumulators(module: torch.nn.Module) -> list[Any]:
-    """The gradient accumulator node of each plain parameter of ``module`` that takes
-    gradients (found through a view of it, as DDP once did). Parameters of a tensor
-    subclass (DTensor's) are left to their own machinery."""
-    held = []
+def _accumulators(module: torch.nn.Module) -> list[torch.Tensor]:
+    """What holds the gradient accumulator of each plain parameter of ``module`` that
+    takes gradients: a one-element sum of it, whose graph holds the node, in C++ only (a
+    node handed to Python costs a GIL round trip at each reference a step takes), and
+    no storage (a view would keep a replaced ``.data``). Tensor subclasses are left."""
     with torch.enable_grad():
-        for param in module.parameters():
-            if type(param) is torch.nn.Parameter and param.requires_grad:
-                node = param.view_as(param).grad_fn
-                if node is not None:
-                    held.append(node.next_functions[0][0])
-    return held
+        return [
+            param.reshape(-1)[:1].sum()
+            for param in module.parameters()
+            if type(param) is torch.nn.Parameter and param.requires_grad
+        ]
 
 
 def _no_optimizer_step() -> None:

@@ -85,10 +85,10 @@ async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
                     "malformed",
                     "nests arrays and maps more than 32 levels deep",
                 ),
-                (
+                (  # (msgspec words it "can't decode" in 0.22, "Invalid UTF-8" in 0.23)
                     frame(b"\x82\xa4type\xa5Hello\xa5token\xa1\x80"),
                     "malformed",
-                    "can't decode byte 0x80",
+                    "utf-8",
                 ),
                 (
                     frame(encode([1, 2, 3])),
@@ -133,7 +133,7 @@ async def test_bad_input_closes_only_that_client_with_a_reason() -> None:
                     continue
                 bye = _bye(messages)
                 assert bye.code == code, (payload, bye)
-                assert reason in bye.reason, (payload, bye)
+                assert reason.lower() in bye.reason.lower(), (payload, bye)
             assert server.rejected == len(cases) - 1
             run.gate.go.set()
             received = [r async for r in good]

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from loopbus import MisconfigurationError, Module, Trainer
+from loopbus.events import TrainBatchCompleted
 from loopbus.records._destinations import checked_destinations
 from tests.helpers import TinyModule, make_loader
 
@@ -227,3 +228,29 @@ async def test_current_epoch_and_global_step_are_the_trainers() -> None:
         net.global_step = 3
     with pytest.raises(AttributeError, match=r"Counts\.current_epoch is read-only"):
         net.current_epoch = 1
+
+
+async def test_a_module_copied_or_pickled_during_a_stage_leaves_the_trainer_behind() -> None:
+    # An averaged model made with copy.deepcopy in a handler, or torch.save of the whole
+    # module mid-fit: the copy has the weights, not the trainer or its recorder.
+    module = TinyModule()
+    trainer = Trainer(max_steps=2, plugins=[])
+    copies: list[Any] = []
+
+    def keep_a_copy(event: Any) -> None:
+        copies.append(copy.deepcopy(module))
+        copies.append(pickle.loads(pickle.dumps(module)))
+
+    trainer.subscribe(TrainBatchCompleted, keep_a_copy, once=1)
+    await trainer.fit(module, make_loader())
+    assert len(copies) == 2
+    for made in copies:
+        assert type(made) is TinyModule
+        assert made.state_dict().keys() == module.state_dict().keys()
+        with pytest.raises(RuntimeError, match="not attached to a running Trainer"):
+            _ = made.trainer
+        with pytest.raises(RuntimeError, match="outside a Trainer stage"):
+            made.put("loss", 1.0)
+    # The module itself was bound through the stage and is unbound after it.
+    with pytest.raises(RuntimeError, match="outside a Trainer stage"):
+        module.put("loss", 1.0)

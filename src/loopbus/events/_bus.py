@@ -64,12 +64,14 @@ class DispatchTable(dict[type, tuple[Entry, ...]]):
             self.kept[event_type] = self[event_type]
         return self.kept
 
-    def rebuild(self) -> None:
-        """The subscriptions changed: empty the table and rebuild what it keeps."""
+    def rebuild(self, changed: type) -> None:
+        """A subscription to ``changed`` came or went: empty the table and rebuild what
+        it keeps of ``changed`` and its subclasses (the only entries that change)."""
         self.clear()
         kept = self.kept
         for event_type in kept:
-            kept[event_type] = self[event_type]
+            if issubclass(event_type, changed):
+                kept[event_type] = self[event_type]
 
 
 class EventBus:
@@ -150,7 +152,7 @@ class EventBus:
         self._seq += 1
         sub.seq = self._seq
         self._subs.append(sub)
-        self._changed()
+        self._changed(sub)
         if sub.mode == "queued" and self._tg is not None:
             self._start(sub, self._tg)
         return sub
@@ -196,11 +198,11 @@ class EventBus:
             self._subs.remove(sub)
         except ValueError:
             return
-        self._changed()
+        self._changed(sub)
         sub.close_queue()
 
-    def _changed(self) -> None:
-        self.table.rebuild()
+    def _changed(self, sub: Subscription) -> None:
+        self.table.rebuild(sub.event_type)
         self.routes.clear()
 
     def _build(self, event_type: type) -> tuple[Entry, ...]:

@@ -66,6 +66,15 @@ class PutMixin:
         # Its own attributes, set past nn.Module.__setattr__ (not parameters or buffers).
         object.__setattr__(self, "_loopbus_binding", (recorder, source))
 
+    def __getstate__(self) -> Any:
+        """What a copy or a pickle keeps: everything but the stage's binding. A copy made
+        during a stage (an averaged model, say) is not bound to its recorder: its ``put``
+        raises until a trainer binds it, and the recorder is not copied along."""
+        state = super().__getstate__()  # type: ignore[misc]
+        if isinstance(state, dict) and "_loopbus_binding" in state:
+            state = {k: v for k, v in state.items() if k != "_loopbus_binding"}
+        return state
+
     def put(self, name: str, value: Any, destinations: Any = None) -> None:
         """Publish ``value`` under ``name`` to ``destinations`` (default: all of
         ``"callbacks"``, ``"loggers"``, ``"progress_bar"`` and ``"external"``).

@@ -496,6 +496,15 @@ class Module(PutMixin, torch.nn.Module):
         # Its own attribute, set past nn.Module.__setattr__ (the trainer is no submodule).
         self.__dict__["_loopbus_trainer"] = trainer
 
+    def __getstate__(self) -> Any:
+        """What a copy or a pickle keeps: not the trainer running it (nor, see
+        ``PutMixin.__getstate__``, the recorder): a copy made during a stage is
+        detached."""
+        state = super().__getstate__()
+        if isinstance(state, dict) and "_loopbus_trainer" in state:
+            state = {k: v for k, v in state.items() if k != "_loopbus_trainer"}
+        return state
+
     @property
     def trainer(self) -> TrainerView:
         """The trainer running this module (a :class:`~loopbus.TrainerView` of it)."""
